@@ -1,0 +1,16 @@
+"""shardfx: a compiler for distributed training of PyTorch models.
+
+    plan = shardfx.partition(model, (x,), loss_fn=loss, example_targets=(y,))
+    print(plan)
+    runner = plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    loss = runner.step((x,), (y,))
+"""
+
+from shardfx.api import partition
+from shardfx.errors import (CaptureError, InputError, LossError, MeshError, PassError,
+                            ShardfxError, VerifyError)
+from shardfx.plan import Plan
+from shardfx.runtime.runner import Runner
+
+__all__ = ["partition", "Plan", "Runner", "ShardfxError", "CaptureError", "InputError",
+           "LossError", "MeshError", "PassError", "VerifyError"]

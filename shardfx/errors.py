@@ -1,0 +1,44 @@
+"""The exceptions shardfx raises on bad input.
+
+Every message names three things: the cause, where it is (parameter, input, module, node or
+pass), and what the user can do about it. Catch ``ShardfxError`` to catch them all.
+"""
+
+from __future__ import annotations
+
+
+class ShardfxError(Exception):
+    """Base class of every error shardfx raises on purpose."""
+
+    def __init__(self, cause: str, *, where: str | None = None, fix: str | None = None):
+        self.cause, self.where, self.fix = cause, where, fix
+        lines = [cause]
+        if where:
+            lines.append(f"  where: {where}")
+        if fix:
+            lines.append(f"  fix:   {fix}")
+        super().__init__("\n".join(lines))
+
+
+class InputError(ShardfxError, TypeError):
+    """The model, the example inputs, or a step's inputs are not what shardfx can take."""
+
+
+class CaptureError(ShardfxError):
+    """The model could not be traced into a graph."""
+
+
+class LossError(ShardfxError):
+    """The loss function cannot take the model's output, or does not return a scalar."""
+
+
+class MeshError(ShardfxError, ValueError):
+    """The mesh is malformed or does not match the devices at hand."""
+
+
+class PassError(ShardfxError):
+    """A compiler pass failed or left the IR in a state ``verify`` rejects."""
+
+
+class VerifyError(ShardfxError):
+    """The IR breaks one of its invariants (see ``shardfx.ir.verify``)."""

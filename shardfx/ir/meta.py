@@ -1,0 +1,118 @@
+"""Every ``node.meta`` key that shardfx writes, and the frozen values stored under them.
+
+The IR is a ``torch.fx.GraphModule`` at ATen level. torch itself owns ``meta["val"]`` (the
+FakeTensor of each node); everything else a shardfx pass reads or writes is listed here, so a
+reader can find in one place what a key means and which pass produces it.
+
+    key               on                 value          written by
+    ----------------  -----------------  -------------  ------------------------------
+    VAL               every value node   FakeTensor     torch (capture)
+    ROLE              placeholders       InputRole      partitioner.capture
+    OUTPUTS           the output node    tuple[OutputRole, ...]  partitioner.capture
+    PHASE             call_function      Phase          passes.assign_phase
+    COST              call_function      NodeCost       passes.estimate_cost
+
+Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+VAL = "val"
+ROLE = "shardfx.role"
+OUTPUTS = "shardfx.outputs"
+PHASE = "shardfx.phase"
+COST = "shardfx.cost"
+GRAPH = "shardfx.graph"
+
+
+class Mode(str, enum.Enum):
+    """What the captured program computes."""
+
+    TRAIN = "train"  # forward + loss + backward: the joint graph
+    INFER = "infer"  # forward only
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """Facts about the whole graph, in ``gm.meta[GRAPH]``."""
+
+    mode: Mode
+    model: str  # the user's model class name, for messages and dumps
+
+
+class InputKind(str, enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    INPUT = "input"  # a leaf of example_args
+    TARGET = "target"  # a leaf of example_targets
+    TANGENT = "tangent"  # d(loss)/d(loss): 1.0, or the loss scale under fp16
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class InputRole:
+    """What a placeholder stands for.
+
+    ``name`` is the module FQN for parameters and buffers (``transformer.h.0.attn.c_attn.weight``),
+    ``args[i]`` / ``targets[i]`` for the i-th flattened leaf of the user's inputs, ``loss`` for
+    the tangent. ``aliases`` lists other FQNs bound to the same tensor (tied weights, e.g.
+    GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``).
+    """
+
+    kind: InputKind
+    name: str
+    index: int | None = None  # flat leaf index, for INPUT and TARGET
+    aliases: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        s = f"{self.kind} {self.name}"
+        if self.aliases:
+            s += " (= " + ", ".join(self.aliases) + ")"
+        return s
+
+
+class OutputKind(str, enum.Enum):
+    LOSS = "loss"
+    OUTPUT = "output"  # a flattened leaf of the model's output (inference)
+    GRAD = "grad"  # gradient of the parameter named
+    BUFFER_UPDATE = "buffer_update"  # new value of a buffer mutated in forward (BatchNorm stats)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class OutputRole:
+    kind: OutputKind
+    name: str  # FQN for GRAD / BUFFER_UPDATE, "loss", or "out[i]"
+    index: int | None = None  # flat leaf index for OUTPUT
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Estimated work of one node: FLOPs, and bytes of the tensors it produces."""
+
+    flops: int
+    out_bytes: int
+
+    def __str__(self) -> str:
+        return f"flops={self.flops} bytes={self.out_bytes}"

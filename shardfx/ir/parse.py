@@ -1,0 +1,267 @@
+"""``text_to_ir``: the IR's text form (``shardfx.ir.text``) read back into a GraphModule.
+
+    gm = text_to_ir('''
+    graph train Tiny
+      w: f32[4, 4] = param w
+      args_0: f32[2, 4] = input args[0]
+      tangent_loss: f32[] = tangent loss
+      mm: f32[2, 4] = aten.mm.default(args_0, w)  # fwd
+      loss: f32[] = aten.sum.default(mm)  # fwd
+      output loss loss = loss
+    ''')
+
+Lines are read top to bottom, each one at once:
+
+- the ``graph MODE MODEL`` header gives ``gm.meta[GRAPH]``;
+- a placeholder line (``name: f32[2, 4] = param w.fqn``) gives ``ROLE`` and a FakeTensor of the
+  declared type, made under one ``FakeTensorMode`` for the whole graph;
+- an op line is parsed with ``ast``: the target is ``ns.op.overload`` (looked up in ``torch.ops``)
+  or ``operator.getitem``; operands are names of nodes above or Python literals. The op runs on
+  its operands' fake values, which recomputes ``meta["val"]``, and the result must have the
+  declared type. ``# fwd`` / ``# bwd`` after it give ``PHASE``;
+- ``output KIND NAME = VALUE`` lines give the output node and its ``OUTPUTS``, in order.
+
+Text that cannot be read raises ``ParseError``; a declared type that disagrees with what the op
+computes raises ``VerifyError``. Both name the line and show it in context. The result passes
+``verify``, and ``ir_to_text(text_to_ir(t)) == t`` for any ``t`` that ``ir_to_text`` printed.
+Constants (``= constant NAME``) are refused: their values are not in the text.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from shardfx.errors import ShardfxError, VerifyError
+from shardfx.ir import meta as M
+from shardfx.ir.text import DTYPE_ABBR, target_str, type_str
+from shardfx.ir.verify import verify
+
+
+class ParseError(ShardfxError, ValueError):
+    """The text is not in the IR's text form (see ``shardfx.ir.text``)."""
+
+
+_DTYPES = {abbr: dtype for dtype, abbr in DTYPE_ABBR.items()}
+_HEADER = re.compile(r"graph\s+(?P<mode>\w+)\s+(?P<model>\S+)")
+_OUTPUT = re.compile(r"output\s+(?P<kind>\w+)\s+(?P<name>\S+)\s*=\s*(?P<value>.+)")
+_NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)(?:\s+#\s*(?P<notes>.*))?")
+_INPUT = re.compile(r"(?P<kind>\w+)\s+(?P<name>[^\s(]+)(?:\s+\(=\s*(?P<aliases>[^)]*)\))?")
+_TENSOR = re.compile(r"(?P<dtype>[\w.]+)\[(?P<shape>[\d,\s]*)\]")
+_LEAF = re.compile(r"(args|targets)\[(\d+)\]")
+_INPUT_WORDS = {k.value for k in M.InputKind} | {"constant"}
+_CALLS = {"float": float, "torch.device": torch.device}  # literals arg_str prints as calls
+_TORCH_ENUMS = (torch.dtype, torch.memory_format, torch.layout)  # torch.float32, torch.strided
+
+
+def text_to_ir(text: str, device: str | torch.device = "cpu") -> fx.GraphModule:
+    """Parse ``text`` into the IR. Placeholders' fake values live on ``device`` (the text form
+    does not say where tensors are)."""
+    return _Reader(text.splitlines(), torch.device(device)).read()
+
+
+class _Reader:
+    def __init__(self, lines: list[str], device: torch.device):
+        self.lines, self.device = lines, device
+        self.lineno = 0
+        self.graph = fx.Graph()
+        self.nodes: dict[str, fx.Node] = {}
+        self.fake_mode = FakeTensorMode()
+        self.info: M.GraphInfo | None = None
+        self.outputs: list[tuple[Any, M.OutputRole]] = []
+
+    def read(self) -> fx.GraphModule:
+        for self.lineno, raw in enumerate(self.lines, 1):
+            line = raw.strip().removeprefix(">>").strip()  # ir_to_text(mark=...) marks a line
+            if not line or line.startswith("#"):
+                continue
+            if self.info is None:
+                self._header(line)
+            elif m := _OUTPUT.fullmatch(line):
+                self._output(m)
+            elif m := _NODE.fullmatch(line):
+                self._node(m)
+            else:
+                raise self._error("expected 'NAME: TYPE = ...' or 'output KIND NAME = VALUE'")
+        if self.info is None:
+            raise ParseError("the text has no 'graph MODE MODEL' header", where="line 1")
+        self._number_targets()
+        out = self.graph.output(tuple(v for v, _ in self.outputs))
+        out.meta[M.OUTPUTS] = tuple(r for _, r in self.outputs)
+        gm = fx.GraphModule(torch.nn.Module(), self.graph)
+        gm.meta[M.GRAPH] = self.info
+        verify(gm)
+        return gm
+
+    # --- one method per kind of line ------------------------------------------------------
+
+    def _header(self, line: str) -> None:
+        m = _HEADER.fullmatch(line)
+        if m is None or m["mode"] not in {k.value for k in M.Mode}:
+            raise self._error("the first line must be 'graph MODE MODEL', MODE one of "
+                              + ", ".join(k.value for k in M.Mode))
+        self.info = M.GraphInfo(M.Mode(m["mode"]), m["model"])
+
+    def _output(self, m: re.Match) -> None:
+        if m["kind"] not in {k.value for k in M.OutputKind}:
+            raise self._error(f"unknown output kind {m['kind']!r}; one of "
+                              + ", ".join(k.value for k in M.OutputKind))
+        leaf = re.fullmatch(r"out\[(\d+)\]", m["name"])
+        index = int(leaf[1]) if leaf and m["kind"] == M.OutputKind.OUTPUT else None
+        role = M.OutputRole(M.OutputKind(m["kind"]), m["name"], index)
+        self.outputs.append((self._value(self._expr(m["value"])), role))
+
+    def _node(self, m: re.Match) -> None:
+        name = m["name"]
+        if name in self.nodes:
+            raise self._error(f"{name!r} is defined twice")
+        first = m["rhs"].split(maxsplit=1)[0]
+        node = self._placeholder(m) if first in _INPUT_WORDS else self._call(m)
+        if node.name != name:
+            raise self._error(f"torch.fx cannot name a node {name!r} (it would be {node.name!r})",
+                              fix="rename it: no Python builtins or keywords")
+        self.nodes[name] = node
+        for note in (m["notes"] or "").split():
+            if note not in {p.value for p in M.Phase}:
+                raise self._error(f"unknown annotation {note!r}",
+                                  fix="text.node_notes writes annotations; read them back here")
+            node.meta[M.PHASE] = M.Phase(note)
+
+    def _placeholder(self, m: re.Match) -> fx.Node:
+        rhs = _INPUT.fullmatch(m["rhs"])
+        if rhs is None or rhs["kind"] == "constant":
+            raise self._error(f"cannot read {m['rhs']!r} as an input", fix=(
+                "constants cannot be rebuilt from text; write them as inputs" if rhs else
+                "write 'KIND NAME' or 'KIND NAME (= ALIAS, ...)', KIND one of "
+                + ", ".join(k.value for k in M.InputKind)))
+        kind = M.InputKind(rhs["kind"])
+        leaf = _LEAF.fullmatch(rhs["name"])
+        if kind in (M.InputKind.INPUT, M.InputKind.TARGET) and not leaf:
+            raise self._error(f"a {kind} is named args[i] or targets[i], not {rhs['name']!r}")
+        aliases = tuple(a.strip() for a in rhs["aliases"].split(",")) if rhs["aliases"] else ()
+        index = int(leaf[2]) if leaf and kind in (M.InputKind.INPUT, M.InputKind.TARGET) else None
+        dtype, shape = self._tensor_type(m["type"])
+        node = self.graph.placeholder(m["name"])
+        node.meta[M.ROLE] = M.InputRole(kind, rhs["name"], index, aliases)
+        with self.fake_mode:
+            node.meta[M.VAL] = torch.empty(shape, dtype=dtype, device=self.device)
+        return node
+
+    def _call(self, m: re.Match) -> fx.Node:
+        call = self._expr(m["rhs"])
+        if not isinstance(call, ast.Call):
+            raise self._error(f"expected an op call like aten.mm.default(a, b), got {m['rhs']!r}")
+        target = self._target(call.func)
+        args = tuple(self._value(a) for a in call.args)
+        kwargs = {k.arg: self._value(k.value) for k in call.keywords}
+        node = self.graph.create_node("call_function", target, args, kwargs, name=m["name"])
+        fake_args, fake_kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta[M.VAL],
+                                                      (args, kwargs))
+        try:
+            with self.fake_mode:
+                node.meta[M.VAL] = target(*fake_args, **fake_kwargs)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise self._error(f"{m['name']}: {target_str(target)} fails on its operands: "
+                              f"{type(e).__name__}: {first}", cls=VerifyError) from e
+        got = type_str(node.meta[M.VAL])
+        if got.replace(" ", "") != m["type"].replace(" ", ""):
+            raise self._error(f"{m['name']} is declared {m['type']} but {target_str(target)} "
+                              f"gives {got}", cls=VerifyError,
+                              fix="correct the declared type, or the op and its operands")
+        return node
+
+    # --- pieces of a line -----------------------------------------------------------------
+
+    def _expr(self, src: str) -> ast.expr:
+        try:
+            return ast.parse(src, mode="eval").body
+        except SyntaxError as e:
+            raise self._error(f"cannot parse {src!r}: {e.msg}") from None
+
+    def _target(self, func: ast.expr) -> Any:
+        dotted = _dotted(func)
+        parts = dotted.split(".")
+        target: Any = None
+        if len(parts) == 2 and parts[0] == "operator":
+            target = getattr(operator, parts[1], None)
+        elif len(parts) == 3:
+            packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
+            target = getattr(packet, parts[2], None)
+            target = target if isinstance(target, torch._ops.OpOverload) else None
+        if not callable(target):
+            raise self._error(f"unknown op {dotted or ast.unparse(func)!r}",
+                              fix="write ops as NAMESPACE.OP.OVERLOAD (aten.mm.default) or "
+                              "operator.getitem")
+        return target
+
+    def _value(self, e: ast.expr) -> Any:
+        """An operand: a node above, or a literal as ``text.arg_str`` prints it."""
+        if isinstance(e, ast.Name):
+            if e.id not in self.nodes:
+                raise self._error(f"unknown name {e.id!r}: no node of that name above this line")
+            return self.nodes[e.id]
+        if isinstance(e, ast.Constant):
+            return e.value
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub) \
+                and isinstance(e.operand, ast.Constant):
+            return -e.operand.value
+        if isinstance(e, (ast.List, ast.Tuple)):
+            items = [self._value(x) for x in e.elts]
+            return items if isinstance(e, ast.List) else tuple(items)
+        if isinstance(e, ast.Call) and _dotted(e.func) in _CALLS and not e.keywords \
+                and all(isinstance(a, ast.Constant) for a in e.args):
+            return _CALLS[_dotted(e.func)](*(a.value for a in e.args))
+        dotted = _dotted(e)
+        if dotted.startswith("torch."):
+            value = getattr(torch, dotted.removeprefix("torch."), None)
+            if isinstance(value, _TORCH_ENUMS):
+                return value
+        raise self._error(f"cannot read operand {ast.unparse(e)!r}", fix="operands are node "
+                          "names or literals: numbers, lists, None, torch.float32, "
+                          "torch.device('cpu'), torch.contiguous_format, float('inf')")
+
+    def _tensor_type(self, s: str) -> tuple[torch.dtype, list[int]]:
+        m = _TENSOR.fullmatch(s.strip())
+        dtype = _DTYPES.get(m["dtype"]) if m else None
+        if m and dtype is None and m["dtype"].startswith("torch."):  # type_str's fallback
+            dtype = getattr(torch, m["dtype"].removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise self._error(f"an input's type must be a tensor type like f32[2, 4], not {s!r}",
+                              fix="dtypes: " + ", ".join(_DTYPES))
+        return dtype, [int(d) for d in m["shape"].replace(",", " ").split()]
+
+    def _number_targets(self) -> None:
+        """A target's ``index`` is its flat leaf index over (args, targets): after all args."""
+        roles = [n.meta[M.ROLE] for n in self.graph.find_nodes(op="placeholder")]
+        n_args = sum(r.kind is M.InputKind.INPUT for r in roles)
+        for node in self.graph.find_nodes(op="placeholder"):
+            role = node.meta[M.ROLE]
+            if role.kind is M.InputKind.TARGET:
+                node.meta[M.ROLE] = dataclasses.replace(role, index=n_args + role.index)
+
+    def _error(self, cause: str, fix: str | None = None, cls: type = ParseError) -> ShardfxError:
+        """``cause`` at the current line, with the lines around it, that line marked ``>>``."""
+        lo, hi = max(1, self.lineno - 3), min(len(self.lines), self.lineno + 1)
+        context = "\n".join(f"    {'>>' if i == self.lineno else '  '} {i:4d} | "
+                            f"{self.lines[i - 1]}" for i in range(lo, hi + 1))
+        return cls(f"line {self.lineno}: {cause}", where=f"line {self.lineno}\n{context}",
+                   fix=fix)
+
+
+def _dotted(e: ast.expr) -> str:
+    """``aten.mm.default`` for the ast of that dotted name; '' for anything else."""
+    if isinstance(e, ast.Name):
+        return e.id
+    if isinstance(e, ast.Attribute):
+        base = _dotted(e.value)
+        return f"{base}.{e.attr}" if base else ""
+    return ""

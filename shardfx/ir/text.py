@@ -1,0 +1,100 @@
+"""The text form of the IR: one node per line, with its type and our annotations.
+
+    graph train GPT2LMHeadModel
+      transformer_wte_weight: f32[64, 32] = param transformer.wte.weight (= lm_head.weight)
+      args_0: i64[2, 8] = input args[0]
+      tangent_loss: f32[] = tangent loss
+      embedding: f32[2, 8, 32] = aten.embedding.default(transformer_wte_weight, args_0)  # fwd
+      ...
+      output loss loss = mean
+      output grad transformer.wte.weight = add_3
+
+Types are ``dtype[shape]`` (``f32[2, 8]``), a tuple of them for multi-output ops, ``-`` for a
+value that is not a tensor. Operands are node names or Python literals. ``# fwd``/``# bwd`` is
+the node's PHASE. ``shardfx.ir.parse.text_to_ir`` reads this form back, so tests can be
+written in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardfx.ir import meta as M
+
+DTYPE_ABBR = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64",
+}
+
+
+def type_str(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{DTYPE_ABBR.get(val.dtype, str(val.dtype))}[{', '.join(map(str, val.shape))}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(type_str(v) for v in val) + ")"
+    return "-"
+
+
+def arg_str(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(arg_str(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, torch.dtype):
+        return str(a)  # torch.float32
+    if isinstance(a, torch.device):
+        return f"torch.device({str(a)!r})"
+    if isinstance(a, (torch.memory_format, torch.layout)):
+        return f"torch.{str(a).removeprefix('torch.')}"
+    if isinstance(a, float) and (a != a or a in (float("inf"), float("-inf"))):
+        return f"float({str(a)!r})"
+    return repr(a)
+
+
+def target_str(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return f"{target.__module__}.{target.__qualname__}".replace("_operator.", "operator.")
+
+
+def node_line(node: fx.Node) -> str:
+    ty = type_str(node.meta.get(M.VAL))
+    if node.op == "placeholder":
+        role = node.meta.get(M.ROLE)
+        rhs = f"{role.kind} {role.name}" if role else "input ?"
+        if role and role.aliases:
+            rhs += " (= " + ", ".join(role.aliases) + ")"
+    elif node.op == "get_attr":
+        rhs = f"constant {node.target}"
+    else:
+        operands = [arg_str(a) for a in node.args]
+        operands += [f"{k}={arg_str(v)}" for k, v in node.kwargs.items()]
+        rhs = f"{target_str(node.target)}({', '.join(operands)})"
+    notes = node_notes(node)
+    return f"{node.name}: {ty} = {rhs}" + (f"  # {notes}" if notes else "")
+
+
+def node_notes(node: fx.Node) -> str:
+    """Our annotations on a node, compact; later passes add theirs here (placements, stage)."""
+    phase = node.meta.get(M.PHASE)
+    return str(phase) if phase is not None else ""
+
+
+def ir_to_text(gm: fx.GraphModule, mark: fx.Node | None = None) -> str:
+    """The whole graph as text; ``mark`` puts ``>>`` in front of one node's line."""
+    info = gm.meta.get(M.GRAPH)
+    lines = [f"graph {info.mode} {info.model}" if info else "graph"]
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            roles = node.meta.get(M.OUTPUTS) or ()
+            for value, role in zip(node.args[0], roles):
+                lines.append(f"  output {role.kind} {role.name} = {arg_str(value)}")
+            continue
+        prefix = ">> " if node is mark else "  "
+        lines.append(prefix + node_line(node))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,56 @@
+"""The device mesh a user asks for: named axes and their sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardfx.errors import MeshError
+
+AXES = ("dp", "pp", "tp", "ep")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Axis sizes in the canonical order dp, pp, tp, ep; axes of size 1 are kept as given."""
+
+    axes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def size(self) -> int:
+        return math.prod(n for _, n in self.axes)
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.axes) or "1 device"
+
+    @classmethod
+    def parse(cls, mesh: "MeshSpec | dict[str, int] | str | None") -> "MeshSpec":
+        """From ``{"dp": 2, "tp": 2}``, ``"dp=2,tp=2"``, ``None`` or ``{}`` (one device)."""
+        if isinstance(mesh, MeshSpec):
+            return mesh
+        if mesh is None:
+            return cls()
+        if isinstance(mesh, str):
+            mesh = _parse_text(mesh)
+        if not isinstance(mesh, dict):
+            raise MeshError(f"mesh must be a dict of axis sizes, got {type(mesh).__name__}",
+                            where="partition(..., mesh=...)", fix='e.g. mesh={"dp": 2, "tp": 2}')
+        for axis, n in mesh.items():
+            if axis not in AXES:
+                raise MeshError(f"unknown mesh axis {axis!r}", where=f"mesh[{axis!r}]",
+                                fix=f"use axes from {', '.join(AXES)}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise MeshError(f"mesh axis {axis} must be a positive int, got {n!r}",
+                                where=f"mesh[{axis!r}]", fix="give each axis a size >= 1")
+        return cls(tuple((a, mesh[a]) for a in AXES if a in mesh))
+
+
+def _parse_text(text: str) -> dict[str, int]:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        axis, eq, n = part.partition("=")
+        if not eq or not n.strip().isdigit():
+            raise MeshError(f"cannot read mesh {text!r}", where=f"part {part!r}",
+                            fix="write it as axis=size pairs, e.g. dp=2,tp=2")
+        out[axis.strip()] = int(n)
+    return out

@@ -1,0 +1,354 @@
+"""Capture: a model and example inputs become one ATen-level graph, forward and backward together.
+
+Two torch steps, then our naming:
+
+1. ``torch.export.export(strict=False)`` traces the Python model (Hugging Face models included)
+   into a functional graph, lifting parameters and buffers to inputs.
+2. ``aot_export_joint_with_descriptors`` re-traces that graph at ATen level with autograd, giving
+   the joint forward+backward graph. Every input and output carries a descriptor saying what it is
+   (parameter FQN, user input index, gradient of which parameter, mutated buffer).
+3. We turn the descriptors into ``ROLE`` / ``OUTPUTS`` meta, give placeholders readable names,
+   drop the ``None`` outputs, and merge tied parameters into one input whose gradient is the sum.
+
+For training the traced callable is ``loss_fn(model(*args), *targets)``; for inference, the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._functorch._aot_autograd import descriptors as d
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from shardfx.errors import CaptureError, InputError, LossError, ShardfxError
+from shardfx.ir import meta as M
+from shardfx.ir.graph import insert_op
+
+log = logging.getLogger("shardfx.capture")
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """Shape and dtype of one flattened input leaf, as captured (shapes are static)."""
+
+    name: str  # args[i] / targets[i]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Captured:
+    """The IR and what is needed to call it with the user's own input structures."""
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec  # of (args, targets)
+    leaves: tuple[LeafSpec, ...]  # one per flattened leaf of (args, targets)
+    out_spec: pytree.TreeSpec | None  # the model output's structure (inference)
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    targets: tuple = (),
+) -> Captured:
+    """Trace ``model`` (and ``loss_fn``) into the IR. Raises ``CaptureError``/``LossError``/
+    ``InputError`` naming the cause, the place, and what to do."""
+    _check_inputs(model, args, loss_fn, targets)
+    mode = M.Mode.TRAIN if loss_fn is not None else M.Mode.INFER
+    flat, in_spec = pytree.tree_flatten((args, targets))
+    n_args = len(pytree.tree_leaves(args))
+    leaves = tuple(
+        LeafSpec(_leaf_name(i, n_args), tuple(t.shape), t.dtype) for i, t in enumerate(flat)
+    )
+
+    traced: torch.nn.Module = model if mode is M.Mode.INFER else _LossOf(model, loss_fn)
+    example = args if mode is M.Mode.INFER else (args, targets)
+    with _hf_cache_off(model):
+        ep = _export(traced, example, model)
+        with contextlib.ExitStack() as stack:
+            grad_mode = torch.enable_grad() if mode is M.Mode.TRAIN else torch.no_grad()
+            with grad_mode:
+                joint = aot_export_joint_with_descriptors(stack, ep.module(), example)
+            gm = joint.graph_module
+    prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX
+    _to_ir(gm, mode, type(model).__name__, prefix, n_args)
+    _merge_tied_parameters(gm, model)
+    out_spec = ep.call_spec.out_spec if mode is M.Mode.INFER else None
+    return Captured(gm, in_spec, leaves, out_spec)
+
+
+# --- the traced callable -------------------------------------------------------------------
+
+
+class _LossOf(torch.nn.Module):
+    """``loss_fn(model(*args), *targets)`` as a module, so export lifts the model's parameters."""
+
+    PREFIX = "model."
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "loss_fn", loss_fn)  # not a submodule: its FQNs are not ours
+
+    def forward(self, args: tuple, targets: tuple) -> torch.Tensor:
+        out = self.model(*args)
+        try:
+            loss = self.loss_fn(out, *targets)
+        except ShardfxError:
+            raise
+        except Exception as e:
+            raise LossError(
+                f"loss_fn cannot take the model's output: {type(e).__name__}: {e}",
+                where=f"loss_fn({_describe(out)}, {', '.join(_describe(t) for t in targets)})",
+                fix="make loss_fn accept exactly what model(*example_args) returns "
+                "(for Hugging Face models, a ModelOutput: use out.logits)",
+            ) from e
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise LossError(
+                f"loss_fn must return a scalar tensor, got {_describe(loss)}",
+                where="the value returned by loss_fn",
+                fix="reduce the loss to one number, e.g. return loss.mean() or use "
+                "reduction='mean'",
+            )
+        if not loss.is_floating_point():
+            raise LossError(
+                f"loss_fn returned a {loss.dtype} tensor; a loss must be floating point",
+                where="the value returned by loss_fn",
+                fix="compute the loss in a floating dtype",
+            )
+        return loss.reshape(())
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor{list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    return type(x).__name__
+
+
+@contextlib.contextmanager
+def _hf_cache_off(model: torch.nn.Module):
+    """Hugging Face models return a KV cache (``DynamicCache``) unless ``use_cache=False``; a
+    training step never reads it, and it is not a tensor the graph can return. Turn it off while
+    tracing and restore the user's setting after."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "use_cache", False):
+        yield
+        return
+    log.info("%s: tracing with config.use_cache=False (the KV cache is for generation)",
+             type(model).__name__)
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+def _export(traced: torch.nn.Module, example: tuple, model: torch.nn.Module):
+    try:
+        return torch.export.export(traced, example, strict=False)
+    except ShardfxError:
+        raise
+    except Exception as e:
+        where = _user_frame(e) or type(model).__name__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CaptureError(
+            f"{type(model).__name__} could not be traced: {type(e).__name__}: {first}",
+            where=where,
+            fix="make that line traceable: no Python branching on tensor values (use torch.where "
+            "or torch.cond), no .item()/.tolist() in forward, no non-tensor outputs that "
+            "depend on data; torch.export's non-strict mode is what shardfx traces with",
+        ) from e
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """The innermost traceback frame outside torch itself, as 'file:line in fn: code'."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+# --- descriptors to IR ---------------------------------------------------------------------
+
+
+def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_args: int) -> None:
+    """Replace aot's descriptors with our roles; flat calling convention; readable names."""
+    graph = gm.graph
+    for node in graph.find_nodes(op="placeholder"):
+        role = _input_role(node.meta["desc"], prefix, n_args)
+        node.meta[M.ROLE] = role
+        node._rename(_identifier(role))
+    out_node = graph.output_node()
+    values, roles = [], []
+    for value, desc in zip(out_node.args[0], out_node.meta["desc"]):
+        role = _output_role(desc, prefix, mode)
+        if value is None or role is None:
+            continue
+        values.append(value)
+        roles.append(role)
+    out_node.args = (tuple(values),)
+    out_node.meta[M.OUTPUTS] = tuple(roles)
+    _drop_asserts(graph)
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a tuple out: no pytree specs
+    gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=model_name)
+    gm.recompile()
+
+
+# Checks torch.export leaves in the graph; with static shapes they hold by construction.
+_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default}
+
+
+def _drop_asserts(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTS and not node.users:
+            graph.erase_node(node)
+
+
+def _input_role(desc: d.AOTInput, prefix: str, n_args: int) -> M.InputRole:
+    if isinstance(desc, d.ParamAOTInput):
+        return M.InputRole(M.InputKind.PARAM, desc.target.removeprefix(prefix))
+    if isinstance(desc, d.BufferAOTInput):
+        return M.InputRole(M.InputKind.BUFFER, desc.target.removeprefix(prefix))
+    if isinstance(desc, d.PlainAOTInput):
+        i = desc.idx
+        kind = M.InputKind.INPUT if i < n_args else M.InputKind.TARGET
+        return M.InputRole(kind, _leaf_name(i, n_args), index=i)
+    if isinstance(desc, d.TangentAOTInput):
+        return M.InputRole(M.InputKind.TANGENT, "loss")
+    raise CaptureError(
+        f"the traced graph has an input shardfx does not know how to feed: {desc}",
+        where="partitioner.capture",
+        fix="report this model to shardfx; tensor subclasses and some exotic inputs are not "
+        "supported yet",
+    )
+
+
+def _output_role(desc: d.AOTOutput | None, prefix: str, mode: M.Mode) -> M.OutputRole | None:
+    if isinstance(desc, d.GradAOTOutput):
+        target = desc.grad_of
+        if isinstance(target, d.ParamAOTInput):
+            return M.OutputRole(M.OutputKind.GRAD, target.target.removeprefix(prefix))
+        return None  # gradients of user inputs are not used
+    if isinstance(desc, d.InputMutationAOTOutput):
+        src = desc.mutated_input
+        if isinstance(src, d.BufferAOTInput):
+            return M.OutputRole(M.OutputKind.BUFFER_UPDATE, src.target.removeprefix(prefix))
+        raise CaptureError(
+            f"the model mutates one of its inputs in place ({src})",
+            where="the model's forward",
+            fix="do not modify the example inputs in place inside forward; copy them first",
+        )
+    if isinstance(desc, d.PlainAOTOutput):
+        if mode is M.Mode.TRAIN:  # the traced callable returns the loss alone
+            return M.OutputRole(M.OutputKind.LOSS, "loss")
+        return M.OutputRole(M.OutputKind.OUTPUT, f"out[{desc.idx}]", index=desc.idx)
+    return None
+
+
+def _leaf_name(i: int, n_args: int) -> str:
+    return f"args[{i}]" if i < n_args else f"targets[{i - n_args}]"
+
+
+def _identifier(role: M.InputRole) -> str:
+    if role.kind is M.InputKind.TANGENT:
+        return "tangent_loss"
+    return re.sub(r"\W", "_", role.name.replace("[", "_").replace("]", "")).strip("_")
+
+
+# --- tied parameters -----------------------------------------------------------------------
+
+
+def _merge_tied_parameters(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """One placeholder per distinct parameter tensor.
+
+    torch.export lifts a tied weight once per FQN (GPT-2's ``lm_head.weight`` and
+    ``transformer.wte.weight`` are one tensor). Keep the first FQN (as ``named_parameters``
+    orders them), point the other placeholders' users at it, and sum their gradients: that is
+    what autograd does for one leaf used twice.
+    """
+    canonical: dict[int, str] = {}
+    alias_of: dict[str, str] = {}
+    for fqn, t in [*model.named_parameters(remove_duplicate=False),
+                   *model.named_buffers(remove_duplicate=False)]:
+        first = canonical.setdefault(id(t), fqn)
+        if first != fqn:
+            alias_of[fqn] = first
+    if not alias_of:
+        return
+    graph = gm.graph
+    by_name = {n.meta[M.ROLE].name: n for n in graph.find_nodes(op="placeholder")}
+    out = graph.output_node()
+    values, roles = list(out.args[0]), list(out.meta[M.OUTPUTS])
+    grad_at = {r.name: i for i, r in enumerate(roles) if r.kind is M.OutputKind.GRAD}
+    aliases: dict[str, list[str]] = {}
+    for alias, first in alias_of.items():
+        if alias not in by_name or first not in by_name:
+            continue
+        aliases.setdefault(first, []).append(alias)
+        by_name[alias].replace_all_uses_with(by_name[first])
+        graph.erase_node(by_name[alias])
+        if alias in grad_at:
+            i = grad_at[alias]
+            if first in grad_at:
+                j = grad_at[first]
+                with graph.inserting_before(out):
+                    values[j] = insert_op(graph, torch.ops.aten.add.Tensor, values[j], values[i])
+                values[i] = roles[i] = None
+            else:
+                roles[i] = M.OutputRole(M.OutputKind.GRAD, first)
+                grad_at[first] = i
+    for first, names in aliases.items():
+        node = by_name[first]
+        node.meta[M.ROLE] = M.InputRole(node.meta[M.ROLE].kind, first, aliases=tuple(names))
+    out.args = (tuple(v for v in values if v is not None),)
+    out.meta[M.OUTPUTS] = tuple(r for r in roles if r is not None)
+    gm.recompile()
+
+
+def _check_inputs(model: Any, args: Any, loss_fn: Any, targets: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}",
+            where="partition(model, ...)",
+            fix="pass the module itself (not a function or a state dict)",
+        )
+    for what, value in (("example_args", args), ("example_targets", targets)):
+        if not isinstance(value, tuple):
+            raise InputError(
+                f"{what} must be a tuple of inputs, got {_describe(value)}",
+                where=f"partition(..., {what}=...)",
+                fix=f"wrap a single input in a tuple: ({what.split('_')[1][:-1]},)",
+            )
+        leaves = pytree.tree_leaves(value)
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise InputError(
+                    f"{what} may hold only tensors (in tuples, lists or dicts); leaf {i} is "
+                    f"{type(leaf).__name__} {leaf!r}",
+                    where=f"{what}, flattened leaf {i}",
+                    fix="bind non-tensor options to the model instead (a wrapper module or "
+                    "functools.partial in forward), or pass them as tensors",
+                )
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(
+            f"loss_fn must be callable, got {type(loss_fn).__name__}",
+            where="partition(..., loss_fn=...)",
+            fix="pass a function loss_fn(model_output, *targets) -> scalar tensor",
+        )
+    if loss_fn is None and targets:
+        raise InputError(
+            "example_targets were given without a loss_fn",
+            where="partition(..., example_targets=...)",
+            fix="pass loss_fn to train, or drop example_targets for inference",
+        )

@@ -1,0 +1,49 @@
+"""estimate_cost: FLOPs and output bytes of every op.
+
+Requires: VAL on every node.
+Ensures:  COST (NodeCost) on every call_function node.
+
+FLOPs come from torch's own per-op formulas (``torch.utils.flop_counter``: matmuls, convolutions,
+attention); ops it has no formula for (pointwise, reductions, views) count 0 FLOPs — they are
+memory-bound, and their cost is the bytes they write, which we record beside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+from shardfx.ir import meta as M
+from shardfx.ir.graph import op_nodes
+
+
+def estimate_cost(gm: fx.GraphModule, options) -> fx.GraphModule:
+    for node in op_nodes(gm.graph):
+        node.meta[M.COST] = M.NodeCost(flops=node_flops(node), out_bytes=node_bytes(node))
+    return gm
+
+
+def node_flops(node: fx.Node) -> int:
+    op = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(op)
+    if formula is None:
+        return 0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get(M.VAL), (node.args, node.kwargs))
+    return int(formula(*args, **kwargs, out_val=node.meta.get(M.VAL)))
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes of the tensors a node produces; views produce none (they alias their input)."""
+    if is_view(node):
+        return 0
+    vals = pytree.tree_leaves(node.meta.get(M.VAL))
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+def is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.target.__name__ == "getitem"  # an element of a tuple the producer counted
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)

@@ -1,0 +1,68 @@
+"""Running passes: one at a time, verified, with the IR text kept after each for ``plan.dump``.
+
+A pass is a function ``(gm, options) -> gm``; its docstring has ``Requires:`` and ``Ensures:``
+lines naming the meta keys it reads and writes. When a pass raises, the error names the pass,
+the passes that ran before it, and the cause. ``verify`` runs after each pass when
+``options.debug`` is set or ``SHARDFX_DEBUG=1`` (the test suite sets it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.fx as fx
+
+from shardfx.errors import PassError, ShardfxError
+from shardfx.ir.text import ir_to_text
+from shardfx.ir.verify import verify
+
+log = logging.getLogger("shardfx.passes")
+
+Pass = Callable[[fx.GraphModule, "Options"], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked of ``partition``, as the passes see it."""
+
+    debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
+
+
+@dataclass
+class PassRecord:
+    name: str
+    text: str  # the IR after the pass
+
+
+def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
+               history: list[PassRecord]) -> fx.GraphModule:
+    """Apply ``passes`` in order; append the IR text after each one to ``history``."""
+    if options.debug:
+        verify(gm)
+    for p in passes:
+        name = p.__name__
+        before = [r.name for r in history]
+        try:
+            gm = p(gm, options)
+            if options.debug:
+                verify(gm)
+        except ShardfxError as e:
+            if isinstance(e, PassError):
+                raise
+            raise PassError(f"{type(e).__name__}: {e.cause}", where=_where(name, before, e.where),
+                            fix=e.fix) from e
+        except Exception as e:
+            raise PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
+                            fix="this is a shardfx bug; please report it with the IR dump "
+                            "(SHARDFX_DUMP=dir)") from e
+        history.append(PassRecord(name, ir_to_text(gm)))
+        log.debug("ran %s", name)
+    return gm
+
+
+def _where(name: str, before: list[str], inner: str | None) -> str:
+    s = f"pass {name} (after {', '.join(before) or 'capture'})"
+    return f"{s}; {inner}" if inner else s

@@ -1,0 +1,120 @@
+"""A plan: what shardfx decided for a model and mesh, ready to print, dump, and run."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from shardfx.analysis import Summary, summarize
+from shardfx.codegen.program import Program
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+from shardfx.mesh import MeshSpec
+from shardfx.partitioner.capture import Captured, capture
+from shardfx.passes.manager import Options, PassRecord
+from shardfx.pipeline import compile_ir
+from shardfx.report import render
+from shardfx.runtime.runner import OptimizerFactory, Runner
+
+
+class Plan:
+    def __init__(self, model: torch.nn.Module, example_args: tuple, captured: Captured,
+                 mesh: MeshSpec, options: Options):
+        self.model = model
+        self.mesh = mesh
+        self.options = options
+        self._example_args = example_args
+        self._captured = captured
+        self.ir, self.program, self.history = compile_ir(captured.gm, options)
+        self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
+        self.state_names = tuple(model.state_dict().keys())
+        self._canonical = _canonical_names(model)
+        self._inference: tuple[Program, pytree.TreeSpec] | None = None
+        if self.mode is M.Mode.INFER:
+            self._inference = (self.program, captured.out_spec)
+
+    # --- running ----------------------------------------------------------------------------
+
+    def runner(self, optimizer: OptimizerFactory | None = None) -> Runner:
+        """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer."""
+        return Runner(self, optimizer)
+
+    def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
+        """The forward-only program (captured on first use for a training plan)."""
+        if self._inference is None:
+            captured = capture(self.model, self._example_args)
+            _, program, _ = compile_ir(captured.gm, self.options)
+            self._inference = (program, captured.out_spec)
+        return self._inference
+
+    def check_inputs(self, args: Any, targets: Any, inference: bool = False) -> list[torch.Tensor]:
+        """Flatten a step's inputs, checking them against what the plan was captured with."""
+        leaves = [s for s in self._captured.leaves
+                  if not (inference and s.name.startswith("targets"))]
+        flat, spec = pytree.tree_flatten((args, () if inference else targets))
+        want = self._captured.in_spec
+        if inference:
+            want = pytree.tree_flatten((self._example_args, ()))[1]
+        if spec != want:
+            raise InputError(
+                "the inputs are not structured like the example inputs the plan was built with",
+                where=f"got {spec}, expected {want}",
+                fix="pass args (and targets) as the same tuples/lists/dicts of tensors")
+        for t, s in zip(flat, leaves):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(
+                    f"{s.name} is {got}; the plan was built for {list(s.shape)} {s.dtype}",
+                    where=s.name,
+                    fix="shapes are static: call partition() again with example inputs of this "
+                    "shape (or pad/batch your data to the planned shape)")
+        return flat
+
+    # --- inspecting -------------------------------------------------------------------------
+
+    @cached_property
+    def summary(self) -> Summary:
+        return summarize(self.ir)
+
+    def memory_estimate(self) -> dict[int, int]:
+        """Predicted peak bytes per rank: parameters, buffers, gradients and peak activations
+        (optimizer state is the optimizer's and not counted)."""
+        s = self.summary
+        grads = s.param_bytes if self.mode is M.Mode.TRAIN else 0
+        peak = max(s.peak_fwd_bytes, s.peak_bwd_bytes)
+        return {0: s.param_bytes + s.buffer_bytes + grads + peak}
+
+    def __str__(self) -> str:
+        return render(self.summary, str(self.mesh))
+
+    def __repr__(self) -> str:
+        return f"<shardfx.Plan {self.summary.model} {self.mode} mesh={self.mesh}>"
+
+    def dump(self, directory: str | os.PathLike) -> Path:
+        """Write the IR after every pass, the generated program, and the summary."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for i, record in enumerate(self.history):
+            (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
+        (out / f"program_{self.mode}.py").write_text(self.program.source)
+        (out / "plan.txt").write_text(str(self))
+        return out
+
+    def canonical(self, fqn: str) -> str:
+        return self._canonical.get(fqn, fqn)
+
+
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each FQN of a tied tensor -> the first FQN it is reachable by."""
+    first: dict[int, str] = {}
+    out = {}
+    for fqn, t in [*model.named_parameters(remove_duplicate=False),
+                   *model.named_buffers(remove_duplicate=False)]:
+        out[fqn] = first.setdefault(id(t), fqn)
+    return out

@@ -1,0 +1,117 @@
+"""The runner: executes a plan's generated program for training steps and inference.
+
+On one device the runner binds the program's parameter and buffer inputs to the model's own
+tensors and updates them in place, as an eager training loop would: the user's optimizer gets
+the model's ``nn.Parameter`` objects, their ``.grad`` holds the last step's gradients, and the
+model sees the trained weights. The program itself, not the original module, computes the step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+import torch.utils._pytree as pytree
+
+from shardfx.codegen.program import Program
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+
+if TYPE_CHECKING:
+    from shardfx.plan import Plan
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class Runner:
+    def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None):
+        self._plan = plan
+        model = plan.model
+        self._params = dict(model.named_parameters())
+        self._buffers = dict(model.named_buffers())
+        for fqn, t in [*self._params.items(), *self._buffers.items()]:
+            if t.is_meta:
+                raise InputError(
+                    f"{fqn} is on the meta device: there are no values to train",
+                    where=f"{type(model).__name__}.{fqn}",
+                    fix="materialize the model before plan.runner(): "
+                    "model.to_empty(device='cpu') then initialize or load weights",
+                )
+        self.optimizer = optimizer(list(self._params.values())) if optimizer else None
+
+    # --- training and inference -------------------------------------------------------------
+
+    def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
+        """One training step on the global batch; returns the loss."""
+        if self._plan.mode is not M.Mode.TRAIN:
+            raise InputError("this plan was built for inference (no loss_fn)",
+                             where="runner.step", fix="call partition(..., loss_fn=...) to "
+                             "train, or use runner.forward(args)")
+        flat = self._plan.check_inputs(args, targets)
+        outs = self._run(self._plan.program, flat)
+        loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
+        grads = {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD}
+        for name, p in self._params.items():
+            p.grad = grads.get(name)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss
+
+    def forward(self, args: tuple) -> Any:
+        """The model's output for ``args``, computed by the inference program."""
+        flat = self._plan.check_inputs(args, (), inference=True)
+        program, out_spec = self._plan.inference_program()
+        outs = sorted((r.index, v) for r, v in self._run(program, flat)
+                      if r.kind is M.OutputKind.OUTPUT)
+        return pytree.tree_unflatten([v for _, v in outs], out_spec)
+
+    def _run(self, program: Program, flat: list[torch.Tensor]) -> list[tuple[M.OutputRole, Any]]:
+        """Run ``program``; apply its buffer updates; return its other outputs with their roles."""
+        placeholders = program.module.graph.find_nodes(op="placeholder")
+        inputs = [self._input(r, n, flat) for r, n in zip(program.inputs, placeholders)]
+        with torch.no_grad():
+            values = program.module(*inputs)
+        outs = []
+        for role, value in zip(program.outputs, values):
+            if role.kind is M.OutputKind.BUFFER_UPDATE:
+                self._buffers[role.name].copy_(value)
+            else:
+                outs.append((role, value))
+        return outs
+
+    def _input(self, role: M.InputRole, node, flat: list[torch.Tensor]) -> torch.Tensor:
+        if role.kind is M.InputKind.PARAM:
+            return self._params[role.name].detach()
+        if role.kind is M.InputKind.BUFFER:
+            return self._buffers[role.name]
+        if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss)
+            return torch.ones((), dtype=node.meta[M.VAL].dtype)
+        return flat[role.index]
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the model's own FQNs (tied weights under each of their names)."""
+        tensors = {**self._params, **self._buffers}
+        return {fqn: tensors[self._plan.canonical(fqn)].detach() for fqn in self._plan.state_names}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        names = set(self._plan.state_names)
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or unexpected:
+            raise InputError(
+                f"state dict does not match the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}", where="runner.load_state_dict",
+                fix="save it with runner.state_dict() or model.state_dict() of the same model")
+        tensors = {**self._params, **self._buffers}
+        for fqn in self._plan.state_names:
+            dst, src = tensors[self._plan.canonical(fqn)], state[fqn]
+            if dst.shape != src.shape:
+                raise InputError(f"{fqn} has shape {list(src.shape)} in the state dict, "
+                                 f"{list(dst.shape)} in the model", where=fqn,
+                                 fix="load a checkpoint of the same model configuration")
+            with torch.no_grad():
+                dst.copy_(src)
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self._params.values()
