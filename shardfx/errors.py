@@ -42,3 +42,7 @@ class PassError(ShardfxError):
 
 class VerifyError(ShardfxError):
     """The IR breaks one of its invariants (see ``shardfx.ir.verify``)."""
+
+
+class ParseError(ShardfxError, ValueError):
+    """Text is not in the IR's text form (see ``shardfx.ir.text``)."""

@@ -16,10 +16,13 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from shardfx.errors import VerifyError
 from shardfx.ir import meta as M
-from shardfx.ir.parse import ParseError, text_to_ir
+from shardfx.errors import ParseError
+from shardfx.ir.parse import text_to_ir
 from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
 from shardfx.partitioner.capture import capture
+from shardfx.passes.assign_phase import assign_phase
+from shardfx.passes.manager import Options
 
 
 def _mlp():
@@ -62,7 +65,8 @@ def _inputs(gm: fx.GraphModule, model: torch.nn.Module, args: tuple, targets: tu
             M.InputKind.TARGET: lambda r: leaves[r.index],
             M.InputKind.PARAM: lambda r: state[r.name].detach(),
             M.InputKind.BUFFER: lambda r: state[r.name]}
-    return [feed[n.meta[M.ROLE].kind](n.meta[M.ROLE]) for n in gm.graph.find_nodes(op="placeholder")]
+    roles = [n.meta[M.ROLE] for n in gm.graph.find_nodes(op="placeholder")]
+    return [feed[r.kind](r) for r in roles]
 
 
 def test_captured_graph_round_trips(captured):
@@ -73,6 +77,14 @@ def test_captured_graph_round_trips(captured):
     assert ir_to_text(parsed) == text
     assert _structure(parsed) == _structure(gm)
     assert parsed.meta[M.GRAPH] == gm.meta[M.GRAPH]
+
+    # A pass runs on the parsed graph, and its annotations (here PHASE) round trip too.
+    phased = assign_phase(parsed, Options())
+    text = ir_to_text(phased)
+    assert "  # fwd" in text and "  # bwd" in text
+    again = text_to_ir(text)
+    assert ir_to_text(again) == text
+    assert _structure(again) == _structure(phased)
 
 
 def test_parsed_graph_computes_what_captured_and_eager_do(captured):
@@ -119,7 +131,7 @@ def test_hand_written_training_graph():
                      M.InputRole(M.InputKind.INPUT, "args[0]", index=0),
                      M.InputRole(M.InputKind.TARGET, "targets[0]", index=1),
                      M.InputRole(M.InputKind.TANGENT, "loss")]
-    phases = {n.name: n.meta[M.PHASE] for n in gm.graph.find_nodes(op="call_function")}
+    phases = {n.name: n.meta[M.PHASE] for n in gm.graph.nodes if n.op == "call_function"}
     assert phases["loss"] is M.Phase.FORWARD and phases["grad_w"] is M.Phase.BACKWARD
 
     w = torch.randn(4, 3, requires_grad=True)
@@ -167,11 +179,13 @@ def test_marked_dump_parses():
     ("sub: f32[3, 2] = aten.sub.Tensor(mm, y)  # fwd", VerifyError,
      "sub is declared f32[3, 2] but aten.sub.Tensor gives f32[2, 3]"),
     ("sub: f32[2, 3] = aten.mm.default(mm, y)  # fwd", VerifyError, "sub: aten.mm.default fails"),
-    ("sub: f32[2, 3] = aten.nope.default(mm, y)  # fwd", ParseError, "unknown op 'aten.nope.default'"),
+    ("sub: f32[2, 3] = aten.nope.default(mm, y)  # fwd", ParseError,
+     "unknown op 'aten.nope.default'"),
     ("sub: f32[2, 3] = aten.sub.Tensor(mm, z)  # fwd", ParseError, "unknown name 'z'"),
-    ("sub: f32[2, 3] = aten.sub.Tensor(mm, y, alpha=x.T)  # fwd", ParseError, "cannot read operand"),
+    ("sub: f32[2, 3] = aten.sub.Tensor(mm, y, alpha=x.T)  # fwd", ParseError,
+     "cannot read operand 'x.T'"),
     ("sub: f32[2, 3] = aten.sub.Tensor(mm, y  # fwd", ParseError, "cannot parse"),
-    ("sub: f32[2, 3] = aten.sub.Tensor(mm, y)  # fwd stage0", ParseError, "unknown annotation"),
+    ("sub: f32[2, 3] = aten.sub.Tensor(mm, y)  # fwd stage0", ParseError, "unknown Phase"),
     ("sub: f32[2, 3] = constant _tensor_constant0", ParseError, "constants cannot be rebuilt"),
     ("sub = aten.sub.Tensor(mm, y)", ParseError, "expected 'NAME: TYPE = ...'"),
 ])

@@ -10,27 +10,25 @@
       output loss loss = loss
     ''')
 
-Lines are read top to bottom, each one at once:
+Each line is read once, top to bottom. The header gives ``GRAPH``. A placeholder line gives
+``ROLE`` and a FakeTensor of the declared type (one ``FakeTensorMode`` for the graph). An op
+line is parsed with ``ast``: the target is ``ns.op.overload`` from ``torch.ops`` or
+``operator.getitem``, operands are nodes above or Python literals; the op runs on the operands'
+fake values, which recomputes ``meta["val"]``, and must give the declared type. ``# fwd`` /
+``# bwd`` give ``PHASE``. ``output KIND NAME = VALUE`` lines give the output node's values and
+``OUTPUTS``.
 
-- the ``graph MODE MODEL`` header gives ``gm.meta[GRAPH]``;
-- a placeholder line (``name: f32[2, 4] = param w.fqn``) gives ``ROLE`` and a FakeTensor of the
-  declared type, made under one ``FakeTensorMode`` for the whole graph;
-- an op line is parsed with ``ast``: the target is ``ns.op.overload`` (looked up in ``torch.ops``)
-  or ``operator.getitem``; operands are names of nodes above or Python literals. The op runs on
-  its operands' fake values, which recomputes ``meta["val"]``, and the result must have the
-  declared type. ``# fwd`` / ``# bwd`` after it give ``PHASE``;
-- ``output KIND NAME = VALUE`` lines give the output node and its ``OUTPUTS``, in order.
-
-Text that cannot be read raises ``ParseError``; a declared type that disagrees with what the op
-computes raises ``VerifyError``. Both name the line and show it in context. The result passes
-``verify``, and ``ir_to_text(text_to_ir(t)) == t`` for any ``t`` that ``ir_to_text`` printed.
-Constants (``= constant NAME``) are refused: their values are not in the text.
+Unreadable text raises ``ParseError``; a declared type the op does not compute raises
+``VerifyError``; both name the line and show it in context. The result passes ``verify``, and
+``ir_to_text(text_to_ir(t)) == t`` for text ``ir_to_text`` printed. Constants (``= constant
+NAME``) are refused: their values are not in the text.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import operator
 import re
 from typing import Any
@@ -40,23 +38,21 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shardfx.errors import ShardfxError, VerifyError
+from shardfx.errors import ParseError, ShardfxError, VerifyError
 from shardfx.ir import meta as M
 from shardfx.ir.text import DTYPE_ABBR, target_str, type_str
 from shardfx.ir.verify import verify
 
 
-class ParseError(ShardfxError, ValueError):
-    """The text is not in the IR's text form (see ``shardfx.ir.text``)."""
-
-
 _DTYPES = {abbr: dtype for dtype, abbr in DTYPE_ABBR.items()}
 _HEADER = re.compile(r"graph\s+(?P<mode>\w+)\s+(?P<model>\S+)")
 _OUTPUT = re.compile(r"output\s+(?P<kind>\w+)\s+(?P<name>\S+)\s*=\s*(?P<value>.+)")
-_NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)(?:\s+#\s*(?P<notes>.*))?")
+_NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)"
+                   r"(?:\s+#\s*(?P<notes>.*))?")  # name: type = rhs  # notes
 _INPUT = re.compile(r"(?P<kind>\w+)\s+(?P<name>[^\s(]+)(?:\s+\(=\s*(?P<aliases>[^)]*)\))?")
 _TENSOR = re.compile(r"(?P<dtype>[\w.]+)\[(?P<shape>[\d,\s]*)\]")
-_LEAF = re.compile(r"(args|targets)\[(\d+)\]")
+_LEAF = {M.InputKind.INPUT: re.compile(r"args\[(\d+)\]"),
+         M.InputKind.TARGET: re.compile(r"targets\[(\d+)\]")}
 _INPUT_WORDS = {k.value for k in M.InputKind} | {"constant"}
 _CALLS = {"float": float, "torch.device": torch.device}  # literals arg_str prints as calls
 _TORCH_ENUMS = (torch.dtype, torch.memory_format, torch.layout)  # torch.float32, torch.strided
@@ -105,19 +101,16 @@ class _Reader:
 
     def _header(self, line: str) -> None:
         m = _HEADER.fullmatch(line)
-        if m is None or m["mode"] not in {k.value for k in M.Mode}:
-            raise self._error("the first line must be 'graph MODE MODEL', MODE one of "
-                              + ", ".join(k.value for k in M.Mode))
-        self.info = M.GraphInfo(M.Mode(m["mode"]), m["model"])
+        if m is None:
+            raise self._error("the first line must be 'graph MODE MODEL'")
+        self.info = M.GraphInfo(self._enum(M.Mode, m["mode"]), m["model"])
 
     def _output(self, m: re.Match) -> None:
-        if m["kind"] not in {k.value for k in M.OutputKind}:
-            raise self._error(f"unknown output kind {m['kind']!r}; one of "
-                              + ", ".join(k.value for k in M.OutputKind))
+        kind = self._enum(M.OutputKind, m["kind"])
         leaf = re.fullmatch(r"out\[(\d+)\]", m["name"])
-        index = int(leaf[1]) if leaf and m["kind"] == M.OutputKind.OUTPUT else None
-        role = M.OutputRole(M.OutputKind(m["kind"]), m["name"], index)
-        self.outputs.append((self._value(self._expr(m["value"])), role))
+        index = int(leaf[1]) if leaf and kind is M.OutputKind.OUTPUT else None
+        value = self._value(self._expr(m["value"]))
+        self.outputs.append((value, M.OutputRole(kind, m["name"], index)))
 
     def _node(self, m: re.Match) -> None:
         name = m["name"]
@@ -129,25 +122,24 @@ class _Reader:
             raise self._error(f"torch.fx cannot name a node {name!r} (it would be {node.name!r})",
                               fix="rename it: no Python builtins or keywords")
         self.nodes[name] = node
-        for note in (m["notes"] or "").split():
-            if note not in {p.value for p in M.Phase}:
-                raise self._error(f"unknown annotation {note!r}",
-                                  fix="text.node_notes writes annotations; read them back here")
-            node.meta[M.PHASE] = M.Phase(note)
+        for note in (m["notes"] or "").split():  # what text.node_notes writes
+            node.meta[M.PHASE] = self._enum(M.Phase, note)
 
     def _placeholder(self, m: re.Match) -> fx.Node:
         rhs = _INPUT.fullmatch(m["rhs"])
-        if rhs is None or rhs["kind"] == "constant":
-            raise self._error(f"cannot read {m['rhs']!r} as an input", fix=(
-                "constants cannot be rebuilt from text; write them as inputs" if rhs else
-                "write 'KIND NAME' or 'KIND NAME (= ALIAS, ...)', KIND one of "
-                + ", ".join(k.value for k in M.InputKind)))
+        if rhs is None:
+            raise self._error(f"cannot read input {m['rhs']!r}",
+                              fix="write 'KIND NAME' or 'KIND NAME (= ALIAS, ...)'")
+        if rhs["kind"] == "constant":
+            raise self._error("constants cannot be rebuilt from text: their values are not in it",
+                              fix="make the constant an input of the graph")
         kind = M.InputKind(rhs["kind"])
-        leaf = _LEAF.fullmatch(rhs["name"])
-        if kind in (M.InputKind.INPUT, M.InputKind.TARGET) and not leaf:
-            raise self._error(f"a {kind} is named args[i] or targets[i], not {rhs['name']!r}")
+        index = None
+        if kind in _LEAF:
+            if not (leaf := _LEAF[kind].fullmatch(rhs["name"])):
+                raise self._error(f"a {kind} is named args[i] or targets[i], not {rhs['name']!r}")
+            index = int(leaf[1])
         aliases = tuple(a.strip() for a in rhs["aliases"].split(",")) if rhs["aliases"] else ()
-        index = int(leaf[2]) if leaf and kind in (M.InputKind.INPUT, M.InputKind.TARGET) else None
         dtype, shape = self._tensor_type(m["type"])
         node = self.graph.placeholder(m["name"])
         node.meta[M.ROLE] = M.InputRole(kind, rhs["name"], index, aliases)
@@ -194,7 +186,7 @@ class _Reader:
         if len(parts) == 2 and parts[0] == "operator":
             target = getattr(operator, parts[1], None)
         elif len(parts) == 3:
-            packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
+            packet = getattr(getattr(torch.ops, parts[0], None), parts[1], None)
             target = getattr(packet, parts[2], None)
             target = target if isinstance(target, torch._ops.OpOverload) else None
         if not callable(target):
@@ -240,13 +232,19 @@ class _Reader:
         return dtype, [int(d) for d in m["shape"].replace(",", " ").split()]
 
     def _number_targets(self) -> None:
-        """A target's ``index`` is its flat leaf index over (args, targets): after all args."""
-        roles = [n.meta[M.ROLE] for n in self.graph.find_nodes(op="placeholder")]
-        n_args = sum(r.kind is M.InputKind.INPUT for r in roles)
-        for node in self.graph.find_nodes(op="placeholder"):
-            role = node.meta[M.ROLE]
-            if role.kind is M.InputKind.TARGET:
-                node.meta[M.ROLE] = dataclasses.replace(role, index=n_args + role.index)
+        """Leaves are numbered over (args, targets) flattened: targets[j] is leaf n_args + j."""
+        placeholders = self.graph.find_nodes(op="placeholder")
+        n_args = sum(p.meta[M.ROLE].kind is M.InputKind.INPUT for p in placeholders)
+        for p in placeholders:
+            if (role := p.meta[M.ROLE]).kind is M.InputKind.TARGET:
+                p.meta[M.ROLE] = dataclasses.replace(role, index=n_args + role.index)
+
+    def _enum(self, cls: type[enum.Enum], word: str) -> Any:
+        try:
+            return cls(word)
+        except ValueError:
+            raise self._error(f"unknown {cls.__name__} {word!r}",
+                              fix="one of " + ", ".join(k.value for k in cls)) from None
 
     def _error(self, cause: str, fix: str | None = None, cls: type = ParseError) -> ShardfxError:
         """``cause`` at the current line, with the lines around it, that line marked ``>>``."""

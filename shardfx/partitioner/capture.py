@@ -71,6 +71,9 @@ def capture(
     )
 
     traced: torch.nn.Module = model if mode is M.Mode.INFER else _LossOf(model, loss_fn)
+    # Trace on fresh tensors: if two example leaves were one tensor (labels=input_ids), tracing
+    # would fuse them into one graph input and a later step with different ones would be wrong.
+    args, targets = pytree.tree_map_only(torch.Tensor, torch.empty_like, (args, targets))
     example = args if mode is M.Mode.INFER else (args, targets)
     with _hf_cache_off(model):
         ep = _export(traced, example, model)
@@ -107,10 +110,10 @@ class _LossOf(torch.nn.Module):
             raise
         except Exception as e:
             raise LossError(
-                f"loss_fn cannot take the model's output: {type(e).__name__}: {e}",
+                f"loss_fn failed on the model's output and the targets: {type(e).__name__}: {e}",
                 where=f"loss_fn({_describe(out)}, {', '.join(_describe(t) for t in targets)})",
-                fix="make loss_fn accept exactly what model(*example_args) returns "
-                "(for Hugging Face models, a ModelOutput: use out.logits)",
+                fix="make loss_fn accept what model(*example_args) returns (for Hugging Face "
+                "models a ModelOutput: use out.logits) together with example_targets as given",
             ) from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise LossError(
