@@ -1,0 +1,245 @@
+"""The ``shardfx`` command line.
+
+    shardfx inspect MODULE:FACTORY [--mesh dp=1,tp=1] [--infer] [--dump DIR]
+
+``inspect`` imports MODULE (a dotted module such as ``mypkg.models``, or a path to a .py file
+such as ``examples/nanogpt.py``), calls FACTORY() with no arguments, plans what it returns with
+``shardfx.partition`` and prints the plan; nothing runs. FACTORY returns either
+
+    {"model": nn.Module, "args": tuple, "loss_fn": callable or None, "targets": tuple}
+
+(``loss_fn`` and ``targets`` optional) or the tuple ``(model, args[, loss_fn[, targets]])``.
+
+Exit codes: 0 planned; 1 shardfx rejected the model (a ``ShardfxError``, message printed);
+2 the command line is wrong (bad MODULE:FACTORY, bad ``--mesh``, unknown option). Errors print
+one paragraph, never a traceback; an exception raised by the user's own module or factory
+propagates with its traceback, since that is where the fix is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+import torch
+
+import shardfx
+from shardfx.errors import MeshError, ShardfxError
+from shardfx.mesh import MeshSpec
+
+FACTORY_KEYS = ("model", "args", "loss_fn", "targets")
+FACTORY_SHAPE = ('return {"model": module, "args": (x,), "loss_fn": fn, "targets": (y,)} '
+                 "or (module, (x,), fn, (y,)); loss_fn and targets are optional")
+_MISSING = object()
+
+
+class SpecError(ShardfxError):
+    """MODULE:FACTORY on the command line does not name a usable factory (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a factory returned, checked: the arguments of ``shardfx.partition``."""
+
+    model: torch.nn.Module
+    args: tuple
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    targets: tuple = ()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = _parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0), or a usage error argparse has already printed (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return ns.command(ns)
+    except SpecError as e:
+        print(f"shardfx {ns.name}: error: {e}", file=sys.stderr)
+        return 2
+    except ShardfxError as e:
+        print(f"shardfx {ns.name}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardfx", description="A compiler for distributed training of PyTorch models.")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    p = commands.add_parser(
+        "inspect", help="plan a model and print the plan, without running it",
+        description="Import MODULE, call FACTORY(), plan what it returns and print the plan. "
+        f"FACTORY must {FACTORY_SHAPE}.")
+    p.add_argument("spec", metavar="MODULE:FACTORY",
+                   help="a dotted module (mypkg.models:make) or a .py file "
+                   "(examples/nanogpt.py:make) and the factory function in it")
+    p.add_argument("--mesh", type=_mesh, default=MeshSpec(), metavar="AXIS=N,...",
+                   help="device mesh, e.g. dp=2,tp=2 (default: one device)")
+    p.add_argument("--infer", action="store_true",
+                   help="plan inference only: ignore the factory's loss_fn and targets")
+    p.add_argument("--dump", metavar="DIR",
+                   help="also write the IR after every pass, the program and the plan to DIR")
+    p.set_defaults(command=inspect_command, name="inspect")
+    return parser
+
+
+def _mesh(text: str) -> MeshSpec:
+    try:
+        return MeshSpec.parse(text)
+    except MeshError as e:  # argparse prints it under the usage line and exits 2
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def inspect_command(ns: argparse.Namespace) -> int:
+    job = load_job(ns.spec)
+    plan = shardfx.partition(
+        job.model, job.args,
+        loss_fn=None if ns.infer else job.loss_fn,
+        example_targets=() if ns.infer else job.targets,
+        mesh=dict(ns.mesh.axes))
+    print(str(plan).rstrip("\n"))
+    if ns.dump:
+        out = plan.dump(ns.dump)
+        print(f"dumped the IR after every pass, the program and plan.txt to {out}/")
+    return 0
+
+
+# --- MODULE:FACTORY -> Job ------------------------------------------------------------------
+
+
+def load_job(spec: str) -> Job:
+    """Import the module ``spec`` names, call its factory, and check what it returned."""
+    module_name, colon, attr = spec.rpartition(":")
+    if not colon or not module_name or not attr:
+        raise SpecError(f"{spec!r} does not name a factory", where=spec,
+                        fix="write MODULE:FACTORY, e.g. mypkg.models:make or "
+                        "examples/nanogpt.py:make")
+    module = _import(module_name)
+    factory = getattr(module, attr, _MISSING)
+    if factory is _MISSING:
+        defined = [name for name, v in vars(module).items() if _defined_function(v, module)]
+        listed = ", ".join(defined[:12]) + (", ..." if len(defined) > 12 else "")
+        raise SpecError(f"module {module_name!r} has no attribute {attr!r}", where=spec,
+                        fix=f"name one of its functions ({listed or 'it defines none'})")
+    if not callable(factory):
+        raise SpecError(f"{attr!r} in {module_name!r} is {_a(factory)}, not a callable",
+                        where=spec, fix=f"name a function that takes no arguments and will "
+                        f"{FACTORY_SHAPE}")
+    _check_no_required_args(factory, spec)
+    return _job(factory(), spec)
+
+
+def _import(name: str) -> ModuleType:
+    if name.endswith(".py") or "/" in name or os.sep in name:
+        return _import_file(Path(name))
+    # Like `python -m`: modules and packages in the current directory are importable.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+            raise  # the module exists; something it imports does not: the user's traceback
+        raise SpecError(f"no module named {name!r} (looked for {e.name!r} on the import path)",
+                        where=f"{name} (from {os.getcwd()})",
+                        fix="check the spelling, run from the directory that contains the "
+                        "package, or give the path to the .py file instead "
+                        f"(e.g. {name.replace('.', '/')}.py:FACTORY)") from None
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise SpecError(f"no file {str(path)!r}", where=f"{path.resolve()}",
+                        fix="give the path of a .py file, relative to the current directory or "
+                        "absolute, or a dotted module name (mypkg.models:FACTORY)")
+    # Named after the file, as `import` would, unless that would replace an unrelated module
+    # (the file's own `if __name__ == "__main__":` block does not run).
+    name = path.stem
+    other = sys.modules.get(name)
+    if other is not None and getattr(other, "__file__", None) != str(path.resolve()):
+        name = f"_shardfx_cli_.{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path.resolve())
+    if module_spec is None or module_spec.loader is None:
+        raise SpecError(f"cannot import {str(path)!r} as a Python module", where=str(path),
+                        fix="give the path of a .py file")
+    module = importlib.util.module_from_spec(module_spec)
+    # Like `python path/to/file.py`: its directory is on the path, for its sibling imports.
+    if str(path.resolve().parent) not in sys.path:
+        sys.path.insert(0, str(path.resolve().parent))
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _a(value: Any) -> str:
+    """``a Tensor``, ``an int``: the type of ``value`` for a message."""
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _defined_function(value: Any, module: ModuleType) -> bool:
+    return inspect.isfunction(value) and value.__module__ == module.__name__ \
+        and not value.__name__.startswith("_")
+
+
+def _check_no_required_args(factory: Callable, spec: str) -> None:
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise SpecError(f"the factory {spec.rpartition(':')[2]}{inspect.signature(factory)} "
+                        "has required parameters; the command line calls it with none",
+                        where=spec,
+                        fix="give its parameters defaults, or add a function without parameters "
+                        "that calls it") from None
+    except ValueError:  # no signature to read (a builtin): let the call decide
+        pass
+
+
+def _job(value: Any, spec: str) -> Job:
+    """A Job from a factory's dict or tuple, naming the wrong part if there is one."""
+    if isinstance(value, dict):
+        unknown = [k for k in value if k not in FACTORY_KEYS]
+        missing = [k for k in ("model", "args") if k not in value]
+        if unknown or missing:
+            problem = "; ".join(filter(None, [
+                unknown and f"unknown keys {', '.join(map(repr, unknown))}",
+                missing and f"missing keys {', '.join(map(repr, missing))}"]))
+            raise SpecError(f"the factory returned a dict with {problem}", where=spec,
+                            fix=f"use the keys {', '.join(FACTORY_KEYS)}: {FACTORY_SHAPE}")
+        parts = dict(value)
+    elif isinstance(value, (tuple, list)) and 2 <= len(value) <= 4:
+        parts = dict(zip(FACTORY_KEYS, value))
+    else:
+        what = f"a {len(value)}-tuple" if isinstance(value, (tuple, list)) else _a(value)
+        raise SpecError(f"the factory returned {what}, not a dict or a 2- to 4-tuple",
+                        where=spec, fix=f"make it {FACTORY_SHAPE}")
+
+    def wrong(key: str, want: str, fix: str) -> SpecError:
+        return SpecError(f"the factory's {key} is {_a(parts[key])}, not {want}", where=spec,
+                         fix=fix)
+
+    if not isinstance(parts["model"], torch.nn.Module):
+        raise wrong("model", "a torch.nn.Module", "return the module itself")
+    for key in ("args", "targets"):
+        if isinstance(parts.get(key), list):
+            parts[key] = tuple(parts[key])
+        if key in parts and not isinstance(parts[key], tuple):
+            raise wrong(key, "a tuple", "wrap a single tensor in a tuple: (x,)")
+    if parts.get("loss_fn") is not None and not callable(parts["loss_fn"]):
+        raise wrong("loss_fn", "a callable", "return loss_fn(output, *targets) -> scalar, or None")
+    return Job(**parts)
