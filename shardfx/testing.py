@@ -76,13 +76,13 @@ def compare_training(
         loss = runner.step(args, targets)
         report.loss.append(rel_error(loss, eager_loss))
         ours = dict(compiled.named_parameters())
+        missing = [n for n, p in eager.named_parameters() if (p.grad is None) != (ours[n].grad is None)]
+        assert not missing, f"step {step}: gradient present in one run only: {missing}"
         grads = [(rel_error(ours[n].grad, p.grad), n) for n, p in eager.named_parameters()
                  if p.grad is not None]
         state = dict(compiled.named_buffers()) | ours
         params = [(rel_error(state[n], p.float()), n) for n, p in
                   [*eager.named_parameters(), *eager.named_buffers()]]
-        missing = [n for n, p in eager.named_parameters() if (p.grad is None) != (ours[n].grad is None)]
-        assert not missing, f"step {step}: gradient present in one run only: {missing}"
         report.grad.append(max(grads, default=(0.0, "-")))
         report.param.append(max(params, default=(0.0, "-")))
         assert report.max() < rtol, f"shardfx differs from eager (rtol {rtol}):\n{report}"

@@ -1,0 +1,78 @@
+"""Shared set-up for the test suite.
+
+``SHARDFX_DEBUG=1`` is set before shardfx is imported, so ``verify`` runs after every pass of
+every plan a test builds: a pass that leaves the IR broken fails the test that exercised it.
+
+Models are tiny (hidden 32, 2 layers, vocab 64, sequence 8, batch 2) and dropout is off, so the
+eager and the shardfx run compute the same function and the whole suite stays fast on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+os.environ["SHARDFX_DEBUG"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# Tiny configs trip Hugging Face's config checks (e.g. GPT-2's bos/eos id 50256 outside a
+# vocabulary of 64); the warnings are noise here.
+try:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+except ImportError:  # the HF tests skip themselves
+    pass
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The one size every model test uses: small enough for CPU, big enough to have structure."""
+
+    vocab: int = 64
+    seq: int = 8
+    batch: int = 2
+    hidden: int = 32
+    layers: int = 2
+
+
+SIZES = Sizes()
+
+
+@pytest.fixture
+def sizes() -> Sizes:
+    return SIZES
+
+
+def lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy on a Hugging Face causal LM's output: (B, T, V) vs (B, T)."""
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.fixture
+def lm_loss_fn():
+    return lm_loss
+
+
+def token_batches(n: int, seed: int = 0) -> list[tuple[tuple, tuple]]:
+    """``n`` different (args, targets) pairs of token ids, each (batch, seq)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids():
+        return torch.randint(0, SIZES.vocab, (SIZES.batch, SIZES.seq), generator=g)
+
+    return [((ids(),), (ids(),)) for _ in range(n)]
+
+
+@pytest.fixture
+def batches():
+    """Factory: ``batches(n)`` gives ``n`` different (args, targets) batches of token ids."""
+    return token_batches
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
