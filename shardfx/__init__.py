@@ -10,7 +10,8 @@ from shardfx.api import partition
 from shardfx.errors import (CaptureError, InputError, LossError, MeshError, PassError,
                             ShardfxError, VerifyError)
 from shardfx.plan import Plan
+from shardfx.runtime.launch import LaunchError, launch
 from shardfx.runtime.runner import Runner
 
 __all__ = ["partition", "Plan", "Runner", "ShardfxError", "CaptureError", "InputError",
-           "LossError", "MeshError", "PassError", "VerifyError"]
+           "LossError", "MeshError", "PassError", "VerifyError", "launch", "LaunchError"]

@@ -46,3 +46,8 @@ class VerifyError(ShardfxError):
 
 class ParseError(ShardfxError, ValueError):
     """Text is not in the IR's text form (see ``shardfx.ir.text``)."""
+
+
+class ShardingError(ShardfxError, ValueError):
+    """A sharding request that cannot be applied: unknown placement, no matching parameter,
+    a dimension not divisible by its mesh axis."""

@@ -7,19 +7,35 @@ program each device runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from shardfx.codegen.program import Program, generate
+from shardfx.codegen.redistribute import Collective
+from shardfx.codegen.spmd import generate_spmd
+from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
 from shardfx.passes.manager import Options, PassRecord, run_passes
+from shardfx.passes.shard_annotate import shard_annotate
+from shardfx.passes.shard_propagate import shard_propagate
 
 
-def compile_ir(gm: fx.GraphModule, options: Options) -> tuple[fx.GraphModule, Program, list[PassRecord]]:
+def compile_ir(gm: fx.GraphModule, options: Options
+               ) -> tuple[fx.GraphModule, Program, list[PassRecord], list[Collective]]:
+    gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=options.mesh.axes)
     history = [PassRecord("capture", ir_to_text(gm))]
+    sharded = options.mesh.size > 1
     gm = run_passes(gm, [
-        assign_phase,   # forward vs backward: the split remat and pipeline stages reason about
-        estimate_cost,  # FLOPs and bytes per op: the summary now, the stage cutter and solver later
+        assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
+        estimate_cost,    # FLOPs and bytes per op: the summary now, the stage cutter and solver later
+        *([shard_annotate,   # the user's request -> placements of parameters and batch inputs
+           shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
+           ] if sharded else []),
     ], options, history)
-    return gm, generate(gm), history
+    if not sharded:
+        return gm, generate(gm), history, []
+    program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
+    return gm, program, history, collectives

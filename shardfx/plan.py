@@ -31,7 +31,7 @@ class Plan:
         self.options = options
         self._example_args = example_args
         self._captured = captured
-        self.ir, self.program, self.history = compile_ir(captured.gm, options)
+        self.ir, self.program, self.history, self.collectives = compile_ir(captured.gm, options)
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
         self.state_names = tuple(model.state_dict().keys())
         self._canonical = _canonical_names(model)
@@ -49,7 +49,7 @@ class Plan:
         """The forward-only program (captured on first use for a training plan)."""
         if self._inference is None:
             captured = capture(self.model, self._example_args)
-            _, program, _ = compile_ir(captured.gm, self.options)
+            _, program, _, _ = compile_ir(captured.gm, self.options)
             self._inference = (program, captured.out_spec)
         return self._inference
 

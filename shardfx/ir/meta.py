@@ -11,6 +11,8 @@ reader can find in one place what a key means and which pass produces it.
     OUTPUTS           the output node    tuple[OutputRole, ...]  partitioner.capture
     PHASE             call_function      Phase          passes.assign_phase
     COST              call_function      NodeCost       passes.estimate_cost
+    ANNOTATION        placeholders       Placements     passes.shard_annotate
+    SHARDING          call_function      NodeSharding   passes.shard_propagate
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``.
 """
@@ -25,6 +27,8 @@ ROLE = "shardfx.role"
 OUTPUTS = "shardfx.outputs"
 PHASE = "shardfx.phase"
 COST = "shardfx.cost"
+ANNOTATION = "shardfx.annotation"
+SHARDING = "shardfx.sharding"
 GRAPH = "shardfx.graph"
 
 
@@ -44,6 +48,7 @@ class GraphInfo:
 
     mode: Mode
     model: str  # the user's model class name, for messages and dumps
+    mesh: tuple[tuple[str, int], ...] = ()  # axis sizes, once the graph is planned for a mesh
 
 
 class InputKind(str, enum.Enum):
@@ -52,6 +57,7 @@ class InputKind(str, enum.Enum):
     INPUT = "input"  # a leaf of example_args
     TARGET = "target"  # a leaf of example_targets
     TANGENT = "tangent"  # d(loss)/d(loss): 1.0, or the loss scale under fp16
+    MESH = "mesh"  # per-rank facts of a per-device program: a process group name, a coordinate
 
     def __str__(self) -> str:
         return self.value
@@ -116,3 +122,50 @@ class NodeCost:
 
     def __str__(self) -> str:
         return f"flops={self.flops} bytes={self.out_bytes}"
+
+
+# One DTensor placement (Shard(d), Replicate(), Partial()) per mesh axis, in mesh axis order.
+Placements = tuple  # tuple[torch.distributed.tensor.Placement, ...]
+
+
+def placements_str(p: Placements | None) -> str:
+    """Compact form for dumps: ``S(0)R`` for Shard(0) on the first axis, Replicate on the second."""
+    if p is None:
+        return "-"
+    if p and isinstance(p[0], tuple):  # several outputs
+        return "(" + ", ".join(placements_str(x) for x in p) + ")"
+    return "".join(_placement_str(x) for x in p) or "R"
+
+
+def _placement_str(x) -> str:
+    name = type(x).__name__
+    if name == "Shard":
+        return f"S({x.dim})"
+    if name == "Replicate":
+        return "R"
+    if name == "Partial":
+        return "P" if x.reduce_op == "sum" else f"P({x.reduce_op})"
+    return str(x)
+
+
+@dataclass(frozen=True)
+class NodeSharding:
+    """How one op runs on the mesh.
+
+    ``out``: placements of its result (a tuple of them for multi-output ops). ``inputs``: the
+    placements each tensor operand must have when the op runs, in operand order (the runtime
+    redistributes an operand whose producer left it otherwise). ``local_args`` / ``local_kwargs``:
+    the op's arguments with global shapes rewritten to per-device shapes (``view(x, [8, 32])``
+    becomes ``view(x, [4, 32])``), or None when they are unchanged. ``replicated``: no sharding
+    rule applied, so the op runs on full tensors (correct, costlier; the dump lists these).
+    """
+
+    out: Placements
+    inputs: tuple[Placements | None, ...] = ()
+    local_args: tuple | None = None
+    local_kwargs: dict | None = None
+    replicated: bool = False
+
+    def __str__(self) -> str:
+        s = placements_str(self.out)
+        return s + " (no rule: replicated)" if self.replicated else s

@@ -81,8 +81,12 @@ def node_line(node: fx.Node) -> str:
 
 def node_notes(node: fx.Node) -> str:
     """Our annotations on a node, compact; later passes add theirs here (placements, stage)."""
-    phase = node.meta.get(M.PHASE)
-    return str(phase) if phase is not None else ""
+    notes = [str(node.meta[M.PHASE])] if M.PHASE in node.meta else []
+    for key in (M.ANNOTATION, M.SHARDING):
+        if key in node.meta:
+            value = node.meta[key]
+            notes.append(str(value) if key == M.SHARDING else M.placements_str(value))
+    return " ".join(notes)
 
 
 def ir_to_text(gm: fx.GraphModule, mark: fx.Node | None = None) -> str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch.fx as fx
 
 from shardfx.errors import PassError, ShardfxError
+from shardfx.mesh import MeshSpec
 from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
 
@@ -28,6 +29,9 @@ Pass = Callable[[fx.GraphModule, "Options"], fx.GraphModule]
 class Options:
     """What the user asked of ``partition``, as the passes see it."""
 
+    mesh: MeshSpec = MeshSpec()
+    shard: Any = "auto"  # "auto" | "megatron" | "replicate" | {param glob: placements}
+    module_types: dict[str, str] = field(default_factory=dict)  # module FQN -> class name
     debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
 
 

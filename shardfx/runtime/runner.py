@@ -3,7 +3,10 @@
 On one device the runner binds the program's parameter and buffer inputs to the model's own
 tensors and updates them in place, as an eager training loop would: the user's optimizer gets
 the model's ``nn.Parameter`` objects, their ``.grad`` holds the last step's gradients, and the
-model sees the trained weights. The program itself, not the original module, computes the step.
+model sees the trained weights. On a mesh each rank keeps its own shard of every parameter (new
+``nn.Parameter`` objects: the optimizer steps on shards), cuts its slice of each global batch,
+and ``state_dict`` gathers full tensors. The program itself, not the original module, computes
+the step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.utils._pytree as pytree
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.runtime.shards import Shards
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan
@@ -37,6 +41,12 @@ class Runner:
                     fix="materialize the model before plan.runner(): "
                     "model.to_empty(device='cpu') then initialize or load weights",
                 )
+        self._shards = Shards(plan.mesh) if plan.mesh.size > 1 else None
+        self._placements = _placements(plan.program)
+        if self._shards is not None:
+            self._params = {name: torch.nn.Parameter(
+                self._shards.local(p.detach(), self._placements.get(name, ())).clone(),
+                requires_grad=p.requires_grad) for name, p in self._params.items()}
         self.optimizer = optimizer(list(self._params.values())) if optimizer else None
 
     # --- training and inference -------------------------------------------------------------
@@ -86,6 +96,10 @@ class Runner:
             return self._buffers[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss)
             return torch.ones((), dtype=node.meta[M.VAL].dtype)
+        if role.kind is M.InputKind.MESH:
+            return self._shards.mesh_input(role)
+        if self._shards is not None:
+            return self._shards.local(flat[role.index], node.meta[M.ANNOTATION])
         return flat[role.index]
 
     # --- state ------------------------------------------------------------------------------
@@ -93,7 +107,13 @@ class Runner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own FQNs (tied weights under each of their names)."""
         tensors = {**self._params, **self._buffers}
-        return {fqn: tensors[self._plan.canonical(fqn)].detach() for fqn in self._plan.state_names}
+        return {fqn: self._full(self._plan.canonical(fqn), tensors) for fqn in self._plan.state_names}
+
+    def _full(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        local = tensors[name].detach()
+        if self._shards is None:
+            return local
+        return self._shards.full(local, self._placements.get(name, ()))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         names = set(self._plan.state_names)
@@ -105,7 +125,10 @@ class Runner:
                 fix="save it with runner.state_dict() or model.state_dict() of the same model")
         tensors = {**self._params, **self._buffers}
         for fqn in self._plan.state_names:
-            dst, src = tensors[self._plan.canonical(fqn)], state[fqn]
+            name = self._plan.canonical(fqn)
+            dst, src = tensors[name], state[fqn]
+            if self._shards is not None:
+                src = self._shards.local(src, self._placements.get(name, ()))
             if dst.shape != src.shape:
                 raise InputError(f"{fqn} has shape {list(src.shape)} in the state dict, "
                                  f"{list(dst.shape)} in the model", where=fqn,
@@ -115,3 +138,9 @@ class Runner:
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return self._params.values()
+
+
+def _placements(program: Program) -> dict[str, M.Placements]:
+    """Parameter and buffer FQN -> placements, as the program's inputs declare them."""
+    return {n.meta[M.ROLE].name: n.meta[M.ANNOTATION]
+            for n in program.module.graph.find_nodes(op="placeholder") if M.ANNOTATION in n.meta}

@@ -1,0 +1,118 @@
+"""Redistribution as graph code: turn a value's placements into the ones an op needs.
+
+Each mesh axis is handled on its own (shard_propagate never shards one tensor dim on two axes),
+with torch's functional collectives, so the program reads as plain ATen plus collectives:
+
+    have -> want          emitted on that axis
+    P    -> R             all_reduce(sum), then / n for P(avg)
+    P    -> S(d)          reduce_scatter along d
+    S(d) -> R             all_gather along d
+    R    -> S(d)          narrow(d, coord * size, size)    (no communication)
+    R    -> P             x / n for P(sum): every rank holds a share that sums back to x
+    S(a) -> S(b), S -> P  through R
+
+Process-group names and the rank's coordinate on each axis are program inputs (``group_tp``,
+``coord_tp``), never constants: one program serves every rank (the SPMD property).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardfx.ir import meta as M
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+@dataclass
+class MeshInputs:
+    """The per-rank program inputs for one mesh axis, created on first use."""
+
+    axis: str
+    size: int
+    group: fx.Node
+    coord: fx.Node
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective the program issues: for communication accounting."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter
+    axis: str
+    nbytes: int  # bytes of the local tensor the collective takes in
+    reason: str  # "node_name: S(0) -> R"
+
+
+Emit = Callable[..., fx.Node]  # emit(op, *args) -> node with its local value filled in
+
+
+def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
+                 mesh: list[MeshInputs], reason: str, log: list[Collective]) -> fx.Node:
+    for i, (h, w) in enumerate(zip(have, want)):
+        if h == w:
+            continue
+        axis = mesh[i]
+        via_replicate = (isinstance(h, Shard) and isinstance(w, (Shard, Partial))) or \
+            (isinstance(h, Partial) and isinstance(w, Partial))
+        if via_replicate:
+            x = _one(emit, x, h, Replicate(), axis, reason, log)
+            h = Replicate()
+        x = _one(emit, x, h, w, axis, reason, log)
+    return x
+
+
+def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list) -> fx.Node:
+    n = axis.size
+    why = f"{reason}: {M.placements_str((h,))} -> {M.placements_str((w,))} on {axis.axis}"
+    if isinstance(h, Partial) and isinstance(w, Replicate):
+        log.append(Collective("all_reduce", axis.axis, _bytes(x), why))
+        x = emit(c10d.wait_tensor.default, emit(c10d.all_reduce.default, x, "sum", axis.group))
+        return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
+    if isinstance(h, Partial) and isinstance(w, Shard):
+        log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why))
+        x = _dim_to_front(emit, x, w.dim)
+        x = emit(c10d.wait_tensor.default,
+                 emit(c10d.reduce_scatter_tensor.default, x, "sum", n, axis.group))
+        x = _dim_from_front(emit, x, w.dim)
+        return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
+    if isinstance(h, Shard) and isinstance(w, Replicate):
+        log.append(Collective("all_gather", axis.axis, _bytes(x), why))
+        x = _dim_to_front(emit, x, h.dim)
+        x = emit(c10d.wait_tensor.default,
+                 emit(c10d.all_gather_into_tensor.default, x, n, axis.group))
+        return _dim_from_front(emit, x, h.dim)
+    if isinstance(h, Replicate) and isinstance(w, Shard):
+        size = x.meta[M.VAL].shape[w.dim] // n
+        start = emit(operator.mul, axis.coord, size)
+        return emit(aten.narrow.default, x, w.dim, start, size)
+    if isinstance(h, Replicate) and isinstance(w, Partial):
+        return emit(aten.div.Tensor, x, n) if w.reduce_op == "sum" else x
+    raise NotImplementedError(f"redistribution {h} -> {w}")
+
+
+def _dim_to_front(emit: Emit, x: fx.Node, dim: int) -> fx.Node:
+    """Collectives split and concatenate along dim 0: bring ``dim`` there, contiguous."""
+    dim = dim % x.meta[M.VAL].dim()
+    if dim != 0:
+        x = emit(aten.transpose.int, x, 0, dim)
+    if dim != 0 or not x.meta[M.VAL].is_contiguous():
+        x = emit(aten.clone.default, x, memory_format=torch.contiguous_format)
+    return x
+
+
+def _dim_from_front(emit: Emit, x: fx.Node, dim: int) -> fx.Node:
+    dim = dim % x.meta[M.VAL].dim()
+    return emit(aten.transpose.int, x, 0, dim) if dim != 0 else x
+
+
+def _bytes(x: fx.Node) -> int:
+    v = x.meta[M.VAL]
+    return v.numel() * v.element_size()

@@ -1,0 +1,106 @@
+"""codegen.spmd: the per-device program of a sharded plan.
+
+Requires: ROLE, ANNOTATION on placeholders; SHARDING on ops and on the output node.
+Ensures:  a new GraphModule over local shapes, with explicit collectives, whose inputs are the
+          local shards of the parameters and inputs plus, per mesh axis, the process-group
+          name and this rank's coordinate; one program for every rank.
+
+Walking the global graph in order, every operand is first redistributed to the placements the
+op's rule asked for (``codegen.redistribute``), then the op is emitted with its arguments made
+local (view sizes and the like, from the rule). Every emitted node gets its local FakeTensor by
+running the op on its operands' local fake values, so the program's shapes are checked as it is
+built. Returned values are redistributed to what the runner expects: each gradient like its
+parameter, the loss and model outputs replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
+
+from shardfx.codegen.program import Program
+from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
+from shardfx.ir import meta as M
+from shardfx.ir.graph import op_nodes
+
+
+def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
+    info = gm.meta[M.GRAPH]
+    graph = fx.Graph()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    env: dict[fx.Node, fx.Node] = {}
+    have: dict[fx.Node, M.Placements] = {}
+    log: list[Collective] = []
+
+    def emit(op, *args, **kwargs) -> fx.Node:
+        node = graph.call_function(op, args, kwargs)
+        vals = pytree.tree_map_only(fx.Node, lambda n: n.meta[M.VAL], (args, kwargs))
+        with fake:
+            node.meta[M.VAL] = op(*vals[0], **vals[1])
+        return node
+
+    for node in gm.graph.find_nodes(op="placeholder"):
+        local = graph.placeholder(node.name)
+        local.meta.update({k: node.meta[k] for k in (M.ROLE, M.ANNOTATION) if k in node.meta})
+        placements = node.meta.get(M.ANNOTATION, ())
+        local.meta[M.VAL] = _local_fake(fake, node.meta[M.VAL], placements, info.mesh)
+        env[node], have[node] = local, placements
+    mesh = _mesh_inputs(graph, info.mesh)
+
+    for node in op_nodes(gm.graph):
+        sharding: M.NodeSharding = node.meta[M.SHARDING]
+        operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+        local_operands = iter([
+            env[a] if want is None else
+            redistribute(emit, env[a], have[a], want, mesh, node.name, log)
+            for a, want in zip(operands, sharding.inputs)])
+        args = sharding.local_args if sharding.local_args is not None else node.args
+        kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(local_operands), (args, kwargs))
+        local = emit(node.target, *args, **kwargs)
+        local._rename(node.name)
+        env[node], have[node] = local, sharding.out
+
+    out = gm.graph.output_node()
+    wants = out.meta[M.SHARDING].inputs
+    values = [redistribute(emit, env[v], have[v], want, mesh, f"return {role}", log)
+              for v, want, role in zip(out.args[0], wants, out.meta[M.OUTPUTS])]
+    graph.output(tuple(values)).meta[M.OUTPUTS] = out.meta[M.OUTPUTS]
+    for m in mesh:  # keep only the mesh inputs the program reads
+        for p in (m.group, m.coord):
+            if not p.users:
+                graph.erase_node(p)
+    module = fx.GraphModule(gm, graph, class_name="ShardfxSpmdProgram")
+    inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
+    return Program(module, inputs, tuple(out.meta[M.OUTPUTS])), log
+
+
+def _mesh_inputs(graph: fx.Graph, axes) -> list[MeshInputs]:
+    out = []
+    for axis, n in axes:
+        group = graph.placeholder(f"group_{axis}")
+        group.meta[M.ROLE] = M.InputRole(M.InputKind.MESH, f"group({axis})")
+        group.meta[M.VAL] = f"<{axis} group>"
+        coord = graph.placeholder(f"coord_{axis}")
+        coord.meta[M.ROLE] = M.InputRole(M.InputKind.MESH, f"coord({axis})")
+        coord.meta[M.VAL] = 0
+        out.append(MeshInputs(axis, n, group, coord))
+    return out
+
+
+def _local_fake(fake: FakeTensorMode, val: torch.Tensor, placements: M.Placements, axes):
+    with fake:
+        return torch.empty(local_shape(val.shape, placements, axes), dtype=val.dtype,
+                           device=val.device)
+
+
+def local_shape(shape, placements: M.Placements, axes) -> tuple[int, ...]:
+    shape = list(shape)
+    for p, (_, n) in zip(placements, axes):
+        if isinstance(p, Shard):
+            shape[p.dim] //= n
+    return tuple(shape)
+

@@ -1,0 +1,169 @@
+"""shard_annotate: the user's sharding request becomes a placement for every graph input.
+
+Requires: ROLE on placeholders; ``options.mesh``, ``options.shard``, ``options.module_types``.
+Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor placeholder.
+
+``shard`` is one of
+  - ``"replicate"``: every parameter replicated (pure data parallel);
+  - ``"megatron"``: Megatron-LM's tensor-parallel plan on the ``tp`` axis, found by module
+    name: attention q/k/v and MLP gate/up/fc projections column-parallel (output features
+    sharded), attention output and MLP down projections row-parallel (input features sharded);
+    embeddings and the LM head replicated; everything else replicated;
+  - ``"auto"``: ``"megatron"`` when the mesh has a ``tp`` axis, else ``"replicate"`` (the ILP
+    solver replaces this in a later version);
+  - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
+    its placements, one per mesh axis; unmatched parameters are replicated.
+Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``; the tangent and
+buffers are replicated.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from shardfx.errors import MeshError, ShardingError
+from shardfx.ir import meta as M
+
+# Module names (the last FQN component before .weight/.bias) of Megatron's parallel linears.
+COLUMN = r"(q_proj|k_proj|v_proj|query|key|value|qkv_proj|c_attn|gate_proj|up_proj|w1|w3|c_fc|fc1|fc_in)"
+ROW = r"(o_proj|out_proj|down_proj|w2|c_proj|fc2|fc_out|dense)"
+# Hugging Face GPT-2 stores Conv1D weights as [in, out]: the sharded dims swap.
+TRANSPOSED = ("Conv1D",)
+
+
+def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
+    mesh = options.mesh
+    axes = [a for a, _ in mesh.axes]
+    params = _param_placements(gm, options)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        role = node.meta[M.ROLE]
+        if role.kind is M.InputKind.PARAM:
+            node.meta[M.ANNOTATION] = params.get(role.name) or replicated(axes)
+        elif role.kind in (M.InputKind.INPUT, M.InputKind.TARGET):
+            node.meta[M.ANNOTATION] = _batch_sharded(node, role, mesh)
+        elif role.kind is not M.InputKind.MESH:
+            node.meta[M.ANNOTATION] = replicated(axes)
+    return gm
+
+
+def replicated(axes: list[str]) -> M.Placements:
+    return tuple(Replicate() for _ in axes)
+
+
+def _batch_sharded(node: fx.Node, role: M.InputRole, mesh) -> M.Placements:
+    val = node.meta[M.VAL]
+    out = []
+    for axis, n in mesh.axes:
+        if axis != "dp" or n == 1 or val.dim() == 0:
+            out.append(Replicate())
+            continue
+        if val.shape[0] % n:
+            raise MeshError(
+                f"{role.name} has batch size {val.shape[0]}, not divisible by dp={n}",
+                where=f"{role.name} (shape {list(val.shape)})",
+                fix=f"use a global batch that is a multiple of {n}, or a smaller dp")
+        out.append(Shard(0))
+    return tuple(out)
+
+
+def _param_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
+    """FQN -> placements for the parameters the request shards; the rest are replicated."""
+    shard, mesh = options.shard, options.mesh
+    axes = [a for a, _ in mesh.axes]
+    shapes = {n.meta[M.ROLE].name: (tuple(n.meta[M.VAL].shape), n.meta[M.ROLE].aliases)
+              for n in gm.graph.find_nodes(op="placeholder")
+              if n.meta[M.ROLE].kind is M.InputKind.PARAM}
+    if shard == "auto":
+        shard = "megatron" if "tp" in axes else "replicate"
+    if shard == "replicate":
+        return {}
+    if shard == "megatron":
+        request = _megatron(shapes, options.module_types, axes)
+    elif isinstance(shard, dict):
+        request = _from_globs(shard, shapes, axes)
+    else:
+        raise ShardingError(f"unknown shard request {shard!r}", where="partition(..., shard=...)",
+                            fix='use "auto", "megatron", "replicate" or {param glob: placements}')
+    for fqn, placements in request.items():
+        _check_divisible(fqn, shapes[fqn][0], placements, mesh)
+    return request
+
+
+def _from_globs(spec: dict, shapes: dict, axes: list[str]) -> dict[str, M.Placements]:
+    out: dict[str, M.Placements] = {}
+    for glob, placements in spec.items():
+        placements = _check_placements(glob, placements, axes)
+        hits = [fqn for fqn, (_, aliases) in shapes.items()
+                if any(fnmatch.fnmatchcase(name, glob) for name in (fqn, *aliases))]
+        if not hits:
+            close = sorted(shapes)[:5]
+            raise ShardingError(f"shard glob {glob!r} matches no parameter",
+                                where=f"shard[{glob!r}]",
+                                fix=f"globs match parameter FQNs such as {', '.join(close)}")
+        for fqn in hits:
+            out.setdefault(fqn, placements)  # the first matching glob wins
+    return out
+
+
+def _check_placements(glob: str, placements, axes: list[str]) -> M.Placements:
+    if isinstance(placements, Placement):
+        placements = [placements]
+    placements = tuple(placements)
+    if len(placements) != len(axes):
+        raise ShardingError(
+            f"shard[{glob!r}] gives {len(placements)} placements for a mesh of {len(axes)} axes "
+            f"({', '.join(axes) or 'none'})", where=f"shard[{glob!r}]",
+            fix="give one placement per mesh axis, in mesh order, e.g. [Replicate(), Shard(0)]")
+    for p in placements:
+        if not isinstance(p, (Shard, Replicate)) or type(p) not in (Shard, Replicate):
+            kind = "Partial is not a parameter placement" if isinstance(p, Partial) else \
+                f"unknown placement {p!r}"
+            raise ShardingError(f"{kind}", where=f"shard[{glob!r}]",
+                                fix="parameters take Shard(dim) or Replicate() "
+                                "(from torch.distributed.tensor)")
+    return placements
+
+
+def _megatron(shapes: dict, module_types: dict[str, str], axes: list[str]) -> dict:
+    if "tp" not in axes:
+        return {}
+    tp = axes.index("tp")
+    out = {}
+    for fqn, (shape, _) in shapes.items():
+        module, _, leaf = fqn.rpartition(".")
+        name = module.rpartition(".")[2]
+        kind = "col" if re.fullmatch(COLUMN, name) else "row" if re.fullmatch(ROW, name) else None
+        if kind is None or leaf not in ("weight", "bias") or len(shape) > 2:
+            continue
+        transposed = module_types.get(module, "") in TRANSPOSED
+        if leaf == "weight":
+            dim = (0 if kind == "col" else 1) ^ int(transposed)
+        elif kind == "col":
+            dim = 0
+        else:
+            continue  # a row-parallel bias is added after the all-reduce: replicated
+        placements = [Replicate() for _ in axes]
+        placements[tp] = Shard(dim)
+        out[fqn] = tuple(placements)
+    return out
+
+
+def _check_divisible(fqn: str, shape: tuple, placements: M.Placements, mesh) -> None:
+    for (axis, n), p in zip(mesh.axes, placements):
+        if not isinstance(p, Shard):
+            continue
+        if p.dim >= len(shape) or p.dim < -len(shape):
+            raise ShardingError(f"{fqn} has {len(shape)} dims; cannot shard dim {p.dim}",
+                                where=f"{fqn} (shape {list(shape)})",
+                                fix="shard a dimension the parameter has")
+        size = shape[p.dim]
+        if size % n:
+            raise ShardingError(
+                f"{fqn} dim {p.dim} has size {size}, not divisible by mesh axis {axis}={n}",
+                where=f"{fqn} (shape {list(shape)})",
+                fix=f"replicate it on {axis}, shard another dim, or use a {axis} size "
+                f"dividing {size}")
