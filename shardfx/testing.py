@@ -37,6 +37,7 @@ class Report:
     loss: list[float] = field(default_factory=list)
     grad: list[tuple[float, str]] = field(default_factory=list)
     param: list[tuple[float, str]] = field(default_factory=list)  # parameters and buffers
+    noise: int = 0  # parameter elements left out after optimizer steps (see compare_training)
 
     def max(self) -> float:
         return max([*self.loss, *(e for e, _ in self.grad), *(e for e, _ in self.param)], default=0)
@@ -44,7 +45,8 @@ class Report:
     def __str__(self) -> str:
         rows = [f"step {i}: loss {l:.2e}  grad {g:.2e} ({gn})  param {p:.2e} ({pn})"
                 for i, (l, (g, gn), (p, pn)) in enumerate(zip(self.loss, self.grad, self.param))]
-        return "\n".join(rows)
+        return "\n".join(rows + [f"({self.noise} elements with zero true gradient not compared "
+                                  "after optimizer steps)"] * bool(self.noise))
 
 
 def compare_training(
@@ -58,7 +60,15 @@ def compare_training(
     """Train ``model`` eagerly and through shardfx on ``batches`` ((args, targets) per step).
 
     Raises AssertionError naming the step and tensor if any relative error reaches ``rtol``.
-    The plan is built on the first batch; ``model`` itself is left untouched.
+    The plan is built on the first batch; ``model`` itself is left untouched. Under
+    ``shardfx.launch`` every rank runs both and compares full (gathered) tensors.
+
+    One comparison is ill-posed and left out, visibly: elements whose true gradient is exactly
+    zero (GPT-2's key bias: softmax ignores a constant shift) get rounding noise as gradient,
+    and Adam rescales noise to full-size steps, so after an optimizer step those elements
+    differ by design whenever the summation order differs (as it does across devices). The
+    parameter comparison skips elements whose eager gradient was below 1e-6 of the tensor's
+    largest at some step; ``Report.noise`` counts them; gradients are compared in full.
     """
     import shardfx  # the package imports this module's users, not the other way round
 
@@ -68,25 +78,37 @@ def compare_training(
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     runner = plan.runner(optimizer=optimizer)
     report = Report()
+    noise: dict[str, torch.Tensor] = {}
     for step, (args, targets) in enumerate(batches):
         eager_opt.zero_grad(set_to_none=True)
         eager_loss = loss_fn(eager(*args), *targets)
         eager_loss.backward()
         eager_opt.step()
         loss = runner.step(args, targets)
+        grads, state = runner.grads(), runner.state_dict()
         report.loss.append(rel_error(loss, eager_loss))
-        ours = dict(compiled.named_parameters())
-        missing = [n for n, p in eager.named_parameters() if (p.grad is None) != (ours[n].grad is None)]
+        expected = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+        missing = sorted(set(expected) ^ set(grads))
         assert not missing, f"step {step}: gradient present in one run only: {missing}"
-        grads = [(rel_error(ours[n].grad, p.grad), n) for n, p in eager.named_parameters()
-                 if p.grad is not None]
-        state = dict(compiled.named_buffers()) | ours
-        params = [(rel_error(state[n], p.float()), n) for n, p in
-                  [*eager.named_parameters(), *eager.named_buffers()]]
-        report.grad.append(max(grads, default=(0.0, "-")))
-        report.param.append(max(params, default=(0.0, "-")))
+        for n, g in expected.items():
+            small = g.abs() <= 1e-6 * g.abs().max()
+            noise[n] = noise[n] | small if n in noise else small
+        report.grad.append(max(((rel_error(grads[n], g), n) for n, g in expected.items()),
+                               default=(0.0, "-")))
+        report.param.append(max(
+            ((rel_error(*_keep(state[n], p.detach().float(), noise.get(n))), n)
+             for n, p in [*eager.named_parameters(), *eager.named_buffers()] if n in state),
+            default=(0.0, "-")))
+        report.noise = sum(int(m.sum()) for m in noise.values())
         assert report.max() < rtol, f"shardfx differs from eager (rtol {rtol}):\n{report}"
     return report
+
+
+def _keep(a: torch.Tensor, b: torch.Tensor, skip: torch.Tensor | None):
+    """``a`` and ``b`` without the elements ``skip`` marks."""
+    if skip is None or not skip.any():
+        return a, b
+    return a[~skip], b[~skip]
 
 
 def compare_inference(model: torch.nn.Module, args: tuple, rtol: float = 1e-5) -> float:

@@ -102,13 +102,24 @@ def test_step_with_another_batch_shape():
 
 
 @pytest.mark.parametrize("mesh, cause, where", [
-    ({"dp": 2}, ("dp=2", "2 devices"), "mesh="),
     ({"xp": 1}, ("axis", "'xp'"), "mesh['xp']"),
+    ({"dp": 0}, ("dp", "positive"), "mesh['dp']"),
+    ("dp2", ("cannot read mesh",), "'dp2'"),
 ])
 def test_bad_mesh(mesh, cause, where):
     with pytest.raises(MeshError) as info:
         shardfx.partition(mlp(), (X,), F.mse_loss, (Y,), mesh=mesh)
     assert_explained(info.value, cause=cause, where=where)
+
+
+def test_mesh_bigger_than_this_run():
+    """Planning for 2 devices works anywhere; running needs 2 processes."""
+    plan = shardfx.partition(mlp(), (X,), F.mse_loss, (Y,), mesh={"dp": 2})
+    with pytest.raises(MeshError) as info:
+        plan.runner()
+    assert_explained(info.value, cause=("dp=2", "torch.distributed"),
+                     where="device_mesh")
+    assert "nproc-per-node 2" in info.value.fix
 
 
 def test_runner_on_meta_model():

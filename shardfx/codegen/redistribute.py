@@ -74,6 +74,7 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list)
     why = f"{reason}: {M.placements_str((h,))} -> {M.placements_str((w,))} on {axis.axis}"
     if isinstance(h, Partial) and isinstance(w, Replicate):
         log.append(Collective("all_reduce", axis.axis, _bytes(x), why))
+        x = _dim_to_front(emit, x, 0)  # collectives read dense memory: a transposed view is not
         x = emit(c10d.wait_tensor.default, emit(c10d.all_reduce.default, x, "sum", axis.group))
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
     if isinstance(h, Partial) and isinstance(w, Shard):
@@ -99,8 +100,9 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list)
 
 
 def _dim_to_front(emit: Emit, x: fx.Node, dim: int) -> fx.Node:
-    """Collectives split and concatenate along dim 0: bring ``dim`` there, contiguous."""
-    dim = dim % x.meta[M.VAL].dim()
+    """Collectives split and concatenate along dim 0 and read dense memory: bring ``dim``
+    there, contiguous."""
+    dim = dim % max(1, x.meta[M.VAL].dim())
     if dim != 0:
         x = emit(aten.transpose.int, x, 0, dim)
     if dim != 0 or not x.meta[M.VAL].is_contiguous():
@@ -109,8 +111,14 @@ def _dim_to_front(emit: Emit, x: fx.Node, dim: int) -> fx.Node:
 
 
 def _dim_from_front(emit: Emit, x: fx.Node, dim: int) -> fx.Node:
-    dim = dim % x.meta[M.VAL].dim()
-    return emit(aten.transpose.int, x, 0, dim) if dim != 0 else x
+    """Undo ``_dim_to_front``, contiguous again: some kernels (the CPU flash attention among
+    them) silently misread a last dim whose stride is not 1, so values leave redistribution in
+    the dense layout the ops that made them had."""
+    dim = dim % max(1, x.meta[M.VAL].dim())
+    if dim == 0:
+        return x
+    x = emit(aten.transpose.int, x, 0, dim)
+    return emit(aten.clone.default, x, memory_format=torch.contiguous_format)
 
 
 def _bytes(x: fx.Node) -> int:

@@ -23,8 +23,12 @@ from torch.distributed.tensor import Shard
 
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
+from shardfx.errors import PassError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
+
+
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
@@ -34,6 +38,15 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
     env: dict[fx.Node, fx.Node] = {}
     have: dict[fx.Node, M.Placements] = {}
     log: list[Collective] = []
+    moved: dict[tuple[fx.Node, M.Placements], fx.Node] = {}  # each value redistributed once
+
+    def to(node: fx.Node, want: M.Placements | None, reason: str) -> fx.Node:
+        """``node``'s local value with placements ``want``, emitted on first use."""
+        if want is None or want == have[node]:
+            return env[node]
+        if (node, want) not in moved:
+            moved[node, want] = redistribute(emit, env[node], have[node], want, mesh, reason, log)
+        return moved[node, want]
 
     def emit(op, *args, **kwargs) -> fx.Node:
         node = graph.call_function(op, args, kwargs)
@@ -51,22 +64,16 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
     mesh = _mesh_inputs(graph, info.mesh)
 
     for node in op_nodes(gm.graph):
-        sharding: M.NodeSharding = node.meta[M.SHARDING]
-        operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
-        local_operands = iter([
-            env[a] if want is None else
-            redistribute(emit, env[a], have[a], want, mesh, node.name, log)
-            for a, want in zip(operands, sharding.inputs)])
-        args = sharding.local_args if sharding.local_args is not None else node.args
-        kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
-        args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(local_operands), (args, kwargs))
-        local = emit(node.target, *args, **kwargs)
-        local._rename(node.name)
-        env[node], have[node] = local, sharding.out
+        try:
+            _emit_op(node, emit, to, env, have)
+        except Exception as e:
+            raise PassError(f"{type(e).__name__}: {e}", where=f"codegen.spmd at {node.format_node()}"
+                            f" with sharding {node.meta[M.SHARDING]!r}",
+                            fix="this is a shardfx bug; report it with SHARDFX_DUMP") from e
 
     out = gm.graph.output_node()
     wants = out.meta[M.SHARDING].inputs
-    values = [redistribute(emit, env[v], have[v], want, mesh, f"return {role}", log)
+    values = [to(v, want, f"return {role}")
               for v, want, role in zip(out.args[0], wants, out.meta[M.OUTPUTS])]
     graph.output(tuple(values)).meta[M.OUTPUTS] = out.meta[M.OUTPUTS]
     for m in mesh:  # keep only the mesh inputs the program reads
@@ -76,6 +83,24 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
     module = fx.GraphModule(gm, graph, class_name="ShardfxSpmdProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     return Program(module, inputs, tuple(out.meta[M.OUTPUTS])), log
+
+
+def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
+    """Redistribute ``node``'s operands as its rule asks, then emit it with local arguments."""
+    sharding: M.NodeSharding = node.meta[M.SHARDING]
+    operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+    local_operands = iter([to(a, want, node.name) for a, want in zip(operands, sharding.inputs)])
+    args = sharding.local_args if sharding.local_args is not None else node.args
+    kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(local_operands), (args, kwargs))
+    target = sharding.local_op or node.target
+    if target in VIEWS and not args[0].meta[M.VAL].is_contiguous():
+        # A redistributed operand may be laid out differently from the global one; reshape is
+        # view where the layout allows and a copy where not: the same values either way.
+        target = torch.ops.aten.reshape.default
+    local = emit(target, *args, **kwargs)
+    local._rename(node.name)
+    env[node], have[node] = local, sharding.out
 
 
 def _mesh_inputs(graph: fx.Graph, axes) -> list[MeshInputs]:

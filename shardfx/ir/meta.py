@@ -156,7 +156,8 @@ class NodeSharding:
     placements each tensor operand must have when the op runs, in operand order (the runtime
     redistributes an operand whose producer left it otherwise). ``local_args`` / ``local_kwargs``:
     the op's arguments with global shapes rewritten to per-device shapes (``view(x, [8, 32])``
-    becomes ``view(x, [4, 32])``), or None when they are unchanged. ``replicated``: no sharding
+    becomes ``view(x, [4, 32])``), or None when they are unchanged; ``local_op`` the overload to
+    call with them when the rule chose another (``squeeze.dim`` -> ``squeeze.dims``). ``replicated``: no sharding
     rule applied, so the op runs on full tensors (correct, costlier; the dump lists these).
     """
 
@@ -164,6 +165,7 @@ class NodeSharding:
     inputs: tuple[Placements | None, ...] = ()
     local_args: tuple | None = None
     local_kwargs: dict | None = None
+    local_op: object = None
     replicated: bool = False
 
     def __str__(self) -> str:

@@ -29,7 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
 
+import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 
@@ -57,6 +59,17 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
     return gm
 
 
+aten = torch.ops.aten
+# Ops through which a partial sum stays a partial sum at no extra cost: views, sums, additions.
+CARRIES_PARTIAL = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+    aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.alias.default, aten.detach.default, aten.expand.default,
+    aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.sum.dim_IntList, aten.sum.default,
+    aten.mul.Scalar, aten.div.Scalar, operator.getitem,
+}
+
+
 @lru_cache(maxsize=None)
 def planning_mesh(axes: tuple[tuple[str, int], ...]) -> DeviceMesh:
     """A DeviceMesh with the right shape and names but no process groups: rules need only that."""
@@ -71,30 +84,109 @@ def _spec(mesh: DeviceMesh, placements: M.Placements, val: torch.Tensor) -> DTen
 
 
 def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
+    """Ask the rule, under one policy on partial sums (P): they flow only through views, sums
+    and additions of other partial sums, and are all-reduced before any other op, and before
+    the rule would split a replicated operand into partial shares to match them (``add(P, R)``
+    -> ``add(P, R/n)``). That is Megatron's placement: a row-parallel matmul's output is reduced
+    once, before the residual add; a column-parallel layer's input gradient once, before the
+    norm's backward. Left to itself the min-cost rule defers the reduction into every branch
+    after it and pays several collectives instead of one."""
     operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
-    schema = OpSchema(node.target, *pytree.tree_map_only(fx.Node, lambda n: spec[n],
-                                                        (node.args, node.kwargs)))
+    have = {n: spec[n] for n in operands}
+    answer = _ask(node, have)
+    if answer is not None:
+        axes = _replicated_to_partial(operands, have, answer[1])
+        if node.target not in CARRIES_PARTIAL:
+            axes |= {i for n in operands for i, p in enumerate(have[n].placements)
+                     if type(p) is Partial}
+        if axes:
+            reduced = {n: _reduce_partials(s, axes) for n, s in have.items()}
+            answer = _ask(node, reduced) or answer
+    if answer is None:
+        return _replicated(node, operands, mesh)
+    result, target_specs, target = answer
+    out_specs = result.output_spec
+    if not _supported(node, out_specs, target_specs):
+        return _replicated(node, operands, mesh)
+    local_args = local_kwargs = local_op = None
+    if result.use_val_from_redistribute_schema:
+        local_args, local_kwargs = _localize(node, target)
+        local_op = target.op if target.op != node.target else None
+    out = tuple(s.placements if s is not None else None for s in out_specs) \
+        if isinstance(out_specs, (tuple, list)) else out_specs.placements
+    sharding = M.NodeSharding(out=out, inputs=tuple(s.placements for s in target_specs),
+                              local_args=local_args, local_kwargs=local_kwargs, local_op=local_op)
+    return sharding, _with_meta(mesh, out_specs, node.meta[M.VAL])
+
+
+def _ask(node: fx.Node, have: dict):
+    """DTensor's rule for ``node`` given its operands' specs: (result, the specs each tensor
+    operand must have, the schema to take local arguments from), or None without a rule."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    # As DTensor's dispatcher builds it: plain containers, and the op's schema info, without
+    # which the propagator's cache key ignores non-tensor arguments such as view sizes.
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: have[n],
+                                        _plain((tuple(node.args), dict(node.kwargs))))
+    info = prop.op_to_schema_info.get(node.target) or \
+        prop.op_to_schema_info_for_single_dim_strategy.get(node.target)
+    schema = OpSchema(node.target, args, kwargs, schema_info=info)
     try:
-        result = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
+        result = prop.propagate_op_sharding(schema)
     except Exception as e:  # no rule, or a rule that cannot take these placements
         log.debug("%s: no sharding rule (%s); replicated", node.name, e)
-        return _replicated(node, operands, mesh)
+        return None
     target = schema
     if result.needs_redistribute and result.redistribute_schema is not None:
         target = result.redistribute_schema
     target_specs = [a for a in pytree.tree_leaves((target.args_schema, target.kwargs_schema))
                     if isinstance(a, DTensorSpec)]
-    out_specs = result.output_spec
-    if len(target_specs) != len(operands) or not _supported(node, out_specs, target_specs):
-        return _replicated(node, operands, mesh)
-    local_args = local_kwargs = None
-    if result.use_val_from_redistribute_schema:
-        local_args, local_kwargs = _localize(node, target)
-    out = tuple(s.placements if s is not None else None for s in out_specs) \
-        if isinstance(out_specs, (tuple, list)) else out_specs.placements
-    sharding = M.NodeSharding(out=out, inputs=tuple(s.placements for s in target_specs),
-                              local_args=local_args, local_kwargs=local_kwargs)
-    return sharding, _with_meta(mesh, out_specs, node.meta[M.VAL])
+    if any(isinstance(v, DTensorSpec) for v in schema.kwargs_schema.values()):
+        target_specs = _with_kwarg_inputs(prop, schema, target_specs)
+    n_operands = sum(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args, node.kwargs)))
+    if len(target_specs) != n_operands:
+        return None
+    return result, target_specs, target
+
+
+def _replicated_to_partial(operands: list[fx.Node], have: dict, want: list[DTensorSpec]) -> set[int]:
+    """Mesh axes on which the rule turns a replicated operand into a partial one."""
+    return {i for n, w in zip(operands, want)
+            for i, (h, p) in enumerate(zip(have[n].placements, w.placements))
+            if type(h) is Replicate and type(p) is Partial}
+
+
+def _reduce_partials(s: DTensorSpec, axes: set[int]) -> DTensorSpec:
+    placements = tuple(Replicate() if i in axes and type(p) is Partial else p
+                       for i, p in enumerate(s.placements))
+    return DTensorSpec(s.mesh, placements, s.tensor_meta)
+
+
+def _with_kwarg_inputs(prop, schema: OpSchema, target_specs: list[DTensorSpec]):
+    """DTensor's propagator redistributes positional tensors only; a rule's requirement on a
+    tensor keyword argument (``attn_mask=``) is dropped. Ask the op's strategy directly and take
+    the selected strategy's placement for each keyword tensor."""
+    func = prop.op_strategy_funcs.get(schema.op)
+    if func is None:
+        return target_specs
+    chosen = _select_min_cost_strategy(func(prop._wrap_with_op_strategy(schema)), schema)
+    wanted = list(chosen.input_specs or ())
+    n_args = sum(isinstance(a, DTensorSpec) for a in pytree.tree_leaves(schema.args_schema))
+    kw_specs = [v for v in schema.kwargs_schema.values() if isinstance(v, DTensorSpec)]
+    if len(wanted) != n_args + len(kw_specs):
+        return target_specs
+    fixed = [DTensorSpec(k.mesh, w.placements, k.tensor_meta) for k, w in zip(kw_specs, wanted[n_args:])]
+    return target_specs[:n_args] + fixed
+
+
+def _plain(x):
+    """fx's immutable_list/immutable_dict as the list/dict an eager call would pass."""
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
 
 
 def _replicated(node: fx.Node, operands: list[fx.Node], mesh: DeviceMesh):
@@ -119,13 +211,17 @@ def _with_meta(mesh, out_specs, val):
 
 
 def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> bool:
-    """Only placements codegen implements, and only even shards (same shapes on every rank)."""
+    """Only placements codegen implements: Shard, Replicate, Partial(sum|avg); each tensor dim
+    sharded over at most one mesh axis; even shards only (same shapes on every rank)."""
     outs = out_specs if isinstance(out_specs, (tuple, list)) else [out_specs]
     vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (tuple, list)) else [node.meta[M.VAL]]
     pairs = [(s, tuple(v.shape)) for s, v in zip(outs, vals)
              if s is not None and isinstance(v, torch.Tensor)]
     pairs += [(s, tuple(s.tensor_meta.shape)) for s in target_specs]
     for s, shape in pairs:
+        dims = [p.dim for p in s.placements if type(p) is Shard]
+        if len(dims) != len(set(dims)):
+            return False
         for p, n in zip(s.placements, s.mesh.shape):
             if type(p) is Shard:
                 if shape[p.dim] % n:

@@ -115,6 +115,11 @@ class Runner:
             return local
         return self._shards.full(local, self._placements.get(name, ()))
 
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients, full tensors by parameter FQN (tied weights once)."""
+        return {name: self._full(name, {name: p.grad}) for name, p in self._params.items()
+                if p.grad is not None}
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         names = set(self._plan.state_names)
         missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)

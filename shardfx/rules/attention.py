@@ -1,0 +1,59 @@
+"""Fused attention on CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward.
+
+DTensor has rules for the CUDA flash/efficient/cuDNN kernels but not for the CPU one, which is
+what ``F.scaled_dot_product_attention`` becomes in a CPU-traced graph. Without a rule the op
+would run replicated (all-gathering q, k and v); with these it runs sharded like its CUDA
+sibling, over (B, H, T, D) tensors:
+
+    strategy     q, k, v    out, lse   grads      attn_mask (B|1, 1, T, T)
+    replicate    R          R          R          R
+    heads        S(1)       S(1)       S(1)       R  (broadcast over heads)
+    batch        S(0)       S(0)       S(0)       S(0), or R for a mask of batch 1 (the CPU
+                                                      kernel takes a mask of batch 1 or the
+                                                      local batch, nothing else)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+def _mask_batch(op_schema: OpSchema) -> int | None:
+    """The attention mask's batch size, or None when there is no mask."""
+    mask = op_schema.kwargs_schema.get("attn_mask")
+    return mask.shape[0] if isinstance(mask, OpStrategy) else None
+
+
+def _strategies(n_out: int, n_in: int, mask_batch: int | None) -> list[list]:
+    """Placement lists [outputs..., tensor inputs..., mask?] for the three strategies."""
+    rows = []
+    for p in (R, Shard(1), Shard(0)):
+        row = [p] * (n_out + n_in)
+        if mask_batch is not None:
+            row.append(Shard(0) if p == Shard(0) and mask_batch > 1 else R)
+        rows.append(row)
+    return rows
+
+
+@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      schema_info=RuntimeSchemaInfo(3))
+def flash_attention_cpu(op_schema: OpSchema) -> OpStrategy:
+    # outputs: (out, logsumexp); tensor inputs: q, k, v (+ attn_mask kwarg)
+    mesh = op_schema.get_mesh_from_args()
+    rows = _strategies(2, 3, _mask_batch(op_schema))
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=2)
+
+
+@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                      schema_info=RuntimeSchemaInfo(6))
+def flash_attention_cpu_backward(op_schema: OpSchema) -> OpStrategy:
+    # outputs: grad q, k, v; tensor inputs: grad_out, q, k, v, out, logsumexp (+ attn_mask)
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    rows = _strategies(3, 6, _mask_batch(op_schema))
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=3)
