@@ -91,7 +91,12 @@ class Plan:
         return {0: s.param_bytes + s.buffer_bytes + grads + peak}
 
     def __str__(self) -> str:
-        return render(self.summary, str(self.mesh))
+        return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops())
+
+    def replicated_ops(self) -> list[str]:
+        """Ops no sharding rule covered: they run on full tensors (correct, costlier)."""
+        return [n.name for n in self.ir.graph.nodes
+                if M.SHARDING in n.meta and n.meta[M.SHARDING].replicated]
 
     def __repr__(self) -> str:
         return f"<shardfx.Plan {self.summary.model} {self.mode} mesh={self.mesh}>"
@@ -104,6 +109,9 @@ class Plan:
             (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
         (out / f"program_{self.mode}.py").write_text(self.program.source)
         (out / "plan.txt").write_text(str(self))
+        if self.collectives:
+            (out / "collectives.txt").write_text("".join(
+                f"{c.kind} {c.axis} {c.nbytes} B  {c.reason}\n" for c in self.collectives))
         return out
 
     def canonical(self, fqn: str) -> str:

@@ -8,9 +8,11 @@ from rich.console import Console
 from rich.table import Table
 
 from shardfx.analysis import Summary
+from shardfx.codegen.redistribute import Collective
 
 
-def render(summary: Summary, mesh: str) -> str:
+def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
+           replicated: list[str] = ()) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     s = summary
@@ -47,7 +49,38 @@ def render(summary: Summary, mesh: str) -> str:
     console.print(title)
     for table in (nodes, state, cost, ops):
         console.print(table)
+    if collectives:
+        console.print(_communication(collectives))
+        console.print(_largest(collectives))
+    if replicated:
+        shown = ", ".join(replicated[:12]) + (" ..." if len(replicated) > 12 else "")
+        console.print(f"{len(replicated)} ops have no sharding rule and run replicated: {shown}")
     return buf.getvalue()
+
+
+def _communication(collectives: list[Collective]) -> Table:
+    """Per mesh axis and kind: count and bytes; then the largest with the reason for each."""
+    table = Table(title="Communication per step (per device, bytes in)", title_justify="left")
+    for col in ("axis", "collective", "count", "bytes"):
+        table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+    totals: dict[tuple[str, str], list[int]] = {}
+    for c in collectives:
+        t = totals.setdefault((c.axis, c.kind), [0, 0])
+        t[0] += 1
+        t[1] += c.nbytes
+    for (axis, kind), (n, b) in sorted(totals.items()):
+        table.add_row(axis, kind, str(n), nbytes(b))
+    return table
+
+
+def _largest(collectives: list[Collective], n: int = 8) -> Table:
+    """The biggest collectives and why each is there (all of them: plan.dump's collectives.txt)."""
+    table = Table(title=f"Largest collectives ({n} of {len(collectives)})", title_justify="left")
+    for col in ("collective", "axis", "bytes", "why: node, placement change"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for c in sorted(collectives, key=lambda c: -c.nbytes)[:n]:
+        table.add_row(c.kind, c.axis, nbytes(c.nbytes), c.reason)
+    return table
 
 
 def nbytes(n: int) -> str:

@@ -111,14 +111,15 @@ def _keep(a: torch.Tensor, b: torch.Tensor, skip: torch.Tensor | None):
     return a[~skip], b[~skip]
 
 
-def compare_inference(model: torch.nn.Module, args: tuple, rtol: float = 1e-5) -> float:
+def compare_inference(model: torch.nn.Module, args: tuple, rtol: float = 1e-5,
+                      **partition_kwargs: Any) -> float:
     """Run ``model(*args)`` eagerly and through a shardfx inference plan; return the worst
     relative error over the output's tensors (asserting it is below ``rtol``)."""
     import shardfx
     import torch.utils._pytree as pytree
 
     expected = model(*args)
-    plan = shardfx.partition(copy.deepcopy(model), args)
+    plan = shardfx.partition(copy.deepcopy(model), args, **partition_kwargs)
     got = plan.runner().forward(args)
     if isinstance(got, Mapping):  # Hugging Face outputs: shardfx traces with use_cache=False
         expected = {k: expected[k] for k in got}

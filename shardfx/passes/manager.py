@@ -1,8 +1,9 @@
 """Running passes: one at a time, verified, with the IR text kept after each for ``plan.dump``.
 
 A pass is a function ``(gm, options) -> gm``; its docstring has ``Requires:`` and ``Ensures:``
-lines naming the meta keys it reads and writes. When a pass raises, the error names the pass,
-the passes that ran before it, and the cause. ``verify`` runs after each pass when
+lines naming the meta keys it reads and writes. When a pass fails or breaks the IR, the
+``PassError`` names the pass, the passes that ran before it, and the cause; a ``ShardfxError``
+about the user's request (a dimension not divisible by its mesh axis) passes through as is. ``verify`` runs after each pass when
 ``options.debug`` is set or ``SHARDFX_DEBUG=1`` (the test suite sets it).
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from shardfx.errors import PassError, ShardfxError
+from shardfx.errors import PassError, ShardfxError, VerifyError
 from shardfx.mesh import MeshSpec
 from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
@@ -53,11 +54,13 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             gm = p(gm, options)
             if options.debug:
                 verify(gm)
-        except ShardfxError as e:
+        except (PassError, VerifyError) as e:  # a pass broke the IR: shardfx's fault
             if isinstance(e, PassError):
                 raise
             raise PassError(f"{type(e).__name__}: {e.cause}", where=_where(name, before, e.where),
                             fix=e.fix) from e
+        except ShardfxError:  # the user's request cannot be met: its own message says why
+            raise
         except Exception as e:
             raise PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
                             fix="this is a shardfx bug; please report it with the IR dump "
