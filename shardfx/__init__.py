@@ -8,10 +8,12 @@
 
 from shardfx.api import partition
 from shardfx.errors import (CaptureError, InputError, LossError, MeshError, PassError,
-                            ShardfxError, VerifyError)
+                            ShardfxError, ShardingError, VerifyError)
+from shardfx.hints import shard_hint
 from shardfx.plan import Plan
 from shardfx.runtime.launch import LaunchError, launch
 from shardfx.runtime.runner import Runner
 
-__all__ = ["partition", "Plan", "Runner", "ShardfxError", "CaptureError", "InputError",
-           "LossError", "MeshError", "PassError", "VerifyError", "launch", "LaunchError"]
+__all__ = ["partition", "shard_hint", "launch", "Plan", "Runner", "ShardfxError", "CaptureError",
+           "InputError", "LossError", "MeshError", "ShardingError", "PassError", "VerifyError",
+           "LaunchError"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from shardfx.hints import strip_hints
 from shardfx.ir import meta as M
 
 
@@ -40,6 +41,7 @@ class Program:
 def generate(gm: fx.GraphModule) -> Program:
     """Requires: ROLE on placeholders, OUTPUTS on the output node. Leaves ``gm`` untouched."""
     graph = copy.deepcopy(gm.graph)
+    strip_hints(graph)
     module = fx.GraphModule(gm, graph, class_name="ShardfxProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     outputs = tuple(graph.output_node().meta[M.OUTPUTS])

@@ -32,6 +32,8 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
+from shardfx.errors import ShardingError
+from shardfx.hints import HINT, decode
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 
@@ -45,6 +47,9 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
         if M.ANNOTATION in node.meta:
             spec[node] = _spec(mesh, node.meta[M.ANNOTATION], node.meta[M.VAL])
     for node in op_nodes(gm.graph):
+        if node.target is HINT:
+            node.meta[M.SHARDING], spec[node] = _hint(node, spec, mesh)
+            continue
         if node.target is operator.getitem:
             src, i = node.args
             out = spec[src][i]
@@ -81,6 +86,24 @@ def planning_mesh(axes: tuple[tuple[str, int], ...]) -> DeviceMesh:
 
 def _spec(mesh: DeviceMesh, placements: M.Placements, val: torch.Tensor) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), TensorMeta(val.shape, val.stride(), val.dtype))
+
+
+def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):
+    """A user's shard_hint: the value takes the placements asked on the axes named."""
+    src, text = node.args
+    have = spec[src]
+    asked = decode(text, list(mesh.mesh_dim_names), where=f"shard_hint at {node.name}")
+    want = tuple(asked.get(i, p) for i, p in enumerate(have.placements))
+    val = node.meta[M.VAL]
+    for (i, p), n in zip(enumerate(want), mesh.shape):
+        if type(p) is Shard and val.shape[p.dim] % n:
+            raise ShardingError(
+                f"shard_hint asks {M.placements_str((p,))} on {mesh.mesh_dim_names[i]}={n}, "
+                f"but dim {p.dim} has size {val.shape[p.dim]}",
+                where=f"shard_hint at {node.name} (shape {list(val.shape)})",
+                fix="hint a dimension divisible by the axis size")
+    sharding = M.NodeSharding(out=want, inputs=(want,))
+    return sharding, _spec(mesh, want, val)
 
 
 def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):

@@ -1,0 +1,77 @@
+"""Sharding hints written in the model: ``shardfx.shard_hint(x, {"tp": Shard(1)})``.
+
+A hint is a custom op (``shardfx::shard_hint``), an identity that torch.export and the joint
+trace keep as a node (STYLE 7: annotations are marker ops in the graph, so tracing and dead-code
+elimination keep them). ``shard_propagate`` redistributes the hinted value to the placements
+asked for, on the axes named (other axes are left to the rules); codegen then drops the node.
+On one device, or when the model runs eagerly, a hint does nothing but copy its input.
+
+    def forward(self, x):                       # (B, T, C)
+        h = self.up(x)                          # (B, T, 4C)
+        h = shardfx.shard_hint(h, {"tp": Shard(2)})
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from shardfx.errors import ShardingError
+
+
+@torch.library.custom_op("shardfx::shard_hint", mutates_args=())
+def _shard_hint(x: torch.Tensor, placements: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_shard_hint.register_fake
+def _(x: torch.Tensor, placements: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_shard_hint.register_autograd(lambda ctx, grad: (grad, None))
+
+HINT = torch.ops.shardfx.shard_hint.default
+
+
+def shard_hint(x: torch.Tensor, placements: dict[str, Placement]) -> torch.Tensor:
+    """Ask that ``x`` have ``placements`` ({mesh axis: Shard(dim) | Replicate()}) here."""
+    return HINT(x, encode(placements))
+
+
+def encode(placements: dict[str, Placement]) -> str:
+    parts = []
+    for axis, p in placements.items():
+        if type(p) is Shard:
+            parts.append(f"{axis}=S({p.dim})")
+        elif type(p) is Replicate:
+            parts.append(f"{axis}=R")
+        else:
+            raise ShardingError(f"shard_hint takes Shard(dim) or Replicate(), got {p!r}",
+                                where=f"shard_hint(..., {{{axis!r}: {p!r}}})",
+                                fix="hint Shard(dim) or Replicate() per mesh axis")
+    return ",".join(parts)
+
+
+def decode(text: str, axes: list[str], where: str) -> dict[int, Placement]:
+    """``"tp=S(1)"`` -> {index of tp in the mesh: Shard(1)}; unknown axes are an error."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        axis, _, p = part.partition("=")
+        if axis not in axes:
+            raise ShardingError(f"shard_hint names mesh axis {axis!r}, which the mesh lacks",
+                                where=where, fix=f"use one of {', '.join(axes)}, or drop the hint")
+        m = re.fullmatch(r"S\((-?\d+)\)", p)
+        out[axes.index(axis)] = Shard(int(m[1])) if m else Replicate()
+    return out
+
+
+def strip_hints(graph: fx.Graph) -> None:
+    """Replace every hint by its input (one device: nothing to redistribute)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is HINT:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
