@@ -14,9 +14,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from shardfx.errors import VerifyError
+from torch.distributed.tensor import Replicate, Shard
+
+from shardfx.errors import ParseError, VerifyError
 from shardfx.ir import meta as M
-from shardfx.errors import ParseError
 from shardfx.ir.parse import text_to_ir
 from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
@@ -185,7 +186,7 @@ def test_marked_dump_parses():
     ("sub: f32[2, 3] = aten.sub.Tensor(mm, y, alpha=x.T)  # fwd", ParseError,
      "cannot read operand 'x.T'"),
     ("sub: f32[2, 3] = aten.sub.Tensor(mm, y  # fwd", ParseError, "cannot parse"),
-    ("sub: f32[2, 3] = aten.sub.Tensor(mm, y)  # fwd stage0", ParseError, "unknown Phase"),
+    ("sub: f32[2, 3] = aten.sub.Tensor(mm, y)  # fwd stage0", ParseError, "without a mesh"),
     ("sub: f32[2, 3] = constant _tensor_constant0", ParseError, "constants cannot be rebuilt"),
     ("sub = aten.sub.Tensor(mm, y)", ParseError, "expected 'NAME: TYPE = ...'"),
 ])
@@ -198,3 +199,23 @@ def test_bad_line_fails_naming_it(bad, error, says):
     message = str(e.value)
     assert f"line {lineno}: " in message and says in message
     assert f">> {lineno:4d} |   {bad}" in message  # the bad line, shown in context
+
+
+def test_sharded_ir_round_trips_and_placements_are_checked():
+    """A graph planned for a mesh prints its placements; reading it back re-derives them by
+    propagation and rejects a line that declares other ones."""
+    import shardfx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    plan = shardfx.partition(model, (x,), torch.nn.functional.mse_loss, (y,),
+                             mesh={"dp": 2, "tp": 2}, shard={"0.weight": [Replicate(), Shard(0)]})
+    text = ir_to_text(plan.ir)
+    assert text.splitlines()[0] == "graph train Sequential mesh dp=2,tp=2"
+    assert "  args_0: f32[4, 4] = input args[0]  # S(0)R" in text
+    assert ir_to_text(text_to_ir(text)) == text
+    relu = next(line for line in text.splitlines() if " = aten.relu.default(" in line)
+    wrong = relu.rsplit(" ", 1)[0] + " RR"
+    with pytest.raises(VerifyError, match="propagation gives"):
+        text_to_ir(text.replace(relu, wrong))

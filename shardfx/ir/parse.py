@@ -42,10 +42,12 @@ from shardfx.errors import ParseError, ShardfxError, VerifyError
 from shardfx.ir import meta as M
 from shardfx.ir.text import DTYPE_ABBR, target_str, type_str
 from shardfx.ir.verify import verify
+from shardfx.mesh import MeshSpec
 
 
 _DTYPES = {abbr: dtype for dtype, abbr in DTYPE_ABBR.items()}
-_HEADER = re.compile(r"graph\s+(?P<mode>\w+)\s+(?P<model>\S+)")
+_HEADER = re.compile(r"graph\s+(?P<mode>\w+)\s+(?P<model>\S+)(?:\s+mesh\s+(?P<mesh>\S+))?")
+_PLACEMENT = re.compile(r"S\((-?\d+)\)|R|P(?:\((\w+)\))?")
 _OUTPUT = re.compile(r"output\s+(?P<kind>\w+)\s+(?P<name>\S+)\s*=\s*(?P<value>.+)")
 _NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)"
                    r"(?:\s+#\s*(?P<notes>.*))?")  # name: type = rhs  # notes
@@ -73,6 +75,7 @@ class _Reader:
         self.fake_mode = FakeTensorMode()
         self.info: M.GraphInfo | None = None
         self.outputs: list[tuple[Any, M.OutputRole]] = []
+        self.declared: dict[fx.Node, tuple[int, str]] = {}  # op -> (line, placements it declares)
 
     def read(self) -> fx.GraphModule:
         for self.lineno, raw in enumerate(self.lines, 1):
@@ -95,7 +98,34 @@ class _Reader:
         gm = fx.GraphModule(torch.nn.Module(), self.graph)
         gm.meta[M.GRAPH] = self.info
         verify(gm)
+        if self.declared:
+            self._check_placements(gm)
         return gm
+
+    def _check_placements(self, gm: fx.GraphModule) -> None:
+        """Ops' placements are not read but derived, by the propagation pass, then compared
+        with what the text declares (as types are)."""
+        from shardfx.passes.manager import Options
+        from shardfx.passes.shard_propagate import shard_propagate
+
+        shard_propagate(gm, Options(mesh=MeshSpec(self.info.mesh)))
+        for node, (self.lineno, declared) in self.declared.items():
+            got = str(node.meta[M.SHARDING])
+            if got.replace(" ", "") != declared.replace(" ", ""):
+                raise self._error(f"{node.name} is declared {declared} but propagation gives "
+                                  f"{got}", cls=VerifyError)
+
+    def _placements(self, text: str) -> M.Placements:
+        """``S(0)R`` -> (Shard(0), Replicate()), one per mesh axis."""
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        found = [(m.group(0), m) for m in _PLACEMENT.finditer(text)]
+        if "".join(t for t, _ in found) != text or len(found) != len(self.info.mesh):
+            raise self._error(f"cannot read placements {text!r} for mesh "
+                              f"{MeshSpec(self.info.mesh)}",
+                              fix="one of S(dim), R, P per mesh axis, e.g. S(0)R")
+        return tuple(Shard(int(m[1])) if t.startswith("S") else Replicate() if t == "R"
+                     else Partial(m[2] or "sum") for t, m in found)
 
     # --- one method per kind of line ------------------------------------------------------
 
@@ -103,7 +133,8 @@ class _Reader:
         m = _HEADER.fullmatch(line)
         if m is None:
             raise self._error("the first line must be 'graph MODE MODEL'")
-        self.info = M.GraphInfo(self._enum(M.Mode, m["mode"]), m["model"])
+        mesh = MeshSpec.parse(m["mesh"]).axes if m["mesh"] else ()
+        self.info = M.GraphInfo(self._enum(M.Mode, m["mode"]), m["model"], mesh)
 
     def _output(self, m: re.Match) -> None:
         kind = self._enum(M.OutputKind, m["kind"])
@@ -122,8 +153,18 @@ class _Reader:
             raise self._error(f"torch.fx cannot name a node {name!r} (it would be {node.name!r})",
                               fix="rename it: no Python builtins or keywords")
         self.nodes[name] = node
-        for note in (m["notes"] or "").split():  # what text.node_notes writes
-            node.meta[M.PHASE] = self._enum(M.Phase, note)
+        notes = (m["notes"] or "").strip()  # what text.node_notes writes: phase, placements
+        word = notes.split(" ", 1)[0]
+        if word in {p.value for p in M.Phase}:
+            node.meta[M.PHASE] = M.Phase(word)
+            notes = notes[len(word):].strip()
+        if notes and not self.info.mesh:
+            raise self._error(f"placements {notes!r} on a graph without a mesh",
+                              fix="name the mesh in the header: graph MODE MODEL mesh dp=2")
+        if notes and node.op == "placeholder":
+            node.meta[M.ANNOTATION] = self._placements(notes)
+        elif notes:
+            self.declared[node] = (self.lineno, notes)
 
     def _placeholder(self, m: re.Match) -> fx.Node:
         rhs = _INPUT.fullmatch(m["rhs"])

@@ -11,7 +11,8 @@
 
 Types are ``dtype[shape]`` (``f32[2, 8]``), a tuple of them for multi-output ops, ``-`` for a
 value that is not a tensor. Operands are node names or Python literals. ``# fwd``/``# bwd`` is
-the node's PHASE. ``shardfx.ir.parse.text_to_ir`` reads this form back, so tests can be
+the node's PHASE; then, on a graph planned for a mesh (``graph train M mesh dp=2,tp=2``), its
+placements, one per mesh axis (``S(0)R``: Shard(0) on dp, Replicate on tp; ``P`` a partial sum). ``shardfx.ir.parse.text_to_ir`` reads this form back, so tests can be
 written in it.
 """
 
@@ -92,7 +93,10 @@ def node_notes(node: fx.Node) -> str:
 def ir_to_text(gm: fx.GraphModule, mark: fx.Node | None = None) -> str:
     """The whole graph as text; ``mark`` puts ``>>`` in front of one node's line."""
     info = gm.meta.get(M.GRAPH)
-    lines = [f"graph {info.mode} {info.model}" if info else "graph"]
+    header = f"graph {info.mode} {info.model}" if info else "graph"
+    if info and info.mesh:
+        header += " mesh " + ",".join(f"{a}={n}" for a, n in info.mesh)
+    lines = [header]
     for node in gm.graph.nodes:
         if node.op == "output":
             roles = node.meta.get(M.OUTPUTS) or ()
