@@ -211,3 +211,26 @@ def test_rank_dying_mid_step_fails_the_run_without_hanging():
         shardfx.launch(_dies_mid_step, nprocs=2, timeout=10)
     assert time.monotonic() - start < 60
     assert "rank 1" in str(info.value)
+
+
+class _NormedMLP(torch.nn.Module):
+    """BatchNorm's statistics span the whole batch: under dp they need the other ranks' rows;
+    mse_loss's backward divides by the global element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _batchnorm_under_dp() -> float:
+    torch.manual_seed(0)
+    data = [((torch.randn(8, 4),), (torch.randn(8, 4),)) for _ in range(3)]
+    return compare_training(_NormedMLP(), data, F.mse_loss, mesh={"dp": 2}).max()
+
+
+def test_batchnorm_and_mean_losses_under_dp():
+    assert max(shardfx.launch(_batchnorm_under_dp, nprocs=2, timeout=60)) < 1e-5

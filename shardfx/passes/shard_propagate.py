@@ -153,6 +153,11 @@ def _ask(node: fx.Node, have: dict):
     info = prop.op_to_schema_info.get(node.target) or \
         prop.op_to_schema_info_for_single_dim_strategy.get(node.target)
     schema = OpSchema(node.target, args, kwargs, schema_info=info)
+    if not _has_rule(prop, node.target):
+        # DTensor would derive a strategy by decomposing the op, with the decomposition's
+        # constants taken from global shapes; we emit the op itself on local shapes, where
+        # those constants differ (mse_loss_backward's 2/numel). No rule: replicated.
+        return None
     try:
         result = prop.propagate_op_sharding(schema)
     except Exception as e:  # no rule, or a rule that cannot take these placements
@@ -169,6 +174,11 @@ def _ask(node: fx.Node, have: dict):
     if len(target_specs) != n_operands:
         return None
     return result, target_specs, target
+
+
+def _has_rule(prop, op) -> bool:
+    return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs or \
+        op in prop.op_to_rules
 
 
 def _replicated_to_partial(operands: list[fx.Node], have: dict, want: list[DTensorSpec]) -> set[int]:
