@@ -11,6 +11,7 @@ import dataclasses
 
 import torch.fx as fx
 
+from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program, generate
 from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.spmd import generate_spmd
@@ -38,4 +39,6 @@ def compile_ir(gm: fx.GraphModule, options: Options
     if not sharded:
         return gm, generate(gm), history, []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
+    # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
+    program, collectives = bucket_gradients(program, collectives)
     return gm, program, history, collectives

@@ -1,0 +1,182 @@
+"""codegen.bucketing: DDP's gradient buckets, as a pass over the per-device program.
+
+Requires: a ``Program`` from ``codegen.spmd``: ``meta["val"]`` on every node, ROLE on
+          placeholders (process groups are MESH inputs ``group(axis)``), one OutputRole per
+          returned value in ``Program.outputs``.
+Ensures:  every gradient that was returned as ``wait_tensor(all_reduce(g, op, group))`` and
+          nothing more is now reduced in a bucket: per (group, op, dtype), gradients in the
+          order the program produces them are packed into buckets of at most ``bucket_bytes``
+          (a larger gradient gets a bucket of its own). Right after a bucket's last gradient
+          is computed the program flattens the bucket into one buffer (``bucketN_flat``)
+          and starts one ``bucketN_all_reduce``; ``bucketN_wait`` comes just before the
+          output, followed by the split of the reduced buffer back into the gradients' shapes.
+          The old per-gradient collectives are gone; every new node has ``meta["val"]``.
+          Anything else (the loss all-reduce, a reduction followed by a division or by more
+          redistribution) is left as it was.
+
+Why: one collective per gradient pays a collective's fixed cost (latency, launch, the
+ring's start-up) once per parameter, and the spmd program waits for each one before going on.
+A few large collectives use the network's bandwidth instead, and issuing each one as soon as
+its last gradient exists, waiting only at the end, lets the reduction of the last layers'
+gradients run while the backward pass of the first layers still computes (DDP's overlap,
+Li et al. 2020). Buckets follow readiness, like DDP: gradients produced later in the program
+go in later buckets, so no bucket waits on work that comes after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from shardfx.codegen.program import Program
+from shardfx.codegen.redistribute import Collective
+from shardfx.ir import meta as M
+from shardfx.ir.graph import insert_op
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+@dataclass
+class _Grad:
+    """One gradient reduced on its own: ``wait(all_reduce(value))``, returned as ``role``."""
+
+    value: fx.Node  # the local partial gradient, the all_reduce's input
+    reduce: fx.Node
+    wait: fx.Node
+    role: M.OutputRole
+
+    @property
+    def nbytes(self) -> int:
+        v = self.value.meta[M.VAL]
+        return v.numel() * v.element_size()
+
+
+@dataclass
+class _Bucket:
+    group: fx.Node
+    op: str
+    grads: list[_Grad] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.grads)
+
+
+def bucket_gradients(program: Program, collectives: Sequence[Collective] = (), *,
+                     bucket_bytes: int = 25 * 2**20) -> tuple[Program, list[Collective]]:
+    """The program with its gradient all-reduces bucketed, and ``collectives`` with their
+    per-gradient records replaced by one per bucket. ``program`` is left untouched."""
+    graph = copy.deepcopy(program.module.graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    buckets = _buckets(_grads(graph, program.outputs), bucket_bytes, order)
+    output = graph.output_node()
+    for i, b in enumerate(buckets):
+        _emit_bucket(graph, f"bucket{i}", b, output)
+    graph.lint()
+    module = fx.GraphModule(program.module, graph, class_name=type(program.module).__name__)
+    return Program(module, program.inputs, program.outputs), _account(collectives, buckets)
+
+
+def _grads(graph: fx.Graph, roles: Sequence[M.OutputRole]) -> list[_Grad]:
+    """The gradients returned straight from ``wait(all_reduce(g, op, group))``."""
+    returned: dict[fx.Node, list[M.OutputRole]] = {}
+    for value, role in zip(graph.output_node().args[0], roles):
+        if isinstance(value, fx.Node):
+            returned.setdefault(value, []).append(role)
+    out = []
+    for reduce in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        value, _, group = reduce.args
+        waits = list(reduce.users)
+        if len(waits) != 1 or waits[0].target != c10d.wait_tensor.default:
+            continue
+        wait = waits[0]
+        is_group = isinstance(group, fx.Node) and group.op == "placeholder" \
+            and group.meta[M.ROLE].kind is M.InputKind.MESH
+        wait_roles = returned.get(wait, [])
+        if (isinstance(value, fx.Node) and value.op == "call_function" and is_group and wait_roles
+                and set(wait.users) == {graph.output_node()}
+                and all(r.kind is M.OutputKind.GRAD for r in wait_roles)):
+            out.append(_Grad(value, reduce, wait, wait_roles[0]))
+    return out
+
+
+def _buckets(grads: list[_Grad], cap: int, order: dict[fx.Node, int]) -> list[_Bucket]:
+    """Fill buckets per (group, op, dtype) in the order gradients become ready; number them
+    by when they are ready."""
+    open_: dict[tuple, _Bucket] = {}
+    done: list[_Bucket] = []
+    for g in sorted(grads, key=lambda g: order[g.value]):
+        _, op, group = g.reduce.args
+        key = (group, op, g.value.meta[M.VAL].dtype)
+        b = open_.get(key)
+        if b is not None and b.nbytes + g.nbytes > cap:
+            done.append(b)
+            b = None
+        if b is None:
+            b = open_[key] = _Bucket(group, op)
+        b.grads.append(g)
+    done += open_.values()
+    return sorted(done, key=lambda b: order[b.grads[-1].value])
+
+
+def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> None:
+    def op(target, *args, rename: str | None = None) -> fx.Node:
+        node = insert_op(graph, target, *args)
+        if rename:
+            node._rename(rename)
+        return node
+
+    # Flatten and start the reduction as soon as the bucket's last gradient exists. (A bucket
+    # of one gradient reduces it flat, without the copy a cat would make.)
+    with graph.inserting_before(b.grads[-1].value.next):
+        flat = []
+        for i, g in enumerate(b.grads):
+            view = aten.view if g.value.meta[M.VAL].is_contiguous() else aten.reshape
+            flat.append(op(view.default, g.value, [-1], rename=f"{name}_in{i}"))
+        buffer = op(aten.cat.default, flat, rename=f"{name}_flat") if len(flat) > 1 else flat[0]
+        reduce = op(c10d.all_reduce.default, buffer, b.op, b.group, rename=f"{name}_all_reduce")
+    # Wait as late as possible: the gradients' only use is the output.
+    with graph.inserting_before(output):
+        reduced = op(c10d.wait_tensor.default, reduce, rename=f"{name}_wait")
+        parts = [reduced]
+        if len(b.grads) > 1:
+            sizes = [g.value.meta[M.VAL].numel() for g in b.grads]
+            split = op(aten.split_with_sizes.default, reduced, sizes, rename=f"{name}_split")
+            parts = [op(operator.getitem, split, i, rename=f"{name}_part{i}")
+                     for i in range(len(b.grads))]
+        for i, (g, part) in enumerate(zip(b.grads, parts)):
+            shape = list(g.value.meta[M.VAL].shape)
+            grad = op(aten.view.default, part, shape, rename=f"{name}_out{i}")
+            g.wait.replace_all_uses_with(grad)
+            graph.erase_node(g.wait)
+            graph.erase_node(g.reduce)
+
+
+def _account(collectives: Sequence[Collective], buckets: list[_Bucket]) -> list[Collective]:
+    """Drop each bucketed gradient's all_reduce record (``return grad NAME: ... on AXIS``);
+    the buckets' records, in bucket order, take the place of the first one dropped."""
+    records, replaced = [], set()
+    for i, b in enumerate(buckets):
+        axis = b.group.meta[M.ROLE].name.removeprefix("group(").removesuffix(")")
+        names = [g.role.name for g in b.grads]
+        shown = ", ".join(names[:4]) + (f", and {len(names) - 4} more" if len(names) > 4 else "")
+        grads = f"{len(names)} grad{'s' if len(names) > 1 else ''}"
+        have = "P" if b.op == "sum" else f"P({b.op})"  # as redistribute words it
+        records.append(Collective("all_reduce", axis, b.nbytes, f"{axis} gradient bucket {i} "
+                                  f"({grads}: {shown}): {have} -> R on {axis}"))
+        replaced |= {(axis, f"return {g.role}: ") for g in b.grads}
+    out = []
+    for c in collectives:
+        if c.kind == "all_reduce" and any(c.axis == axis and c.reason.startswith(prefix)
+                                          for axis, prefix in replaced):
+            out += records
+            records = []
+        else:
+            out.append(c)
+    return out + records
