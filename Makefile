@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/nanogpt.py
+	$(BIN)/python examples/parallel.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -234,3 +234,18 @@ def _batchnorm_under_dp() -> float:
 
 def test_batchnorm_and_mean_losses_under_dp():
     assert max(shardfx.launch(_batchnorm_under_dp, nprocs=2, timeout=60)) < 1e-5
+
+
+def test_example_under_torchrun():
+    """The same script runs under torchrun (which starts the processes) as under launch."""
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(root / "examples" / "parallel.py"), "--mesh", "tp=2", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("max relative difference:") and float(last.split()[-1]) < 1e-5
+    assert run.stdout.count("max relative difference") == 1  # only rank 0 reports
