@@ -51,3 +51,8 @@ class ParseError(ShardfxError, ValueError):
 class ShardingError(ShardfxError, ValueError):
     """A sharding request that cannot be applied: unknown placement, no matching parameter,
     a dimension not divisible by its mesh axis."""
+
+
+class PipelineError(ShardfxError, ValueError):
+    """A pipeline request that cannot be met: more stages than cut points, markers that do
+    not match the stage count, a schedule that deadlocks."""

@@ -1,4 +1,5 @@
-"""Sharding hints written in the model: ``shardfx.shard_hint(x, {"tp": Shard(1)})``.
+"""Markers written in the model: ``shardfx.shard_hint(x, {"tp": Shard(1)})`` and
+``x = shardfx.pipe_split(x)``.
 
 A hint is a custom op (``shardfx::shard_hint``), an identity that torch.export and the joint
 trace keep as a node (STYLE 7: annotations are marker ops in the graph, so tracing and dead-code
@@ -37,6 +38,28 @@ _shard_hint.register_autograd(lambda ctx, grad: (grad, None))
 HINT = torch.ops.shardfx.shard_hint.default
 
 
+@torch.library.custom_op("shardfx::pipe_split", mutates_args=())
+def _pipe_split(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_pipe_split.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_pipe_split.register_autograd(lambda ctx, grad: grad)
+
+PIPE_SPLIT = torch.ops.shardfx.pipe_split.default
+MARKERS = (HINT, PIPE_SPLIT)
+
+
+def pipe_split(x: torch.Tensor) -> torch.Tensor:
+    """Cut the pipeline here: ops after this point (in forward order) run in the next stage.
+    Returns ``x``; use the result, so tracing keeps the marker where you put it."""
+    return PIPE_SPLIT(x)
+
+
 def shard_hint(x: torch.Tensor, placements: dict[str, Placement]) -> torch.Tensor:
     """Ask that ``x`` have ``placements`` ({mesh axis: Shard(dim) | Replicate()}) here."""
     return HINT(x, encode(placements))
@@ -70,8 +93,8 @@ def decode(text: str, axes: list[str], where: str) -> dict[int, Placement]:
 
 
 def strip_hints(graph: fx.Graph) -> None:
-    """Replace every hint by its input (one device: nothing to redistribute)."""
+    """Replace every marker by its input (once planned, they have done their work)."""
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is HINT:
+        if node.op == "call_function" and node.target in MARKERS:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)

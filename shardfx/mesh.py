@@ -16,6 +16,10 @@ class MeshSpec:
 
     axes: tuple[tuple[str, int], ...] = ()
 
+    def axis(self, name: str) -> int:
+        """The size of axis ``name`` (1 when the mesh does not have it)."""
+        return dict(self.axes).get(name, 1)
+
     @property
     def size(self) -> int:
         return math.prod(n for _, n in self.axes)

@@ -22,12 +22,18 @@ from shardfx.passes.estimate_cost import estimate_cost
 from shardfx.passes.manager import Options, PassRecord, run_passes
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
+from shardfx.passes.stage_cut import stage_cut
 
 
 def compile_ir(gm: fx.GraphModule, options: Options
-               ) -> tuple[fx.GraphModule, Program, list[PassRecord], list[Collective]]:
+               ) -> tuple[fx.GraphModule, Program | None, list[PassRecord], list[Collective]]:
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=options.mesh.axes)
     history = [PassRecord("capture", ir_to_text(gm))]
+    if options.stages > 1:
+        # Pipeline plans are cut and inspected; their per-stage programs and the schedule
+        # runtime are the next step, so there is no program to run yet.
+        gm = run_passes(gm, [assign_phase, estimate_cost, stage_cut], options, history)
+        return gm, None, history, []
     sharded = options.mesh.size > 1
     gm = run_passes(gm, [
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about

@@ -13,11 +13,12 @@ import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, summarize
 from shardfx.codegen.program import Program
-from shardfx.errors import InputError
+from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import Captured, capture
 from shardfx.passes.manager import Options, PassRecord
+from shardfx.passes.stage_cut import stage_report
 from shardfx.pipeline import compile_ir
 from shardfx.report import render
 from shardfx.runtime.runner import OptimizerFactory, Runner
@@ -43,6 +44,11 @@ class Plan:
 
     def runner(self, optimizer: OptimizerFactory | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer."""
+        if self.program is None:
+            raise PipelineError(
+                f"mesh {self.mesh} has a pipeline axis: this version cuts and shows pipeline "
+                "stages (print(plan)) but cannot run them yet",
+                where="plan.runner()", fix="plan without pp to train, or inspect the stages")
         return Runner(self, optimizer)
 
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
@@ -91,7 +97,8 @@ class Plan:
         return {0: s.param_bytes + s.buffer_bytes + grads + peak}
 
     def __str__(self) -> str:
-        return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops())
+        return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
+                      stage_report(self.ir) if self.options.stages > 1 else ())
 
     def replicated_ops(self) -> list[str]:
         """Ops no sharding rule covered: they run on full tensors (correct, costlier)."""
@@ -107,7 +114,8 @@ class Plan:
         out.mkdir(parents=True, exist_ok=True)
         for i, record in enumerate(self.history):
             (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
-        (out / f"program_{self.mode}.py").write_text(self.program.source)
+        if self.program is not None:
+            (out / f"program_{self.mode}.py").write_text(self.program.source)
         (out / "plan.txt").write_text(str(self))
         if self.collectives:
             (out / "collectives.txt").write_text("".join(

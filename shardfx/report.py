@@ -12,7 +12,7 @@ from shardfx.codegen.redistribute import Collective
 
 
 def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
-           replicated: list[str] = ()) -> str:
+           replicated: list[str] = (), stages: list[dict] = ()) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     s = summary
@@ -49,6 +49,8 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
     console.print(title)
     for table in (nodes, state, cost, ops):
         console.print(table)
+    if stages:
+        console.print(_stages(stages))
     if collectives:
         console.print(_communication(collectives))
         console.print(_largest(collectives))
@@ -56,6 +58,20 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
         shown = ", ".join(replicated[:12]) + (" ..." if len(replicated) > 12 else "")
         console.print(f"{len(replicated)} ops have no sharding rule and run replicated: {shown}")
     return buf.getvalue()
+
+
+def _stages(stages: list[dict]) -> Table:
+    """Each pipeline stage: ops, estimated time share, parameters, what it sends on."""
+    total = sum(s["time"] for s in stages) or 1.0
+    table = Table(title="Pipeline stages", title_justify="left")
+    for col in ("stage", "fwd ops", "time share", "params", "sends to later stages"):
+        table.add_column(col, justify="left" if col.startswith("sends") else "right")
+    for s in stages:
+        sends = ", ".join(f"{name} {nbytes(b)} -> {','.join(map(str, to))}"
+                          for name, b, to in s["sends"])
+        table.add_row(str(s["stage"]), str(s["ops"]), f"{s['time'] / total:.0%}",
+                      nbytes(s["param_bytes"]), sends or "-")
+    return table
 
 
 def _communication(collectives: list[Collective]) -> Table:

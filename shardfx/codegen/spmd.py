@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
 from shardfx.errors import PassError
-from shardfx.hints import HINT
+from shardfx.hints import MARKERS
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 
@@ -91,7 +91,7 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
     sharding: M.NodeSharding = node.meta[M.SHARDING]
     operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
     local_operands = iter([to(a, want, node.name) for a, want in zip(operands, sharding.inputs)])
-    if node.target is HINT:  # the redistribution was the point; the op itself is identity
+    if node.target in MARKERS:  # the redistribution was the point; the op itself is identity
         env[node], have[node] = next(local_operands), sharding.out
         return
     args = sharding.local_args if sharding.local_args is not None else node.args

@@ -13,6 +13,7 @@ reader can find in one place what a key means and which pass produces it.
     COST              call_function      NodeCost       passes.estimate_cost
     ANNOTATION        placeholders       Placements     passes.shard_annotate
     SHARDING          call_function      NodeSharding   passes.shard_propagate
+    STAGE             forward ops, inputs  int          passes.stage_cut
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``.
 """
@@ -29,6 +30,7 @@ PHASE = "shardfx.phase"
 COST = "shardfx.cost"
 ANNOTATION = "shardfx.annotation"
 SHARDING = "shardfx.sharding"
+STAGE = "shardfx.stage"
 GRAPH = "shardfx.graph"
 
 

@@ -158,6 +158,9 @@ class _Reader:
         if word in {p.value for p in M.Phase}:
             node.meta[M.PHASE] = M.Phase(word)
             notes = notes[len(word):].strip()
+        if m_stage := re.match(r"@(\d+)\s*", notes):
+            node.meta[M.STAGE] = int(m_stage[1])
+            notes = notes[m_stage.end():]
         if notes and not self.info.mesh:
             raise self._error(f"placements {notes!r} on a graph without a mesh",
                               fix="name the mesh in the header: graph MODE MODEL mesh dp=2")

@@ -11,7 +11,7 @@
 
 Types are ``dtype[shape]`` (``f32[2, 8]``), a tuple of them for multi-output ops, ``-`` for a
 value that is not a tensor. Operands are node names or Python literals. ``# fwd``/``# bwd`` is
-the node's PHASE; then, on a graph planned for a mesh (``graph train M mesh dp=2,tp=2``), its
+the node's PHASE; ``@1`` its pipeline STAGE; then, on a graph planned for a mesh (``graph train M mesh dp=2,tp=2``), its
 placements, one per mesh axis (``S(0)R``: Shard(0) on dp, Replicate on tp; ``P`` a partial sum). ``shardfx.ir.parse.text_to_ir`` reads this form back, so tests can be
 written in it.
 """
@@ -83,6 +83,8 @@ def node_line(node: fx.Node) -> str:
 def node_notes(node: fx.Node) -> str:
     """Our annotations on a node, compact; later passes add theirs here (placements, stage)."""
     notes = [str(node.meta[M.PHASE])] if M.PHASE in node.meta else []
+    if M.STAGE in node.meta:
+        notes.append(f"@{node.meta[M.STAGE]}")
     for key in (M.ANNOTATION, M.SHARDING):
         if key in node.meta:
             value = node.meta[key]

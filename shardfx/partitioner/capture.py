@@ -203,6 +203,12 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
     out_node.args = (tuple(values),)
     out_node.meta[M.OUTPUTS] = tuple(roles)
     _drop_asserts(graph)
+    if prefix:  # module paths as the user's model names them, like the parameters
+        for node in graph.nodes:
+            if stack := node.meta.get("nn_module_stack"):
+                node.meta["nn_module_stack"] = {
+                    k: (path.removeprefix(prefix) if path != prefix.rstrip(".") else "", cls)
+                    for k, (path, cls) in stack.items()}
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a tuple out: no pytree specs
     gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=model_name)
     gm.recompile()

@@ -35,6 +35,11 @@ class Options:
     module_types: dict[str, str] = field(default_factory=dict)  # module FQN -> class name
     debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: one per rank of the pp axis (virtual stages come with schedules)."""
+        return self.mesh.axis("pp")
+
 
 @dataclass
 class PassRecord:

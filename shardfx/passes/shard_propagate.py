@@ -33,7 +33,7 @@ from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
 from shardfx.errors import ShardingError
-from shardfx.hints import HINT, decode
+from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 
@@ -49,6 +49,11 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
     for node in op_nodes(gm.graph):
         if node.target is HINT:
             node.meta[M.SHARDING], spec[node] = _hint(node, spec, mesh)
+            continue
+        if node.target is PIPE_SPLIT:  # a marker: the value passes through as it is
+            src = spec[node.args[0]]
+            node.meta[M.SHARDING] = M.NodeSharding(out=src.placements, inputs=(src.placements,))
+            spec[node] = src
             continue
         if node.target is operator.getitem:
             src, i = node.args

@@ -1,0 +1,178 @@
+"""stage_cut: cut the forward into pipeline stages of balanced cost.
+
+Requires: PHASE, COST on ops; ROLE on placeholders; ``options.stages`` (pp x virtual stages).
+Ensures:  STAGE (0 .. stages-1) on every forward op and on every placeholder the forward reads
+          (a parameter read by several stages, like GPT-2's tied embedding and LM head, gets
+          the first; the runtime sends it on).
+
+Where the cuts go:
+  - with ``shardfx.pipe_split(x)`` markers in the model, right after each marker: there must be
+    exactly ``stages - 1`` of them;
+  - otherwise where a repeated block starts (``layers.3``: the module path's first numbered
+    component changes; between two transformer blocks only the residual stream crosses), or,
+    for models without numbered blocks, where few bytes cross; among those, the cuts that
+    minimize the most expensive stage: binary search on that cost, each stage filled greedily
+    up to the farthest candidate that stays under it.
+A stage's cost is an estimate of its forward and backward time from FLOPs and bytes written;
+``stage_report`` prints each stage's cost, parameter and activation bytes, and the tensors
+crossing each cut.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from shardfx.errors import PipelineError
+from shardfx.hints import PIPE_SPLIT
+from shardfx.ir import meta as M
+from shardfx.ir.graph import op_nodes
+
+# Relative speeds for the time estimate: only ratios between stages matter.
+FLOPS_PER_S = 1e12
+BYTES_PER_S = 1e11
+CANDIDATE_SLACK = 1.5  # a cut may carry up to this many times the cheapest cut's bytes
+
+
+def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
+    stages = options.stages
+    forward = [n for n in op_nodes(gm.graph) if n.meta[M.PHASE] is M.Phase.FORWARD]
+    if stages <= 1:
+        cuts: list[int] = []
+    elif markers := [i for i, n in enumerate(forward) if n.target is PIPE_SPLIT]:
+        if len(markers) != stages - 1:
+            raise PipelineError(
+                f"the model has {len(markers)} pipe_split markers but the plan needs "
+                f"{stages - 1} cuts for {stages} stages",
+                where=", ".join(forward[i].name for i in markers),
+                fix=f"place exactly {stages - 1} pipe_split markers, or none to let shardfx "
+                "choose the cuts")
+        cuts = [i + 1 for i in markers]
+    else:
+        cuts = _balanced_cuts(forward, stages)
+    bounds = [0, *cuts, len(forward)]
+    for s in range(stages if stages > 1 else 1):
+        for node in forward[bounds[s]:bounds[s + 1]]:
+            node.meta[M.STAGE] = s
+    for node in gm.graph.find_nodes(op="placeholder"):
+        used = [u.meta[M.STAGE] for u in node.users if M.STAGE in u.meta]
+        if used:
+            node.meta[M.STAGE] = min(used)
+    return gm
+
+
+def node_time(node: fx.Node) -> float:
+    """Estimated seconds of the op and of its share of the backward (about twice the forward)."""
+    cost: M.NodeCost = node.meta[M.COST]
+    return 3 * (cost.flops / FLOPS_PER_S + cost.out_bytes / BYTES_PER_S)
+
+
+def crossing_bytes(forward: list[fx.Node]) -> list[int]:
+    """Bytes of values made before position i and read at or after it, for each position."""
+    where = {n: i for i, n in enumerate(forward)}
+    delta = [0] * (len(forward) + 1)
+    for i, node in enumerate(forward):
+        uses = [where[u] for u in node.users if u in where]
+        if uses and max(uses) > i:
+            size = tensor_bytes(node)  # a view crosses with its data, whatever COST counts
+            delta[i + 1] += size
+            delta[max(uses) + 1] -= size
+    out, running = [], 0
+    for d in delta[:-1]:
+        running += d
+        out.append(running)
+    return out
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (tuple, list)) else [node.meta[M.VAL]]
+    return sum(v.numel() * v.element_size() for v in vals if hasattr(v, "numel"))
+
+
+def block_of(node: fx.Node) -> str | None:
+    """``model.layers.3`` for any op inside that block: the module path up to its first number."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    parts = list(stack.values())[-1][0].split(".")
+    numbered = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[:numbered[0] + 1]) if numbered else None
+
+
+def _candidates(forward: list[fx.Node]) -> list[int]:
+    blocks = [block_of(n) for n in forward]
+    starts = [i for i in range(1, len(forward))
+              if blocks[i] is not None and blocks[i] != blocks[i - 1]
+              and blocks[i] not in blocks[:i]]  # a block starts (not resumed after a detour)
+    if starts:
+        return starts
+    crossing = crossing_bytes(forward)
+    if len(crossing) < 2:
+        return []
+    cheapest = min(crossing[1:])
+    return [i for i in range(1, len(forward)) if crossing[i] <= CANDIDATE_SLACK * cheapest]
+
+
+def _balanced_cuts(forward: list[fx.Node], stages: int) -> list[int]:
+    candidates = _candidates(forward)
+    if len(candidates) < stages - 1:
+        raise _too_many(stages, len(candidates))
+    prefix = [0.0]
+    for node in forward:
+        prefix.append(prefix[-1] + node_time(node))
+    lo, hi = max(node_time(n) for n in forward), prefix[-1]
+    best = _greedy(candidates, prefix, stages, hi)
+    for _ in range(50):  # binary search on the largest stage cost
+        mid = (lo + hi) / 2
+        cuts = _greedy(candidates, prefix, stages, mid)
+        if cuts is None:
+            lo = mid
+        else:
+            best, hi = cuts, mid
+    if best is None:
+        raise _too_many(stages, len(candidates))
+    return best
+
+
+def _greedy(candidates: list[int], prefix: list[float], stages: int, limit: float):
+    """Cut positions so every stage costs at most ``limit``, or None if that cannot be done."""
+    cuts, start = [], 0
+    for k in range(stages - 1):
+        last = candidates[len(candidates) - (stages - 2 - k) - 1]  # leave one per later cut
+        fits = [c for c in candidates
+                if start < c <= last and prefix[c] - prefix[start] <= limit]
+        if not fits:
+            return None
+        start = max(fits)
+        cuts.append(start)
+    if prefix[-1] - prefix[start] > limit:
+        return None
+    return cuts
+
+
+def _too_many(stages: int, cut_points: int) -> PipelineError:
+    return PipelineError(
+        f"cannot cut the model into {stages} stages: it has {cut_points} places where a cut "
+        "passes little data (between layers)",
+        where="passes.stage_cut",
+        fix=f"use at most {cut_points + 1} pipeline stages, or mark cuts with shardfx.pipe_split")
+
+
+def stage_report(gm: fx.GraphModule) -> list[dict]:
+    """Per stage: forward ops, estimated time, parameter bytes, bytes sent to later stages."""
+    rows: dict[int, dict] = {}
+    for node in gm.graph.nodes:
+        if M.STAGE not in node.meta:
+            continue
+        row = rows.setdefault(node.meta[M.STAGE], {"ops": 0, "time": 0.0, "param_bytes": 0,
+                                                   "sends": []})
+        if node.op == "placeholder":
+            if node.meta[M.ROLE].kind is M.InputKind.PARAM:
+                val = node.meta[M.VAL]
+                row["param_bytes"] += val.numel() * val.element_size()
+            continue
+        row["ops"] += 1
+        row["time"] += node_time(node)
+        later = {u.meta[M.STAGE] for u in node.users if u.meta.get(M.STAGE, -1) > node.meta[M.STAGE]}
+        if later:
+            row["sends"].append((node.name, tensor_bytes(node), sorted(later)))
+    return [rows[s] | {"stage": s} for s in sorted(rows)]

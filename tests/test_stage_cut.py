@@ -1,0 +1,100 @@
+"""stage_cut: where the pipeline is cut, checked on the IR text and on the stage report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfx
+from shardfx.errors import PipelineError
+from shardfx.ir import meta as M
+from shardfx.ir.parse import text_to_ir
+from shardfx.ir.text import ir_to_text
+from shardfx.passes.stage_cut import block_of, stage_report
+
+VOCAB = 64
+
+
+def llama(layers: int = 2):
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB))
+
+
+def lm_loss(out, targets):
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def plan_for(model, pp: int):
+    x, y = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
+    return shardfx.partition(model, (x,), lm_loss, (y,), mesh={"pp": pp})
+
+
+def first_op_of_each_stage(gm) -> dict[int, str]:
+    firsts: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and M.STAGE in node.meta:
+            firsts.setdefault(node.meta[M.STAGE], block_of(node) or "-")
+    return firsts
+
+
+def test_cuts_fall_between_transformer_blocks():
+    plan = plan_for(llama(4), pp=2)
+    assert first_op_of_each_stage(plan.ir)[1] == "model.layers.2"  # 2 blocks per stage
+    rows = stage_report(plan.ir)
+    assert [r["stage"] for r in rows] == [0, 1]
+    sent = dict((name, size) for name, size, _ in rows[0]["sends"])
+    hidden = 2 * 8 * 32 * 4
+    assert hidden in sent.values()  # the residual stream crosses the cut
+    # every forward op has a stage, every backward op none (the runtime derives them)
+    for node in plan.ir.graph.nodes:
+        if node.op == "call_function":
+            assert (M.STAGE in node.meta) == (node.meta[M.PHASE] is M.Phase.FORWARD)
+    assert "Pipeline stages" in str(plan)
+
+
+def test_stages_round_trip_as_text():
+    text = ir_to_text(plan_for(llama(2), pp=2).ir)
+    assert "@1" in text and text.splitlines()[0].endswith("mesh pp=2")
+    assert ir_to_text(text_to_ir(text)) == text
+
+
+def test_more_stages_than_blocks():
+    with pytest.raises(PipelineError) as info:
+        plan_for(llama(2), pp=4)
+    assert "4 stages" in info.value.cause and "at most 3" in info.value.fix
+
+
+class Marked(torch.nn.Module):
+    def __init__(self, marks: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.marks = marks
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i < self.marks:
+                x = shardfx.pipe_split(x)
+        return x
+
+
+def test_pipe_split_markers_decide_the_cuts():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plan = shardfx.partition(Marked(1), (x,), F.mse_loss, (y,), mesh={"pp": 2})
+    firsts = first_op_of_each_stage(plan.ir)
+    assert firsts[1] == "layers.1"  # right after the marker behind layer 0, not the balanced cut
+    with pytest.raises(PipelineError) as info:
+        shardfx.partition(Marked(2), (x,), F.mse_loss, (y,), mesh={"pp": 2})
+    assert "2 pipe_split markers" in info.value.cause and "exactly 1" in info.value.fix
+
+
+def test_pipeline_plans_do_not_run_yet():
+    plan = plan_for(llama(2), pp=2)
+    with pytest.raises(PipelineError):
+        plan.runner()
