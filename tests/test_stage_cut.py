@@ -50,10 +50,22 @@ def test_cuts_fall_between_transformer_blocks():
     sent = dict((name, size) for name, size, _ in rows[0]["sends"])
     hidden = 2 * 8 * 32 * 4
     assert hidden in sent.values()  # the residual stream crosses the cut
-    # every forward op has a stage, every backward op none (the runtime derives them)
+    # backward ops run where their forward ops ran: a layer's weight gradient in its stage
     for node in plan.ir.graph.nodes:
         if node.op == "call_function":
-            assert (M.STAGE in node.meta) == (node.meta[M.PHASE] is M.Phase.FORWARD)
+            assert M.STAGE in node.meta
+    out = plan.ir.graph.output_node()
+    grads = {r.name: v for v, r in zip(out.args[0], out.meta[M.OUTPUTS])
+             if r.kind is M.OutputKind.GRAD}
+    assert grads["model.layers.0.mlp.down_proj.weight"].meta[M.STAGE] == 0
+    assert grads["model.layers.3.mlp.down_proj.weight"].meta[M.STAGE] == 1
+    assert grads["lm_head.weight"].meta[M.STAGE] == 1
+    # in the backward, values only flow from later stages to earlier ones
+    for node in plan.ir.graph.nodes:
+        if node.op == "call_function" and node.meta[M.PHASE] is M.Phase.BACKWARD:
+            for src in node.all_input_nodes:
+                if src.meta.get(M.PHASE) is M.Phase.BACKWARD:
+                    assert src.meta[M.STAGE] >= node.meta[M.STAGE], (src.name, node.name)
     assert "Pipeline stages" in str(plan)
 
 

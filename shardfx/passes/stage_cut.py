@@ -1,9 +1,13 @@
 """stage_cut: cut the forward into pipeline stages of balanced cost.
 
-Requires: PHASE, COST on ops; ROLE on placeholders; ``options.stages`` (pp x virtual stages).
-Ensures:  STAGE (0 .. stages-1) on every forward op and on every placeholder the forward reads
-          (a parameter read by several stages, like GPT-2's tied embedding and LM head, gets
-          the first; the runtime sends it on).
+Requires: PHASE, COST on ops; ROLE on placeholders; ``options.stages`` (pp x virtual stages);
+          torch's ``seq_nr`` on ops (the joint trace pairs each backward op with the forward op
+          it differentiates by this number).
+Ensures:  STAGE (0 .. stages-1) on every op and on every placeholder an op reads (a parameter
+          read by several stages, like GPT-2's tied embedding and LM head, gets the first; the
+          runtime sends it on). A backward op runs in the stage of the forward op it
+          differentiates, or earlier when it reads a gradient made in an earlier stage: in the
+          backward, values flow from later stages to earlier ones only.
 
 Where the cuts go:
   - with ``shardfx.pipe_split(x)`` markers in the model, right after each marker: there must be
@@ -53,11 +57,27 @@ def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
     for s in range(stages if stages > 1 else 1):
         for node in forward[bounds[s]:bounds[s + 1]]:
             node.meta[M.STAGE] = s
+    _backward_stages(gm, forward)
     for node in gm.graph.find_nodes(op="placeholder"):
         used = [u.meta[M.STAGE] for u in node.users if M.STAGE in u.meta]
         if used:
             node.meta[M.STAGE] = min(used)
     return gm
+
+
+def _backward_stages(gm: fx.GraphModule, forward: list[fx.Node]) -> None:
+    of_seq = {}
+    for node in forward:
+        if "seq_nr" in node.meta:
+            of_seq.setdefault(node.meta["seq_nr"], node.meta[M.STAGE])
+    last = max((n.meta[M.STAGE] for n in forward), default=0)
+    for node in op_nodes(gm.graph):
+        if node.meta[M.PHASE] is not M.Phase.BACKWARD:
+            continue
+        stage = of_seq.get(node.meta.get("seq_nr"), last)
+        from_bwd = [a.meta[M.STAGE] for a in node.all_input_nodes
+                    if a.meta.get(M.PHASE) is M.Phase.BACKWARD and M.STAGE in a.meta]
+        node.meta[M.STAGE] = min([stage, *from_bwd])
 
 
 def node_time(node: fx.Node) -> float:
