@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import capture
+from shardfx.partitioner.capture import capture, capture_leaves, microbatch
 from shardfx.passes.manager import Options
 from shardfx.plan import Plan
 
@@ -21,6 +21,8 @@ def partition(
     example_targets: tuple = (),
     mesh: dict[str, int] | str | None = None,
     shard: str | dict = "auto",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -29,16 +31,23 @@ def partition(
     With ``loss_fn(model_output, *targets) -> scalar`` the plan trains (forward, loss, backward);
     without, it runs inference. ``mesh`` names the axes and sizes (``{"dp": 2, "tp": 2}``);
     ``shard`` says how parameters are split over them: ``"auto"``, ``"megatron"``,
-    ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after
-    every pass; ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``.
+    ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
+    model is cut into stages that run ``schedule`` (gpipe | 1f1b | zero-bubble) over
+    ``microbatches`` slices of the batch. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the
+    IR after every pass; ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``.
     """
     spec = MeshSpec.parse(mesh)
     types = {name: type(m).__name__ for name, m in model.named_modules()} \
         if isinstance(model, torch.nn.Module) else {}
-    options = Options(mesh=spec, shard=shard, module_types=types)
+    options = Options(mesh=spec, shard=shard, module_types=types, microbatches=microbatches,
+                      schedule=schedule)
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
-    captured = capture(model, example_args, loss_fn, example_targets)
+    # The programs run one microbatch at a time: trace on the first microbatch's shapes.
+    mb_args, mb_targets = microbatch(example_args, example_targets, microbatches)
+    captured = capture(model, mb_args, loss_fn, mb_targets)
+    if microbatches > 1:  # steps take the whole batch: check them against its shapes
+        captured.leaves = capture_leaves(example_args, example_targets)
     plan = Plan(model, example_args, captured, spec, options)
     if dump := os.environ.get("SHARDFX_DUMP"):
         plan.dump(dump)

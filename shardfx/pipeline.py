@@ -15,6 +15,7 @@ from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program, generate
 from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.spmd import generate_spmd
+from shardfx.codegen.stages import split_stages
 from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
@@ -26,14 +27,16 @@ from shardfx.passes.stage_cut import stage_cut
 
 
 def compile_ir(gm: fx.GraphModule, options: Options
-               ) -> tuple[fx.GraphModule, Program | None, list[PassRecord], list[Collective]]:
+               ) -> tuple[fx.GraphModule, Program | fx.GraphModule, list[PassRecord], list[Collective]]:
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=options.mesh.axes)
     history = [PassRecord("capture", ir_to_text(gm))]
     if options.stages > 1:
-        # Pipeline plans are cut and inspected; their per-stage programs and the schedule
-        # runtime are the next step, so there is no program to run yet.
-        gm = run_passes(gm, [assign_phase, estimate_cost, stage_cut], options, history)
-        return gm, None, history, []
+        gm = run_passes(gm, [
+            assign_phase,   # forward vs backward
+            estimate_cost,  # what the stage cutter balances
+            stage_cut,      # a stage for every op: forward balanced, backward where its forward is
+        ], options, history)
+        return gm, split_stages(gm), history, []  # per-stage F, B, W programs
     sharded = options.mesh.size > 1
     gm = run_passes(gm, [
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about

@@ -21,7 +21,9 @@ from shardfx.passes.manager import Options, PassRecord
 from shardfx.passes.stage_cut import stage_report
 from shardfx.pipeline import compile_ir
 from shardfx.report import render
+from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
+from shardfx.schedule import check, generate
 
 
 class Plan:
@@ -32,7 +34,13 @@ class Plan:
         self.options = options
         self._example_args = example_args
         self._captured = captured
-        self.ir, self.program, self.history, self.collectives = compile_ir(captured.gm, options)
+        self.ir, program, self.history, self.collectives = compile_ir(captured.gm, options)
+        self.program: Program | None = program
+        self.stage_program = self.schedule = None
+        if options.stages > 1:  # per-stage parts, run in the order of a schedule
+            self.program, self.stage_program = None, program
+            self.schedule = pipeline_schedule(options.schedule, options.stages,
+                                              options.microbatches)
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
         self.state_names = tuple(model.state_dict().keys())
         self._canonical = _canonical_names(model)
@@ -44,11 +52,12 @@ class Plan:
 
     def runner(self, optimizer: OptimizerFactory | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer."""
-        if self.program is None:
-            raise PipelineError(
-                f"mesh {self.mesh} has a pipeline axis: this version cuts and shows pipeline "
-                "stages (print(plan)) but cannot run them yet",
-                where="plan.runner()", fix="plan without pp to train, or inspect the stages")
+        if self.stage_program is not None:
+            if self.mesh.size != self.options.stages:
+                raise PipelineError(
+                    f"mesh {self.mesh}: pipeline stages combined with dp/tp do not run yet",
+                    where="plan.runner()", fix="use a mesh with the pp axis alone")
+            return PipelineRunner(self, optimizer)
         return Runner(self, optimizer)
 
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
@@ -124,6 +133,13 @@ class Plan:
 
     def canonical(self, fqn: str) -> str:
         return self._canonical.get(fqn, fqn)
+
+
+def pipeline_schedule(name: str, stages: int, microbatches: int):
+    """The schedule's action lists for one stage per rank, checked before anything runs."""
+    schedule = generate(name, stages, microbatches)
+    check(schedule)
+    return schedule
 
 
 def _canonical_names(model: torch.nn.Module) -> dict[str, str]:

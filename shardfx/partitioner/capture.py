@@ -64,11 +64,9 @@ def capture(
     ``InputError`` naming the cause, the place, and what to do."""
     _check_inputs(model, args, loss_fn, targets)
     mode = M.Mode.TRAIN if loss_fn is not None else M.Mode.INFER
-    flat, in_spec = pytree.tree_flatten((args, targets))
+    in_spec = pytree.tree_flatten((args, targets))[1]
     n_args = len(pytree.tree_leaves(args))
-    leaves = tuple(
-        LeafSpec(_leaf_name(i, n_args), tuple(t.shape), t.dtype) for i, t in enumerate(flat)
-    )
+    leaves = capture_leaves(args, targets)
 
     traced: torch.nn.Module = model if mode is M.Mode.INFER else _LossOf(model, loss_fn)
     # Trace on fresh tensors: if two example leaves were one tensor (labels=input_ids), tracing
@@ -87,6 +85,30 @@ def capture(
     _merge_tied_parameters(gm, model)
     out_spec = ep.call_spec.out_spec if mode is M.Mode.INFER else None
     return Captured(gm, in_spec, leaves, out_spec)
+
+
+def capture_leaves(args: tuple, targets: tuple) -> tuple[LeafSpec, ...]:
+    flat = pytree.tree_leaves((args, targets))
+    n_args = len(pytree.tree_leaves(args))
+    return tuple(LeafSpec(_leaf_name(i, n_args), tuple(t.shape), t.dtype) for i, t in enumerate(flat))
+
+
+def microbatch(args: tuple, targets: tuple, n: int) -> tuple[tuple, tuple]:
+    """The first of ``n`` equal slices of the batch (dim 0 of every input and target)."""
+    if n == 1:
+        return args, targets
+    if not isinstance(n, int) or n < 1:
+        raise InputError(f"microbatches must be a positive int, got {n!r}",
+                         where="partition(..., microbatches=...)", fix="e.g. microbatches=4")
+    n_args = len(pytree.tree_leaves(args))
+    for i, t in enumerate(pytree.tree_leaves((args, targets))):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % n:
+            size = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else "no batch dim"
+            raise InputError(
+                f"{_leaf_name(i, n_args)} has batch size {size}, not divisible into "
+                f"{n} microbatches", where=f"partition(..., microbatches={n})",
+                fix=f"use a batch that is a multiple of {n}, or fewer microbatches")
+    return pytree.tree_map_only(torch.Tensor, lambda t: t[: t.shape[0] // n], (args, targets))
 
 
 # --- the traced callable -------------------------------------------------------------------

@@ -33,6 +33,8 @@ class Options:
     mesh: MeshSpec = MeshSpec()
     shard: Any = "auto"  # "auto" | "megatron" | "replicate" | {param glob: placements}
     module_types: dict[str, str] = field(default_factory=dict)  # module FQN -> class name
+    microbatches: int = 1  # slices of the batch a pipeline runs one at a time
+    schedule: str = "1f1b"  # gpipe | 1f1b | zero-bubble (pipeline schedule)
     debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
 
     @property

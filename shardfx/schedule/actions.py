@@ -87,10 +87,12 @@ class Action:
         if self.peer_stage is not None and self.peer_stage != peer:
             raise ScheduleError(f"{self} talks to stage {peer}, not stage {self.peer_stage}",
                                 fix="leave peer_stage out; it follows from the kind")
-        if self.stage < 0 or self.microbatch < 0 or (peer is not None and peer < 0):
+        if self.stage < 0 or self.microbatch < 0:
             raise ScheduleError(f"{self} names a negative stage or microbatch",
-                                where=f"Action(stage={self.stage}, microbatch={self.microbatch})",
-                                fix="stages and microbatches count from 0; stage 0 has no RECV_F/SEND_B")
+                                fix="stages and microbatches count from 0")
+        if peer is not None and peer < 0:
+            raise ScheduleError(f"{self}: stage 0 has no previous stage to talk to",
+                                fix="stage 0 receives no activation and sends no input gradient")
         object.__setattr__(self, "peer_stage", peer)
 
     def __str__(self) -> str:

@@ -1,8 +1,8 @@
 """The standard pipeline schedules, generated as compute-only action lists.
 
 Each generator takes p ranks and m microbatches and returns a `Schedule` of F/B (and W) actions;
-`with_communication` adds the sends and receives. With F = B = W = one slot, ``str()`` of each
-draws the published figure:
+`with_communication` adds the sends and receives. ``str()`` of each is the published figure,
+redrawn with every action one slot wide:
 
     gpipe(p, m)                all forwards, then all backwards in microbatch order (GPipe,
                                Huang et al. 2019; Megatron-LM, Narayanan et al. 2021, fig. 3)
@@ -18,8 +18,10 @@ draws the published figure:
                                every rank keeps p microbatches in flight, as 1F1B's rank 0
 
 m < p is allowed for gpipe, one_f_one_b and zb_h1: the warm-up is cut to m forwards and the
-pipeline never fills (bubble (p-1)/m > 1, still correct). interleaved_1f1b needs m % p == 0, as
+pipeline never fills (correct, but 1F1B's bubble (p-1)/m is then 1 or more). interleaved_1f1b needs m % p == 0, as
 Megatron does: its microbatch groups of p must come out even.
+
+`formula_bubble` gives each schedule's published bubble, to hold simulated or measured ones to.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
     per_rank = []
     for r in range(p):
+        # Megatron's warm-up: the last rank fills its other chunks first ((v-1) p forwards),
+        # each rank before it two more, so its first backward arrives as its forwards run out.
         warmup = min((v - 1) * p + 2 * (p - 1 - r), m * v)
         per_rank.append(_one_f_one_b(m * v, warmup, lambda k, r=r: slot(r, k, False),
                                      lambda k, r=r: slot(r, k, True)))
@@ -79,7 +83,7 @@ def zb_h1(p: int, m: int) -> Schedule:
     _check_sizes("zero-bubble", p, m)
     per_rank = []
     for r in range(p):
-        warmup = min(p - 1 - r, m)
+        warmup = min(p - 1 - r, m)  # 1F1B's; the W delay (r if m >= p) keeps p in flight
         per_rank.append(_one_f_one_b(m, warmup, lambda k, r=r: (r, k), lambda k, r=r: (r, k),
                                      weight_delay=p - 1 - warmup))
     return Schedule(per_rank, p, m)
@@ -94,26 +98,32 @@ def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (gpipe | 1f1b | interleaved-1f1b | zero-bubble)."""
     if name not in GENERATORS:
         raise ScheduleError(f"unknown schedule {name!r}", fix=f"use one of {', '.join(GENERATORS)}")
+    if v != 1 and name != "interleaved-1f1b":
+        raise ScheduleError(f"{name} has one stage per rank, got v={v}",
+                            fix="use interleaved-1f1b for several stages per rank")
     return interleaved_1f1b(p, m, v) if name == "interleaved-1f1b" else GENERATORS[name](p, m)
 
 
-def formula_bubble(kind: str, p: int, m: int, v: int = 1, costs: Costs | None = None) -> float:
-    """The published bubble of each schedule, in `bubble_fraction`'s terms.
+def formula_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs | None = None) -> float:
+    """The published bubble of each schedule, in `check.bubble_fraction`'s terms (idle time over
+    compute time), for comparison with what `simulate` or a measured run gives.
 
-    gpipe, 1f1b: (p-1)/m; interleaved-1f1b: (p-1)/(v m) (Narayanan et al. 2021, section 2.2);
-    zero-bubble (ZB-H1): (p-1)(F + B - W) over m(F + B + W), B the input-gradient part (Qi et
-    al. 2023, section 2.1), so (p-1)/(3m) when F = B = W.
+    gpipe, 1f1b        (p-1)/m, whatever the costs (Narayanan et al. 2021, section 2.2)
+    interleaved-1f1b   (p-1)/(v m), m a multiple of p (ibid., section 2.2.1)
+    zero-bubble        (p-1)(F + B - W) / (m (F + B + W)) with B the input-gradient part (Qi et
+                       al. 2023, section 2.1): (p-1)/(3m) at F = B = W. Exact for m >= p and
+                       W <= min(F, B); a heavier W no longer fits the bubbles it is meant to fill.
     """
-    c = costs or Costs()
-    if kind in ("gpipe", "1f1b"):
+    if name in ("gpipe", "1f1b"):
         return (p - 1) / m
-    if kind == "interleaved-1f1b":
+    if name == "interleaved-1f1b":
         return (p - 1) / (v * m)
-    if kind == "zero-bubble":
+    if name == "zero-bubble":
+        c = costs or Costs()
         b = c.backward - c.weight
-        return (p - 1) * (c.forward + b - c.weight) / (m * (c.forward + c.backward))
-    raise ScheduleError(f"no bubble formula for {kind!r}",
-                        fix="use gpipe, 1f1b, interleaved-1f1b or zero-bubble")
+        return (p - 1) * (c.forward + b - c.weight) / (m * (c.forward + b + c.weight))
+    raise ScheduleError(f"no bubble formula for schedule {name!r}",
+                        fix=f"use one of {', '.join(GENERATORS)}")
 
 
 def _one_f_one_b(total: int, warmup: int, forward: Callable[[int], Slot],

@@ -1,0 +1,244 @@
+"""The pipeline runner: each rank runs its stage's F, B and W programs as the schedule orders.
+
+The plan holds the joint graph split into per-stage parts (``codegen.stages``) and a schedule
+(``shardfx.schedule``): one ordered action list per rank, ``0F1`` = stage 0 forward of
+microbatch 1. Rank r runs stage r. For each action the runner gathers the part's inputs: this
+rank's parameters; the action's microbatch slice of the global inputs and targets; values an
+earlier action of the same rank left (saved activations); values another rank sends, received
+point-to-point (gloo/NCCL ``recv``, tagged by producer, output and microbatch). What the part
+produces for other ranks is sent with ``isend`` at once, so sends never block. Gradients are
+summed over microbatches (the tangent is 1/m: the loss of the whole batch is the mean of the
+microbatch losses), the optimizer steps each rank's own parameters, and a parameter read by
+several stages (a tied embedding) is sent from the stage that owns its gradient to the others
+after each step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from shardfx.errors import MeshError
+from shardfx.ir import meta as M
+from shardfx.schedule import Kind
+
+if TYPE_CHECKING:
+    from shardfx.plan import Plan
+
+
+class PipelineRunner:
+    def __init__(self, plan: "Plan", optimizer=None):
+        if not (dist.is_available() and dist.is_initialized()) or \
+                dist.get_world_size() != plan.mesh.size:
+            raise MeshError(f"mesh {plan.mesh} needs {plan.mesh.size} processes",
+                            where="plan.runner()", fix=f"launch with torchrun --nproc-per-node "
+                            f"{plan.mesh.size} or shardfx.launch(..., nprocs={plan.mesh.size})")
+        self._plan, self.rank = plan, dist.get_rank()
+        self.schedule = plan.schedule
+        self.m = self.schedule.microbatches
+        split: fx.GraphModule = plan.stage_program
+        self._parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+        self._module = split
+        self._stage_of = {name: int(name[5:].split("_")[0]) for name in self._parts}
+        self._roles = {n.name: n.meta[M.ROLE] for n in plan.ir.graph.find_nodes(op="placeholder")}
+        self._vals = {n.name: n.meta[M.VAL] for n in plan.ir.graph.nodes if M.VAL in n.meta}
+        out = split.graph.output_node()
+        self._finals = defaultdict(list)  # (part, index) -> output roles it provides
+        for value, role in zip(out.args[0], plan.ir.graph.output_node().meta[M.OUTPUTS]):
+            self._finals[_source(value)].append(role)
+        mine = [p for p in self._parts if self._rank_of(p) == self.rank]
+        reads = {a.name for p in mine for a in self._parts[p].args if a.op == "placeholder"}
+        model = plan.model
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        self._params = {name: params[r.name] for name, r in self._roles.items()
+                        if name in reads and r.kind is M.InputKind.PARAM}
+        self._buffers = {name: buffers[r.name] for name, r in self._roles.items()
+                         if name in reads and r.kind is M.InputKind.BUFFER}
+        self._owned = {r.name for (p, _), roles in self._finals.items() if self._rank_of(p) ==
+                       self.rank for r in roles if r.kind is M.OutputKind.GRAD}
+        owned = [p for name, p in self._params.items() if self._roles[name].name in self._owned]
+        self.optimizer = optimizer(owned) if optimizer and owned else None
+
+    def _rank_of(self, part: str) -> int:
+        return self.schedule.rank_of(self._stage_of[part])
+
+    # --- a training step -------------------------------------------------------------------
+
+    def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
+        flat = self._plan.check_inputs(args, targets)
+        self._store: dict[tuple, Any] = {}
+        self._sends: list = []
+        self._grads: dict[str, torch.Tensor] = {}
+        loss = torch.zeros(())
+        for action in self.schedule.actions[self.rank]:
+            parts = [f"stage{action.stage}_{action.kind.value}"]
+            if action.kind is Kind.B and not self.schedule.split_backward:
+                parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
+            for part in parts:
+                if part in self._parts:
+                    loss += self._run(part, action.microbatch, flat)
+        for work in self._sends:
+            work.wait()
+        for name, p in self._params.items():
+            fqn = self._roles[name].name
+            p.grad = self._grads.get(fqn) if fqn in self._owned else None
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self._share_tied()
+        return self._broadcast_loss(loss)
+
+    def _run(self, part: str, mb: int, flat: list) -> torch.Tensor:
+        call = self._parts[part]
+        inputs = [self._input(a, mb, flat) for a in call.args]
+        with torch.no_grad():
+            out = getattr(self._module, part)(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        loss = torch.zeros(())
+        consumers = _consumers(call)
+        for i, value in enumerate(outs):
+            key = (part, i if isinstance(out, tuple) else None)
+            for role in self._finals.get(key, ()):
+                if role.kind is M.OutputKind.GRAD:
+                    g = self._grads.get(role.name)
+                    self._grads[role.name] = value if g is None else g + value
+                elif role.kind is M.OutputKind.LOSS:
+                    loss = value.detach() / self.m
+                elif role.kind is M.OutputKind.BUFFER_UPDATE:
+                    self._buffer(role.name).copy_(value)
+            for dst in sorted({self._rank_of(c) for c in consumers.get(key[1], ())}):
+                if dst == self.rank:
+                    self._store[(part, key[1], mb)] = value
+                else:
+                    self._sends.append(dist.isend(value.contiguous(), dst,
+                                                  tag=self._tag(part, key[1], mb)))
+        return loss
+
+    def _input(self, arg: fx.Node, mb: int, flat: list):
+        if arg.op == "placeholder":
+            role = self._roles[arg.name]
+            if role.kind is M.InputKind.PARAM:
+                return self._params[arg.name].detach()
+            if role.kind is M.InputKind.BUFFER:
+                return self._buffers[arg.name]
+            if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
+                return torch.full((), 1.0 / self.m, dtype=self._vals[arg.name].dtype)
+            return flat[role.index].chunk(self.m)[mb]
+        part, index = _source(arg)
+        key = (part, index, mb)
+        if key not in self._store:  # from another rank: sent once, kept for every reader here
+            val = self._out_val(part, index)
+            buf = torch.empty(val.shape, dtype=val.dtype)
+            dist.recv(buf, self._rank_of(part), tag=self._tag(part, index, mb))
+            self._store[key] = buf
+        return self._store[key]
+
+    def _out_val(self, part: str, index: int | None):
+        """The fake value (shape, dtype) of a part's output, to receive it into."""
+        out = getattr(self._module, part).graph.output_node().args[0]
+        node = out[index] if index is not None else out
+        return node.meta.get(M.VAL, self._vals.get(node.name))
+
+    def _tag(self, part: str, index: int | None, mb: int) -> int:
+        order = list(self._parts).index(part)
+        return (order * 4096 + (index or 0)) * 1024 + mb
+
+    def _buffer(self, fqn: str) -> torch.Tensor:
+        return next(b for n, b in self._buffers.items() if self._roles[n].name == fqn)
+
+    def _share_tied(self) -> None:
+        """A parameter several stages read is updated by its owner, then sent to the others."""
+        for name, role in sorted(self._roles.items()):
+            if role.kind is not M.InputKind.PARAM:
+                continue
+            readers = sorted({self._rank_of(p) for p, c in self._parts.items()
+                              if any(a.name == name for a in c.args)})
+            owner = next((self._rank_of(p) for (p, _), rs in self._finals.items()
+                          if any(r.kind is M.OutputKind.GRAD and r.name == role.name for r in rs)),
+                         None)
+            if owner is None or len(readers) < 2:
+                continue
+            p = self._params.get(name)
+            for r in readers:
+                if r != owner and self.rank == owner:
+                    dist.send(p.detach().contiguous(), r, tag=1 << 30)
+                elif r == self.rank and r != owner:
+                    buf = torch.empty_like(p)
+                    dist.recv(buf, owner, tag=1 << 30)
+                    with torch.no_grad():
+                        p.copy_(buf)
+
+    def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        last = self.schedule.rank_of(self.schedule.stages - 1)
+        dist.broadcast(loss, src=last)
+        return loss
+
+    # --- state --------------------------------------------------------------------------------
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The last step's full gradients, on every rank (each sent by its owner)."""
+        return self._gather({fqn: self._grads.get(fqn) for fqn in self._owned},
+                            self._grad_shapes())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors on every rank, each sent by the rank that trains it. (The runner
+        updates the model's own tensors in place, so a rank's copy of what it owns is current.)"""
+        model = self._plan.model
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        mine = {fqn: t for fqn, t in tensors.items() if self._roles_owner(fqn) == self.rank}
+        full = self._gather(mine, self._state_shapes())
+        return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
+
+    def _roles_owner(self, fqn: str) -> int:
+        """The rank that holds ``fqn`` for state_dict: its gradient's owner, else its reader."""
+        for (part, _), roles in self._finals.items():
+            if any(r.name == fqn and r.kind in (M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE)
+                   for r in roles):
+                return self._rank_of(part)
+        name = next((n for n, r in self._roles.items() if r.name == fqn), None)
+        return min((self._rank_of(p) for p, c in self._parts.items()
+                    if any(a.name == name for a in c.args)), default=0)
+
+    def _state_shapes(self) -> dict[str, torch.Tensor]:
+        model = self._plan.model
+        return dict(model.named_parameters()) | dict(model.named_buffers())
+
+    def _grad_shapes(self) -> dict[str, torch.Tensor]:
+        return {r.name: self._vals[n] for n, r in self._roles.items()
+                if r.kind is M.InputKind.PARAM and any(
+                    x.kind is M.OutputKind.GRAD and x.name == r.name
+                    for rs in self._finals.values() for x in rs)}
+
+    def _gather(self, mine: dict, shapes: dict) -> dict[str, torch.Tensor]:
+        out = {}
+        for fqn in sorted(shapes):
+            owner = self._roles_owner(fqn)
+            val = shapes[fqn]
+            t = mine[fqn].detach().clone() if self.rank == owner and mine.get(fqn) is not None \
+                else torch.empty(val.shape, dtype=val.dtype)
+            dist.broadcast(t, src=owner)
+            out[fqn] = t
+        return out
+
+
+def _source(value: fx.Node) -> tuple[str, int | None]:
+    """(part, output index) a value of the split graph comes from; index None: a part's only
+    output."""
+    if value.op == "call_module":
+        return value.target, None
+    src, index = value.args
+    return src.target, index
+
+
+def _consumers(call: fx.Node) -> dict[int | None, list[str]]:
+    """Output index -> the parts that read it."""
+    out: dict[int | None, list[str]] = defaultdict(list)
+    for user in call.users:
+        if user.op == "call_function":  # getitem(call, i)
+            out[user.args[1]] += [u.target for u in user.users if u.op == "call_module"]
+        elif user.op == "call_module":
+            out[None].append(user.target)
+    return out
