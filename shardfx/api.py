@@ -23,6 +23,7 @@ def partition(
     shard: str | dict = "auto",
     microbatches: int = 1,
     schedule: str = "1f1b",
+    virtual_stages: int | None = None,
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -32,15 +33,18 @@ def partition(
     without, it runs inference. ``mesh`` names the axes and sizes (``{"dp": 2, "tp": 2}``);
     ``shard`` says how parameters are split over them: ``"auto"``, ``"megatron"``,
     ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
-    model is cut into stages that run ``schedule`` (gpipe | 1f1b | zero-bubble) over
-    ``microbatches`` slices of the batch. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the
+    model is cut into stages that run ``schedule`` (gpipe | 1f1b | interleaved-1f1b |
+    zero-bubble) over ``microbatches`` slices of the batch; ``virtual_stages`` per rank for the
+    interleaved one (default 2). ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the
     IR after every pass; ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``.
     """
     spec = MeshSpec.parse(mesh)
     types = {name: type(m).__name__ for name, m in model.named_modules()} \
         if isinstance(model, torch.nn.Module) else {}
+    if virtual_stages is None:
+        virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
     options = Options(mesh=spec, shard=shard, module_types=types, microbatches=microbatches,
-                      schedule=schedule)
+                      schedule=schedule, virtual_stages=virtual_stages)
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

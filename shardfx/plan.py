@@ -39,8 +39,8 @@ class Plan:
         self.stage_program = self.schedule = None
         if options.stages > 1:  # per-stage parts, run in the order of a schedule
             self.program, self.stage_program = None, program
-            self.schedule = pipeline_schedule(options.schedule, options.stages,
-                                              options.microbatches)
+            self.schedule = pipeline_schedule(options.schedule, self.mesh.axis("pp"),
+                                              options.microbatches, options.virtual_stages)
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
         self.state_names = tuple(model.state_dict().keys())
         self._canonical = _canonical_names(model)
@@ -53,7 +53,7 @@ class Plan:
     def runner(self, optimizer: OptimizerFactory | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer."""
         if self.stage_program is not None:
-            if self.mesh.size != self.options.stages:
+            if self.mesh.size != self.mesh.axis("pp"):
                 raise PipelineError(
                     f"mesh {self.mesh}: pipeline stages combined with dp/tp do not run yet",
                     where="plan.runner()", fix="use a mesh with the pp axis alone")
@@ -135,9 +135,9 @@ class Plan:
         return self._canonical.get(fqn, fqn)
 
 
-def pipeline_schedule(name: str, stages: int, microbatches: int):
-    """The schedule's action lists for one stage per rank, checked before anything runs."""
-    schedule = generate(name, stages, microbatches)
+def pipeline_schedule(name: str, ranks: int, microbatches: int, virtual: int = 1):
+    """The schedule's action lists, checked (deadlock, completeness) before anything runs."""
+    schedule = generate(name, ranks, microbatches, virtual)
     check(schedule)
     return schedule
 

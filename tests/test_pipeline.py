@@ -60,3 +60,40 @@ def test_microbatches_must_divide_the_batch():
     with pytest.raises(InputError) as info:
         shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, microbatches=4)
     assert "args[0]" in info.value.cause and "6" in info.value.cause
+
+
+def build_deep():
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB))
+
+
+def train_interleaved_and_trace(path: str):
+    """Interleaved 1F1B: 2 ranks x 2 virtual stages of a 4-layer Llama; then the timeline."""
+    report = compare_training(build_deep(), batches(3), lm_loss, mesh={"pp": 2},
+                              microbatches=4, schedule="interleaved-1f1b")
+    (x,), (y,) = batches(1)[0]
+    plan = shardfx.partition(build_deep(), (x,), lm_loss, (y,), mesh={"pp": 2},
+                             microbatches=4, schedule="interleaved-1f1b")
+    runner = plan.runner()
+    runner.step((x,), (y,))
+    runner.trace(path)
+    spans = runner.timeline()
+    return report.max(), [[a for a, _, _ in rank] for rank in spans], runner.bubble()
+
+
+def test_interleaved_virtual_stages_and_the_trace(tmp_path):
+    import json
+
+    path = str(tmp_path / "trace.json")
+    (err, actions, bubble), _ = shardfx.launch(train_interleaved_and_trace, path, nprocs=2,
+                                               timeout=120, deadline=600)
+    assert err < 1e-5
+    assert {a[0] for a in actions[0]} == {"0", "2"} and {a[0] for a in actions[1]} == {"1", "3"}
+    events = json.load(open(path))["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert sum(e["ph"] == "X" for e in events) == sum(map(len, actions))
+    assert bubble >= 0

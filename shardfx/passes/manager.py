@@ -37,10 +37,12 @@ class Options:
     schedule: str = "1f1b"  # gpipe | 1f1b | zero-bubble (pipeline schedule)
     debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
 
+    virtual_stages: int = 1  # stages per pp rank (interleaved schedules)
+
     @property
     def stages(self) -> int:
-        """Pipeline stages: one per rank of the pp axis (virtual stages come with schedules)."""
-        return self.mesh.axis("pp")
+        """Pipeline stages: ``virtual_stages`` per rank of the pp axis."""
+        return self.mesh.axis("pp") * (self.virtual_stages if self.mesh.axis("pp") > 1 else 1)
 
 
 @dataclass

@@ -15,6 +15,8 @@ after each step.
 
 from __future__ import annotations
 
+import json
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -74,13 +76,16 @@ class PipelineRunner:
         self._sends: list = []
         self._grads: dict[str, torch.Tensor] = {}
         loss = torch.zeros(())
+        self._spans: list[tuple[str, float, float]] = []  # (action, start, end) for the trace
         for action in self.schedule.actions[self.rank]:
             parts = [f"stage{action.stage}_{action.kind.value}"]
             if action.kind is Kind.B and not self.schedule.split_backward:
                 parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
+            start = time.perf_counter()
             for part in parts:
                 if part in self._parts:
                     loss += self._run(part, action.microbatch, flat)
+            self._spans.append((str(action), start, time.perf_counter()))
         for work in self._sends:
             work.wait()
         for name, p in self._params.items():
@@ -175,6 +180,37 @@ class PipelineRunner:
         last = self.schedule.rank_of(self.schedule.stages - 1)
         dist.broadcast(loss, src=last)
         return loss
+
+    # --- the timeline -----------------------------------------------------------------------
+
+    def timeline(self) -> list[list[tuple[str, float, float]]]:
+        """Every rank's (action, start, end) of the last step, in seconds from the step's start
+        (a collective: call it on every rank)."""
+        spans: list = [None] * dist.get_world_size()
+        dist.all_gather_object(spans, self._spans)
+        t0 = min(s[1] for rank in spans for s in rank)  # clocks of one machine; see trace()
+        return [[(a, b - t0, e - t0) for a, b, e in rank] for rank in spans]
+
+    def bubble(self) -> float:
+        """Measured idle time over busy time, summed over ranks (the schedule's own terms)."""
+        spans = self.timeline()
+        end = max(e for rank in spans for _, _, e in rank)
+        busy = sum(e - b for rank in spans for _, b, e in rank)
+        return (end * len(spans) - busy) / busy
+
+    def trace(self, path: str) -> None:
+        """Write the last step as a Chrome trace / Perfetto JSON (rank 0 writes; call on all).
+        Times come from each rank's clock, which on one machine is one clock."""
+        spans = self.timeline()
+        if self.rank != 0:
+            return
+        events = [{"name": a, "ph": "X", "pid": 0, "tid": r, "ts": b * 1e6, "dur": (e - b) * 1e6,
+                   "cat": a.lstrip("0123456789")[0]}
+                  for r, rank in enumerate(spans) for a, b, e in rank]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+                    "args": {"name": f"rank {r}"}} for r in range(len(spans))]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     # --- state --------------------------------------------------------------------------------
 
