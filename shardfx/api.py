@@ -48,9 +48,10 @@ def partition(
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.
-    mb_args, mb_targets = microbatch(example_args, example_targets, microbatches)
+    slices = microbatches * (spec.axis("dp") if spec.axis("pp") > 1 else 1)
+    mb_args, mb_targets = microbatch(example_args, example_targets, slices)
     captured = capture(model, mb_args, loss_fn, mb_targets)
-    if microbatches > 1:  # steps take the whole batch: check them against its shapes
+    if slices > 1:  # steps take the whole batch: check them against its shapes
         captured.leaves = capture_leaves(example_args, example_targets)
     plan = Plan(model, example_args, captured, spec, options)
     if dump := os.environ.get("SHARDFX_DUMP"):

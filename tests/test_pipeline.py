@@ -97,3 +97,13 @@ def test_interleaved_virtual_stages_and_the_trace(tmp_path):
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert sum(e["ph"] == "X" for e in events) == sum(map(len, actions))
     assert bubble >= 0
+
+
+def train_dp_pp():
+    return compare_training(build("llama"), batches(3, batch=8), lm_loss,
+                            mesh={"dp": 2, "pp": 2}, microbatches=2, schedule="1f1b").max()
+
+
+def test_data_parallel_pipelines():
+    """dp=2 x pp=2: two replicas of a 2-stage pipeline, gradients averaged across them."""
+    assert max(shardfx.launch(train_dp_pp, nprocs=4, timeout=120, deadline=600)) < 1e-5

@@ -2,7 +2,9 @@
 
 The plan holds the joint graph split into per-stage parts (``codegen.stages``) and a schedule
 (``shardfx.schedule``): one ordered action list per rank, ``0F1`` = stage 0 forward of
-microbatch 1. Rank r runs stage r. For each action the runner gathers the part's inputs: this
+microbatch 1. Pipeline rank r (its place on the pp axis) runs stage r (and r + pp, ... with
+virtual stages); with a dp axis, each replica of the pipeline takes its rows of the batch and
+the replicas average their gradients (and the loss) after the last microbatch. For each action the runner gathers the part's inputs: this
 rank's parameters; the action's microbatch slice of the global inputs and targets; values an
 earlier action of the same rank left (saved activations); values another rank sends, received
 point-to-point (gloo/NCCL ``recv``, tagged by producer, output and microbatch). What the part
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from shardfx.errors import MeshError
+from shardfx.runtime.mesh import coordinate, device_mesh
 from shardfx.ir import meta as M
 from shardfx.schedule import Kind
 
@@ -34,12 +36,13 @@ if TYPE_CHECKING:
 
 class PipelineRunner:
     def __init__(self, plan: "Plan", optimizer=None):
-        if not (dist.is_available() and dist.is_initialized()) or \
-                dist.get_world_size() != plan.mesh.size:
-            raise MeshError(f"mesh {plan.mesh} needs {plan.mesh.size} processes",
-                            where="plan.runner()", fix=f"launch with torchrun --nproc-per-node "
-                            f"{plan.mesh.size} or shardfx.launch(..., nprocs={plan.mesh.size})")
-        self._plan, self.rank = plan, dist.get_rank()
+        mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
+        coord = coordinate(mesh)
+        self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
+        self._pp = mesh.get_group("pp")
+        self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
+        self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
+        self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         split: fx.GraphModule = plan.stage_program
@@ -88,6 +91,10 @@ class PipelineRunner:
             self._spans.append((str(action), start, time.perf_counter()))
         for work in self._sends:
             work.wait()
+        if self._dp is not None:  # replicas average their gradients, as DDP does
+            for g in self._grads.values():
+                dist.all_reduce(g, group=self._dp)
+                g /= self._dp_size
         for name, p in self._params.items():
             fqn = self._roles[name].name
             p.grad = self._grads.get(fqn) if fqn in self._owned else None
@@ -118,7 +125,7 @@ class PipelineRunner:
                 if dst == self.rank:
                     self._store[(part, key[1], mb)] = value
                 else:
-                    self._sends.append(dist.isend(value.contiguous(), dst,
+                    self._sends.append(dist.isend(value.contiguous(), self._ranks[dst],
                                                   tag=self._tag(part, key[1], mb)))
         return loss
 
@@ -131,13 +138,14 @@ class PipelineRunner:
                 return self._buffers[arg.name]
             if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
                 return torch.full((), 1.0 / self.m, dtype=self._vals[arg.name].dtype)
-            return flat[role.index].chunk(self.m)[mb]
+            mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
+            return mine.chunk(self.m)[mb]
         part, index = _source(arg)
         key = (part, index, mb)
         if key not in self._store:  # from another rank: sent once, kept for every reader here
             val = self._out_val(part, index)
             buf = torch.empty(val.shape, dtype=val.dtype)
-            dist.recv(buf, self._rank_of(part), tag=self._tag(part, index, mb))
+            dist.recv(buf, self._ranks[self._rank_of(part)], tag=self._tag(part, index, mb))
             self._store[key] = buf
         return self._store[key]
 
@@ -169,16 +177,19 @@ class PipelineRunner:
             p = self._params.get(name)
             for r in readers:
                 if r != owner and self.rank == owner:
-                    dist.send(p.detach().contiguous(), r, tag=1 << 30)
+                    dist.send(p.detach().contiguous(), self._ranks[r], tag=1 << 30)
                 elif r == self.rank and r != owner:
                     buf = torch.empty_like(p)
-                    dist.recv(buf, owner, tag=1 << 30)
+                    dist.recv(buf, self._ranks[owner], tag=1 << 30)
                     with torch.no_grad():
                         p.copy_(buf)
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         last = self.schedule.rank_of(self.schedule.stages - 1)
-        dist.broadcast(loss, src=last)
+        dist.broadcast(loss, src=self._ranks[last], group=self._pp)
+        if self._dp is not None:  # the batch's loss: the mean over data-parallel replicas
+            dist.all_reduce(loss, group=self._dp)
+            loss /= self._dp_size
         return loss
 
     # --- the timeline -----------------------------------------------------------------------
@@ -186,8 +197,8 @@ class PipelineRunner:
     def timeline(self) -> list[list[tuple[str, float, float]]]:
         """Every rank's (action, start, end) of the last step, in seconds from the step's start
         (a collective: call it on every rank)."""
-        spans: list = [None] * dist.get_world_size()
-        dist.all_gather_object(spans, self._spans)
+        spans: list = [None] * len(self._ranks)
+        dist.all_gather_object(spans, self._spans, group=self._pp)
         t0 = min(s[1] for rank in spans for s in rank)  # clocks of one machine; see trace()
         return [[(a, b - t0, e - t0) for a, b, e in rank] for rank in spans]
 
@@ -202,7 +213,7 @@ class PipelineRunner:
         """Write the last step as a Chrome trace / Perfetto JSON (rank 0 writes; call on all).
         Times come from each rank's clock, which on one machine is one clock."""
         spans = self.timeline()
-        if self.rank != 0:
+        if dist.get_rank() != 0:
             return
         events = [{"name": a, "ph": "X", "pid": 0, "tid": r, "ts": b * 1e6, "dur": (e - b) * 1e6,
                    "cat": a.lstrip("0123456789")[0]}
@@ -255,7 +266,7 @@ class PipelineRunner:
             val = shapes[fqn]
             t = mine[fqn].detach().clone() if self.rank == owner and mine.get(fqn) is not None \
                 else torch.empty(val.shape, dtype=val.dtype)
-            dist.broadcast(t, src=owner)
+            dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
         return out
 
