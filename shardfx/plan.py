@@ -23,7 +23,7 @@ from shardfx.pipeline import compile_ir
 from shardfx.report import render
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
-from shardfx.schedule import check, generate
+from shardfx.schedule import GENERATORS, Schedule, check, generate
 
 
 class Plan:
@@ -135,9 +135,20 @@ class Plan:
         return self._canonical.get(fqn, fqn)
 
 
-def pipeline_schedule(name: str, ranks: int, microbatches: int, virtual: int = 1):
-    """The schedule's action lists, checked (deadlock, completeness) before anything runs."""
-    schedule = generate(name, ranks, microbatches, virtual)
+def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, virtual: int = 1):
+    """The schedule's action lists, checked (deadlock, completeness) before anything runs:
+    a generated one by name, or the user's own (a ``Schedule`` or its text form)."""
+    if isinstance(name, str) and name in GENERATORS:
+        schedule = generate(name, ranks, microbatches, virtual)
+    else:
+        schedule = name if isinstance(name, Schedule) else Schedule.parse(name)
+        if (schedule.ranks, schedule.microbatches) != (ranks, microbatches) or \
+                schedule.stages != ranks * virtual:
+            raise PipelineError(
+                f"the schedule has {schedule.ranks} ranks, {schedule.stages} stages and "
+                f"{schedule.microbatches} microbatches; the plan has {ranks}, "
+                f"{ranks * virtual} and {microbatches}", where="partition(..., schedule=...)",
+                fix="write one action list per pp rank covering every stage and microbatch")
     check(schedule)
     return schedule
 

@@ -107,3 +107,18 @@ def train_dp_pp():
 def test_data_parallel_pipelines():
     """dp=2 x pp=2: two replicas of a 2-stage pipeline, gradients averaged across them."""
     assert max(shardfx.launch(train_dp_pp, nprocs=4, timeout=120, deadline=600)) < 1e-5
+
+
+def test_own_schedule_that_deadlocks_is_rejected_before_launch():
+    """Rank 0 waits for stage 1's backward of microbatch 0 before sending it microbatch 0's
+    forward: a deadlock the static check finds at partition time, naming rank and action."""
+    from shardfx.schedule import ScheduleError
+
+    own = "rank 0: 0F0 0B0\nrank 1: 1F0 1B0"
+    (x,), (y,) = batches(1)[0]
+    plan = shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, schedule=own)
+    assert str(plan.schedule.actions[0][1]) == "0B0"
+    bad = "rank 0: 0B0 0F0\nrank 1: 1F0 1B0"
+    with pytest.raises(ScheduleError) as info:
+        shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, schedule=bad)
+    assert "rank 0" in str(info.value) and "0B0" in str(info.value)
