@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, summarize
@@ -17,7 +16,7 @@ from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import Captured, capture
-from shardfx.passes.manager import Options, PassRecord
+from shardfx.passes.manager import Options
 from shardfx.passes.stage_cut import stage_report
 from shardfx.pipeline import compile_ir
 from shardfx.report import render

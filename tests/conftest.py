@@ -16,7 +16,8 @@ os.environ["SHARDFX_DEBUG"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+
+from models import lm_loss, token_batches  # noqa: E402  (tests/models.py: the shared models)
 
 # Tiny configs trip Hugging Face's config checks (e.g. GPT-2's bos/eos id 50256 outside a
 # vocabulary of 64); the warnings are noise here.
@@ -47,30 +48,15 @@ def sizes() -> Sizes:
     return SIZES
 
 
-def lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy on a Hugging Face causal LM's output: (B, T, V) vs (B, T)."""
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
-
-
 @pytest.fixture
 def lm_loss_fn():
     return lm_loss
 
 
-def token_batches(n: int, seed: int = 0) -> list[tuple[tuple, tuple]]:
-    """``n`` different (args, targets) pairs of token ids, each (batch, seq)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids():
-        return torch.randint(0, SIZES.vocab, (SIZES.batch, SIZES.seq), generator=g)
-
-    return [((ids(),), (ids(),)) for _ in range(n)]
-
-
 @pytest.fixture
 def batches():
     """Factory: ``batches(n)`` gives ``n`` different (args, targets) batches of token ids."""
-    return token_batches
+    return lambda n: token_batches(n, batch=SIZES.batch, seed=0)
 
 
 @pytest.fixture(autouse=True)

@@ -3,38 +3,20 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import shardfx
 from shardfx.errors import InputError
 from shardfx.testing import compare_training
 
-VOCAB = 64
+from models import lm_loss, tiny, token_batches
 
 
-def lm_loss(out, targets):
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def build(name: str):
-    import transformers as T
-
-    torch.manual_seed(0)
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB))
-    return T.GPT2LMHeadModel(T.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=VOCAB, resid_pdrop=0,
-        embd_pdrop=0, attn_pdrop=0))
+def build(name: str, layers: int = 2):
+    return tiny(name, layers)
 
 
 def batches(n: int, batch: int = 4):
-    g = torch.Generator().manual_seed(1)
-    return [((torch.randint(0, VOCAB, (batch, 8), generator=g),),
-             (torch.randint(0, VOCAB, (batch, 8), generator=g),)) for _ in range(n)]
+    return token_batches(n, batch)
 
 
 def train(cases):
@@ -63,12 +45,7 @@ def test_microbatches_must_divide_the_batch():
 
 
 def build_deep():
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.LlamaForCausalLM(T.LlamaConfig(
-        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB))
+    return tiny("llama", layers=4)
 
 
 def train_interleaved_and_trace(path: str):

@@ -7,7 +7,6 @@ different batch each step) and compares loss, full gradients and full updated pa
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -16,59 +15,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 
 import shardfx
 from shardfx import LaunchError
 from shardfx.errors import MeshError, ShardingError
 from shardfx.testing import compare_inference, compare_training
 
-VOCAB, SEQ, BATCH = 64, 8, 4
+from models import HIDDEN, SEQ, lm_loss, tiny, token_batches
 
-
-def lm_loss(out, targets):
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+BATCH = 4
 
 
 def build(name: str) -> torch.nn.Module:
-    import transformers as T
-
-    torch.manual_seed(0)
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB))
-    if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=VOCAB, resid_pdrop=0,
-            embd_pdrop=0, attn_pdrop=0))
-    if name == "mixtral":
-        return T.MixtralForCausalLM(T.MixtralConfig(
-            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB))
-    if name == "nanogpt":
-        nanogpt = _example("nanogpt")
-        return nanogpt.GPT(nanogpt.GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=2,
-                                             n_head=4, n_embd=32))
-    raise ValueError(name)
-
-
-def _example(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return tiny(name)
 
 
 def batches(n: int) -> list[tuple[tuple, tuple]]:
-    g = torch.Generator().manual_seed(1)
-    return [((torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),),
-             (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),)) for _ in range(n)]
+    return token_batches(n, BATCH)
 
 
 def train_and_infer(cases: list[tuple[str, dict, str]]) -> list[tuple[str, float, float, int]]:
@@ -127,7 +91,7 @@ def test_megatron_all_reduces_per_layer():
     start_bwd = min(order[u] for u in first_backward)
     fwd = [n for n in collectives if order[n] < start_bwd]
     bwd = [n for n in collectives if order[n] > start_bwd]
-    layers, hidden = 2, 32
+    layers, hidden = 2, HIDDEN
     bsh_bytes = BATCH * SEQ * hidden * 4
     sizes = {n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size()
              for n in collectives}

@@ -13,20 +13,11 @@ from shardfx.ir.parse import text_to_ir
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.stage_cut import block_of, stage_report
 
-VOCAB = 64
+from models import VOCAB, lm_loss, tiny
 
 
 def llama(layers: int = 2):
-    import transformers as T
-
-    torch.manual_seed(0)
-    return T.LlamaForCausalLM(T.LlamaConfig(
-        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB))
-
-
-def lm_loss(out, targets):
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    return tiny("llama", layers)
 
 
 def plan_for(model, pp: int):

@@ -4,31 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import shardfx
 from shardfx.codegen.program import generate
 from shardfx.codegen.stages import backward_parts, split_stages, stage_parts
 from shardfx.ir import meta as M
 
-VOCAB = 64
+from models import VOCAB, lm_loss, tiny
 
 
 def build(name: str):
-    import transformers as T
-
-    torch.manual_seed(0)
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(
-            num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB))
-    return T.GPT2LMHeadModel(T.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=VOCAB, resid_pdrop=0,
-        embd_pdrop=0, attn_pdrop=0))
-
-
-def lm_loss(out, targets):
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    return tiny(name, layers=4 if name == "llama" else 2)
 
 
 @pytest.mark.parametrize("name, pp", [("llama", 2), ("llama", 3), ("gpt2", 2)])

@@ -1,0 +1,67 @@
+"""The tiny models and batches the tests train: one definition, imported by every test file
+(and by the worker functions tests hand to ``shardfx.launch``, which run in other processes).
+
+Hidden 32, vocab 64, sequence 8, dropout off: small enough for CPU, big enough to have the
+structure that matters (grouped-query attention, tied embeddings, experts, several layers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ, HIDDEN = 64, 8, 32
+
+
+def tiny(name: str, layers: int = 2) -> torch.nn.Module:
+    """A seeded tiny ``llama`` | ``gpt2`` | ``mixtral`` | ``nanogpt``."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(
+            num_hidden_layers=layers, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(
+            n_layer=layers, n_embd=HIDDEN, n_head=4, n_positions=2 * SEQ, vocab_size=VOCAB,
+            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            num_hidden_layers=layers, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, vocab_size=VOCAB))
+    if name == "nanogpt":
+        nanogpt = example("nanogpt")
+        return nanogpt.GPT(nanogpt.GPTConfig(block_size=2 * SEQ, vocab_size=VOCAB,
+                                             n_layer=layers, n_head=4, n_embd=HIDDEN))
+    raise ValueError(name)
+
+
+def lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, (B, T, V) vs (B, T); a Hugging Face output or plain logits."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def token_batches(n: int, batch: int = 4, seed: int = 1) -> list[tuple[tuple, tuple]]:
+    """``n`` different (args, targets) pairs of token ids, each (batch, SEQ)."""
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randint(0, VOCAB, (batch, SEQ), generator=g),),
+             (torch.randint(0, VOCAB, (batch, SEQ), generator=g),)) for _ in range(n)]
+
+
+def example(name: str):
+    """A module of examples/ (not a package), loaded once."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
