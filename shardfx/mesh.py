@@ -16,6 +16,10 @@ class MeshSpec:
 
     axes: tuple[tuple[str, int], ...] = ()
 
+    def only(self, *names: str) -> "MeshSpec":
+        """The sub-mesh of the axes named (those the mesh has)."""
+        return MeshSpec(tuple((a, n) for a, n in self.axes if a in names))
+
     def axis(self, name: str) -> int:
         """The size of axis ``name`` (1 when the mesh does not have it)."""
         return dict(self.axes).get(name, 1)

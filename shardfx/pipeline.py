@@ -15,7 +15,7 @@ from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program, generate
 from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.spmd import generate_spmd
-from shardfx.codegen.stages import split_stages
+from shardfx.codegen.stages import inherit_stages, split_stages
 from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
@@ -31,12 +31,7 @@ def compile_ir(gm: fx.GraphModule, options: Options
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=options.mesh.axes)
     history = [PassRecord("capture", ir_to_text(gm))]
     if options.stages > 1:
-        gm = run_passes(gm, [
-            assign_phase,   # forward vs backward
-            estimate_cost,  # what the stage cutter balances
-            stage_cut,      # a stage for every op: forward balanced, backward where its forward is
-        ], options, history)
-        return gm, split_stages(gm), history, []  # per-stage F, B, W programs
+        return _compile_pipeline(gm, options, history)
     sharded = options.mesh.size > 1
     gm = run_passes(gm, [
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
@@ -51,3 +46,23 @@ def compile_ir(gm: fx.GraphModule, options: Options
     # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
     program, collectives = bucket_gradients(program, collectives)
     return gm, program, history, collectives
+
+
+def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):
+    """Stages first planned as one graph: sharded over tp inside each stage (dp is the
+    pipeline runner's: replicas of the whole pipeline), then cut, then split into parts."""
+    inner = options.mesh.only("tp")
+    gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=inner.axes)
+    sharded = inner.size > 1
+    gm = run_passes(gm, [
+        assign_phase,    # forward vs backward
+        estimate_cost,   # what the stage cutter balances
+        *([shard_annotate, shard_propagate] if sharded else []),  # tensor parallel in a stage
+    ], dataclasses.replace(options, mesh=inner), history)
+    gm = run_passes(gm, [
+        stage_cut,       # a stage for every op: forward balanced, backward where its forward is
+    ], options, history)
+    if not sharded:
+        return gm, split_stages(gm), history, []  # per-stage F, B, W programs
+    program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
+    return gm, split_stages(inherit_stages(program.module)), history, collectives  # ... cut

@@ -52,10 +52,6 @@ class Plan:
     def runner(self, optimizer: OptimizerFactory | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer."""
         if self.stage_program is not None:
-            if self.mesh.size != self.mesh.axis("pp") * self.mesh.axis("dp"):
-                raise PipelineError(
-                    f"mesh {self.mesh}: pipeline stages combined with tp do not run yet",
-                    where="plan.runner()", fix="use a mesh of pp, or of dp and pp")
             return PipelineRunner(self, optimizer)
         return Runner(self, optimizer)
 

@@ -99,3 +99,14 @@ def test_own_schedule_that_deadlocks_is_rejected_before_launch():
     with pytest.raises(ScheduleError) as info:
         shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, schedule=bad)
     assert "rank 0" in str(info.value) and "0B0" in str(info.value)
+
+
+def train_pp_tp():
+    return compare_training(tiny("gpt2"), token_batches(3), lm_loss, mesh={"pp": 2, "tp": 2},
+                            microbatches=2, schedule="1f1b", shard="megatron").max()
+
+
+def test_tensor_parallel_stages_with_tied_weights():
+    """pp=2 x tp=2 GPT-2: each stage's program is tensor parallel, and the tied embedding's
+    shards travel between the first and the last stage."""
+    assert max(shardfx.launch(train_pp_tp, nprocs=4, timeout=120, deadline=600)) < 1e-5

@@ -62,7 +62,7 @@ def test_cuts_fall_between_transformer_blocks():
 
 def test_stages_round_trip_as_text():
     text = ir_to_text(plan_for(llama(2), pp=2).ir)
-    assert "@1" in text and text.splitlines()[0].endswith("mesh pp=2")
+    assert "@1" in text  # the header names the mesh a stage is sharded over: none here
     assert ir_to_text(text_to_ir(text)) == text
 
 
@@ -95,11 +95,3 @@ def test_pipe_split_markers_decide_the_cuts():
     with pytest.raises(PipelineError) as info:
         shardfx.partition(Marked(2), (x,), F.mse_loss, (y,), mesh={"pp": 2})
     assert "2 pipe_split markers" in info.value.cause and "exactly 1" in info.value.fix
-
-
-def test_pipeline_with_tp_does_not_run_yet():
-    x, y = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
-    plan = shardfx.partition(llama(2), (x,), lm_loss, (y,), mesh={"pp": 2, "tp": 2})
-    with pytest.raises(PipelineError) as info:
-        plan.runner()
-    assert "dp and pp" in info.value.fix

@@ -104,6 +104,7 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
         target = torch.ops.aten.reshape.default
     local = emit(target, *args, **kwargs)
     local._rename(node.name)
+    local.meta.update({k: node.meta[k] for k in (M.PHASE, M.STAGE) if k in node.meta})
     env[node], have[node] = local, sharding.out
 
 

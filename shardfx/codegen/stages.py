@@ -73,6 +73,31 @@ def split_stages(gm: fx.GraphModule) -> fx.GraphModule:
     return split
 
 
+def inherit_stages(gm: fx.GraphModule) -> fx.GraphModule:
+    """Ops codegen inserted (collectives, reshapes) take the stage and phase of the op they feed,
+    or, feeding only the outputs, of the value they move. Ensures STAGE, PHASE on every op."""
+    ops = op_nodes(gm.graph)
+    order = {n: i for i, n in enumerate(ops)}
+    todo = [n for n in ops if M.STAGE not in n.meta]
+    while todo:
+        left = []
+        for node in reversed(todo):  # redistribution runs just before the op that asked for it
+            users = [u for u in node.users if M.STAGE in u.meta]
+            srcs = [a for a in node.all_input_nodes if M.STAGE in a.meta and a.op != "placeholder"]
+            if users:  # ... of the first op it feeds
+                first = min(users, key=lambda u: order.get(u, len(order)))
+                node.meta[M.STAGE], node.meta[M.PHASE] = first.meta[M.STAGE], first.meta[M.PHASE]
+            elif srcs and all(u.op == "output" for u in node.users):  # ... or of what it returns
+                last = max(srcs, key=lambda a: order[a])
+                node.meta[M.STAGE], node.meta[M.PHASE] = last.meta[M.STAGE], last.meta[M.PHASE]
+            else:
+                left.append(node)
+        if len(left) == len(todo):
+            raise ValueError(f"cannot place {[n.name for n in left]} in a stage")
+        todo = left[::-1]
+    return gm
+
+
 def stage_parts(split: fx.GraphModule) -> list[str]:
     """The submodules a split graph calls, in order: ['stage0_F', 'stage1_F', 'stage1_B', ...]."""
     return [n.target for n in split.graph.nodes if n.op == "call_module"]

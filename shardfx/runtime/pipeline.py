@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from shardfx.runtime.mesh import coordinate, device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
 from shardfx.ir import meta as M
 from shardfx.schedule import Kind
 
@@ -43,14 +45,19 @@ class PipelineRunner:
         self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
         self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
+        self._tp_mesh = mesh["tp"] if plan.mesh.axis("tp") > 1 else None  # inside each stage
+        self._coord = coord
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         split: fx.GraphModule = plan.stage_program
         self._parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
         self._module = split
         self._stage_of = {name: int(name[5:].split("_")[0]) for name in self._parts}
-        self._roles = {n.name: n.meta[M.ROLE] for n in plan.ir.graph.find_nodes(op="placeholder")}
+        inputs = split.graph.find_nodes(op="placeholder")
+        self._roles = {n.name: n.meta[M.ROLE] for n in inputs}
+        self._placements = {n.name: n.meta.get(M.ANNOTATION, ()) for n in inputs}
         self._vals = {n.name: n.meta[M.VAL] for n in plan.ir.graph.nodes if M.VAL in n.meta}
+        self._vals |= {n.name: n.meta[M.VAL] for n in inputs}
         out = split.graph.output_node()
         self._finals = defaultdict(list)  # (part, index) -> output roles it provides
         for value, role in zip(out.args[0], plan.ir.graph.output_node().meta[M.OUTPUTS]):
@@ -59,7 +66,7 @@ class PipelineRunner:
         reads = {a.name for p in mine for a in self._parts[p].args if a.op == "placeholder"}
         model = plan.model
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        self._params = {name: params[r.name] for name, r in self._roles.items()
+        self._params = {name: self._local(name, params[r.name]) for name, r in self._roles.items()
                         if name in reads and r.kind is M.InputKind.PARAM}
         self._buffers = {name: buffers[r.name] for name, r in self._roles.items()
                          if name in reads and r.kind is M.InputKind.BUFFER}
@@ -67,6 +74,23 @@ class PipelineRunner:
                        self.rank for r in roles if r.kind is M.OutputKind.GRAD}
         owned = [p for name, p in self._params.items() if self._roles[name].name in self._owned]
         self.optimizer = optimizer(owned) if optimizer and owned else None
+
+    def _local(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """This rank's shard of a parameter (tensor parallel inside the stage), or the model's
+        own parameter when the stage is not sharded."""
+        placements = self._placements.get(name, ())
+        if self._tp_mesh is None or not any(isinstance(p, Shard) for p in placements):
+            return param
+        size = param.shape[placements[0].dim] // self._tp_mesh.size()
+        local = param.detach().narrow(placements[0].dim, self._coord["tp"] * size, size)
+        return torch.nn.Parameter(local.clone(), requires_grad=param.requires_grad)
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from this stage's tp shards (a collective over the tp group)."""
+        placements = self._placements.get(name, ())
+        if self._tp_mesh is None or not any(isinstance(p, Shard) for p in placements):
+            return local
+        return DTensor.from_local(local, self._tp_mesh, placements, run_check=False).full_tensor()
 
     def _rank_of(self, part: str) -> int:
         return self.schedule.rank_of(self._stage_of[part])
@@ -138,6 +162,10 @@ class PipelineRunner:
                 return self._buffers[arg.name]
             if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
                 return torch.full((), 1.0 / self.m, dtype=self._vals[arg.name].dtype)
+            if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
+                what, axis = role.name.rstrip(")").split("(")
+                return self._tp_mesh.get_group().group_name if what == "group" \
+                    else self._coord[axis]
             mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
             return mine.chunk(self.m)[mb]
         part, index = _source(arg)
@@ -227,14 +255,16 @@ class PipelineRunner:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's full gradients, on every rank (each sent by its owner)."""
-        return self._gather({fqn: self._grads.get(fqn) for fqn in self._owned},
-                            self._grad_shapes())
+        names = {r.name: n for n, r in self._roles.items()}
+        return self._gather({fqn: self._full(names[fqn], g) for fqn, g in self._grads.items()
+                             if fqn in self._owned}, self._grad_shapes())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors on every rank, each sent by the rank that trains it. (The runner
         updates the model's own tensors in place, so a rank's copy of what it owns is current.)"""
         model = self._plan.model
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        tensors |= {self._roles[n].name: self._full(n, p) for n, p in self._params.items()}
         mine = {fqn: t for fqn, t in tensors.items() if self._roles_owner(fqn) == self.rank}
         full = self._gather(mine, self._state_shapes())
         return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
@@ -254,7 +284,8 @@ class PipelineRunner:
         return dict(model.named_parameters()) | dict(model.named_buffers())
 
     def _grad_shapes(self) -> dict[str, torch.Tensor]:
-        return {r.name: self._vals[n] for n, r in self._roles.items()
+        model = dict(self._plan.model.named_parameters())
+        return {r.name: model[r.name] for n, r in self._roles.items()
                 if r.kind is M.InputKind.PARAM and any(
                     x.kind is M.OutputKind.GRAD and x.name == r.name
                     for rs in self._finals.values() for x in rs)}
