@@ -32,6 +32,9 @@ def test_schedules_on_two_stages():
         ("llama", "1f1b", 4),
         ("llama", "zero-bubble", 4),
         ("gpt2", "1f1b", 2),  # the tied embedding lives in stage 0 and stage 1
+        ("nanogpt", "gpipe", 4),
+        ("nanogpt", "1f1b", 4),
+        ("nanogpt", "zero-bubble", 4),
     ], nprocs=2, timeout=120, deadline=600)
     for rank_errors in results:
         assert max(rank_errors) < 1e-5, rank_errors

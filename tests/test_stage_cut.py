@@ -73,16 +73,18 @@ def test_more_stages_than_blocks():
 
 
 class Marked(torch.nn.Module):
-    def __init__(self, marks: int):
+    def __init__(self, marks: int, twice: bool = False):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-        self.marks = marks
+        self.marks, self.twice = marks, twice
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
             x = torch.relu(layer(x))
             if i < self.marks:
                 x = shardfx.pipe_split(x)
+                if self.twice:  # two cuts with nothing between: an empty stage
+                    x = shardfx.pipe_split(x)
         return x
 
 
@@ -95,3 +97,6 @@ def test_pipe_split_markers_decide_the_cuts():
     with pytest.raises(PipelineError) as info:
         shardfx.partition(Marked(2), (x,), F.mse_loss, (y,), mesh={"pp": 2})
     assert "2 pipe_split markers" in info.value.cause and "exactly 1" in info.value.fix
+    with pytest.raises(PipelineError) as info:
+        shardfx.partition(Marked(1, twice=True), (x,), F.mse_loss, (y,), mesh={"pp": 3})
+    assert "stage 1 without any op" in info.value.cause

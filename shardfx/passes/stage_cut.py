@@ -51,6 +51,12 @@ def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
                 fix=f"place exactly {stages - 1} pipe_split markers, or none to let shardfx "
                 "choose the cuts")
         cuts = [i + 1 for i in markers]
+        for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(forward)])):
+            if not any(n.target is not PIPE_SPLIT for n in forward[a:b]):
+                raise PipelineError(
+                    f"pipe_split markers leave stage {k} without any op",
+                    where=", ".join(forward[i].name for i in markers),
+                    fix="put work between markers, and none at the very start or end of forward")
     else:
         cuts = _balanced_cuts(forward, stages)
     bounds = [0, *cuts, len(forward)]
