@@ -2,7 +2,9 @@
 
 The plan holds the joint graph split into per-stage parts (``codegen.stages``) and a schedule
 (``shardfx.schedule``): one ordered action list per rank, ``0F1`` = stage 0 forward of
-microbatch 1. Pipeline rank r (its place on the pp axis) runs stage r (and r + pp, ... with
+microbatch 1. Receives for an action's inputs and the next action's are posted ahead (so a
+sender never waits on a late receive), and the timeline records compute only: time waiting for
+data is idle, as the schedule simulator counts it. Pipeline rank r (its place on the pp axis) runs stage r (and r + pp, ... with
 virtual stages); with a dp axis, each replica of the pipeline takes its rows of the batch and
 the replicas average their gradients (and the loss) after the last microbatch. For each action the runner gathers the part's inputs: this
 rank's parameters; the action's microbatch slice of the global inputs and targets; values an
@@ -104,14 +106,19 @@ class PipelineRunner:
         self._grads: dict[str, torch.Tensor] = {}
         loss = torch.zeros(())
         self._spans: list[tuple[str, float, float]] = []  # (action, start, end) for the trace
-        for action in self.schedule.actions[self.rank]:
-            parts = [f"stage{action.stage}_{action.kind.value}"]
-            if action.kind is Kind.B and not self.schedule.split_backward:
-                parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
+        self._pending: dict[tuple, tuple] = {}  # posted receives: key -> (work, buffer)
+        actions = self.schedule.actions[self.rank]
+        for i, action in enumerate(actions):
+            for ahead in actions[i:i + 2]:  # receive this action's and the next one's inputs
+                self._post_receives(ahead)  # early, so senders never wait on a late receive
+            parts = self._parts_of(action)
+            for key in [k for k in self._pending if k[2] == action.microbatch and any(
+                    a.op != "placeholder" and _source(a) == k[:2]
+                    for p in parts for a in self._parts[p].args)]:
+                self._receive(key)  # other ranks' data first: the span below is compute only
             start = time.perf_counter()
             for part in parts:
-                if part in self._parts:
-                    loss += self._run(part, action.microbatch, flat)
+                loss += self._run(part, action.microbatch, flat)
             self._spans.append((str(action), start, time.perf_counter()))
         for work in self._sends:
             work.wait()
@@ -127,6 +134,27 @@ class PipelineRunner:
         self._share_tied()
         return self._broadcast_loss(loss)
 
+    def _parts_of(self, action) -> list[str]:
+        parts = [f"stage{action.stage}_{action.kind.value}"]
+        if action.kind is Kind.B and not self.schedule.split_backward:
+            parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
+        return [p for p in parts if p in self._parts]
+
+    def _post_receives(self, action) -> None:
+        for part in self._parts_of(action):
+            for arg in self._parts[part].args:
+                if arg.op == "placeholder":
+                    continue
+                src, index = _source(arg)
+                key = (src, index, action.microbatch)
+                if self._rank_of(src) == self.rank or key in self._store or key in self._pending:
+                    continue
+                val = self._out_val(src, index)
+                buf = torch.empty(val.shape, dtype=val.dtype)
+                work = dist.irecv(buf, self._ranks[self._rank_of(src)],
+                                  tag=self._tag(src, index, action.microbatch))
+                self._pending[key] = (work, buf)
+
     def _run(self, part: str, mb: int, flat: list) -> torch.Tensor:
         call = self._parts[part]
         inputs = [self._input(a, mb, flat) for a in call.args]
@@ -140,7 +168,10 @@ class PipelineRunner:
             for role in self._finals.get(key, ()):
                 if role.kind is M.OutputKind.GRAD:
                     g = self._grads.get(role.name)
-                    self._grads[role.name] = value if g is None else g + value
+                    if g is None:  # a copy of its own: it accumulates in place from here on
+                        self._grads[role.name] = value.clone()
+                    else:
+                        g.add_(value)
                 elif role.kind is M.OutputKind.LOSS:
                     loss = value.detach() / self.m
                 elif role.kind is M.OutputKind.BUFFER_UPDATE:
@@ -170,12 +201,15 @@ class PipelineRunner:
             return mine.chunk(self.m)[mb]
         part, index = _source(arg)
         key = (part, index, mb)
-        if key not in self._store:  # from another rank: sent once, kept for every reader here
-            val = self._out_val(part, index)
-            buf = torch.empty(val.shape, dtype=val.dtype)
-            dist.recv(buf, self._ranks[self._rank_of(part)], tag=self._tag(part, index, mb))
-            self._store[key] = buf
+        if key in self._pending:
+            self._receive(key)
         return self._store[key]
+
+    def _receive(self, key: tuple) -> None:
+        """Wait for a posted receive; the value is kept for every reader on this rank."""
+        work, buf = self._pending.pop(key)
+        work.wait()
+        self._store[key] = buf
 
     def _out_val(self, part: str, index: int | None):
         """The fake value (shape, dtype) of a part's output, to receive it into."""

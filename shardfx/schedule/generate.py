@@ -121,6 +121,11 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs | None = 
     if name == "zero-bubble":
         c = costs or Costs()
         b = c.backward - c.weight
+        if c.weight > min(c.forward, b):
+            raise ScheduleError(
+                f"ZB-H1's bubble formula assumes W <= min(F, B); got F={c.forward}, B={b}, "
+                f"W={c.weight}", where="formula_bubble('zero-bubble', costs=...)",
+                fix="compare with simulate(schedule, costs) instead: it holds for any costs")
         return (p - 1) * (c.forward + b - c.weight) / (m * (c.forward + b + c.weight))
     raise ScheduleError(f"no bubble formula for schedule {name!r}",
                         fix=f"use one of {', '.join(GENERATORS)}")
