@@ -21,8 +21,8 @@ def batches(n: int, batch: int = 4):
 
 def train(cases):
     """On every rank: 3 AdamW steps through the pipeline, compared with one device."""
-    return [compare_training(build(name), batches(3), lm_loss, mesh={"pp": 2},
-                             microbatches=m, schedule=schedule).max()
+    return [compare_training(build(name, 4 if "interleaved" in schedule else 2), batches(3),
+                             lm_loss, mesh={"pp": 2}, microbatches=m, schedule=schedule).max()
             for name, schedule, m in cases]
 
 
@@ -35,6 +35,7 @@ def test_schedules_on_two_stages():
         ("nanogpt", "gpipe", 4),
         ("nanogpt", "1f1b", 4),
         ("nanogpt", "zero-bubble", 4),
+        ("nanogpt", "interleaved-1f1b", 4),  # 4 layers: 2 ranks x 2 virtual stages
     ], nprocs=2, timeout=120, deadline=600)
     for rank_errors in results:
         assert max(rank_errors) < 1e-5, rank_errors
