@@ -31,6 +31,7 @@ import torch.fx as fx
 from shardfx.runtime.mesh import coordinate, device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.schedule import Kind
 
@@ -96,6 +97,11 @@ class PipelineRunner:
 
     def _rank_of(self, part: str) -> int:
         return self.schedule.rank_of(self._stage_of[part])
+
+    def forward(self, args: tuple):
+        raise PipelineError("inference through a pipeline plan does not run yet",
+                            where="runner.forward", fix="plan the model without pp for "
+                            "inference: shardfx.partition(model, args, mesh={'tp': ...})")
 
     # --- a training step -------------------------------------------------------------------
 
