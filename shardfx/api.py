@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Callable
 
 import torch
 
+from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import capture, capture_leaves, microbatch
 from shardfx.passes.manager import Options
 from shardfx.plan import Plan
+
+
+def parse_bytes(size: int | str | None) -> int | None:
+    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes."""
+    if size is None or isinstance(size, int):
+        return size
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", size)
+    if not m or m[2].upper() not in units:
+        raise InputError(f"cannot read memory size {size!r}", where="partition(..., memory_budget=...)",
+                         fix='write bytes as an int or like "8GiB", "512MB"')
+    return int(float(m[1]) * units[m[2].upper()])
 
 
 def partition(
@@ -24,6 +39,7 @@ def partition(
     microbatches: int = 1,
     schedule: str = "1f1b",
     virtual_stages: int | None = None,
+    memory_budget: int | str | None = None,
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -35,7 +51,8 @@ def partition(
     ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
     model is cut into stages that run ``schedule`` (gpipe | 1f1b | interleaved-1f1b |
     zero-bubble) over ``microbatches`` slices of the batch; ``virtual_stages`` per rank for the
-    interleaved one (default 2). ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the
+    interleaved one (default 2). ``memory_budget`` (bytes or "8GiB", per device) bounds how many
+    microbatches' activations a schedule may keep: one that would hold more is rejected. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the
     IR after every pass; ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``.
     """
     spec = MeshSpec.parse(mesh)
@@ -44,7 +61,8 @@ def partition(
     if virtual_stages is None:
         virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
     options = Options(mesh=spec, shard=shard, module_types=types, microbatches=microbatches,
-                      schedule=schedule, virtual_stages=virtual_stages)
+                      schedule=schedule, virtual_stages=virtual_stages,
+                      memory_budget=parse_bytes(memory_budget))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -39,8 +39,11 @@ class Plan:
         if options.stages > 1:  # per-stage parts, run in the order of a schedule
             self.program, self.stage_program = None, program
             self.schedule = pipeline_schedule(options.schedule, self.mesh.axis("pp"),
-                                              options.microbatches, options.virtual_stages)
+                                              options.microbatches, options.virtual_stages,
+                                              _in_flight_budget(self.ir, options.memory_budget))
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
+        if options.memory_budget is not None and self.stage_program is None:
+            self._check_budget(options.memory_budget)
         self.state_names = tuple(model.state_dict().keys())
         self._canonical = _canonical_names(model)
         self._inference: tuple[Program, pytree.TreeSpec] | None = None
@@ -92,6 +95,19 @@ class Plan:
     def summary(self) -> Summary:
         return summarize(self.ir)
 
+    def _check_budget(self, budget: int) -> None:
+        if self.mesh.size > 1:
+            raise InputError(
+                "memory_budget is modelled for one-device and pipeline plans; per-device memory "
+                "of dp/tp plans is not yet", where="partition(..., memory_budget=...)",
+                fix="drop memory_budget for this mesh, or add a pp axis")
+        need = self.memory_estimate()[0]
+        if need > budget:
+            raise PipelineError(
+                f"the plan needs about {need} bytes per device (parameters, gradients, peak "
+                f"activations); the budget is {budget}", where="partition(..., memory_budget=...)",
+                fix="use more devices (a pp or tp axis) or a larger budget")
+
     def memory_estimate(self) -> dict[int, int]:
         """Predicted peak bytes per rank: parameters, buffers, gradients and peak activations
         (optimizer state is the optimizer's and not counted)."""
@@ -130,7 +146,27 @@ class Plan:
         return self._canonical.get(fqn, fqn)
 
 
-def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, virtual: int = 1):
+def _in_flight_budget(ir, budget: int | None) -> int | None:
+    """How many microbatches' activations fit on the fullest stage under ``budget`` bytes per
+    device: (budget - parameters and gradients) / activations saved per microbatch."""
+    if budget is None:
+        return None
+    rows = {r["stage"]: r for r in stage_report(ir)}
+    fits = []
+    for stage, row in rows.items():
+        room = budget - 2 * row["param_bytes"]
+        per_mb = max(1, row["saved_bytes"])
+        if room < per_mb:
+            raise PipelineError(
+                f"stage {stage} needs {2 * row['param_bytes'] + per_mb} bytes for its parameters, "
+                f"gradients and one microbatch's activations; the budget is {budget}",
+                where=f"stage {stage}", fix="raise memory_budget or use more pipeline stages")
+        fits.append(room // per_mb)
+    return int(min(fits))
+
+
+def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, virtual: int = 1,
+                      max_in_flight: int | None = None):
     """The schedule's action lists, checked (deadlock, completeness) before anything runs:
     a generated one by name, or the user's own (a ``Schedule`` or its text form)."""
     if isinstance(name, str) and name in GENERATORS:
@@ -144,7 +180,7 @@ def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, vir
                 f"{schedule.microbatches} microbatches; the plan has {ranks}, "
                 f"{ranks * virtual} and {microbatches}", where="partition(..., schedule=...)",
                 fix="write one action list per pp rank covering every stage and microbatch")
-    check(schedule)
+    check(schedule, max_in_flight)
     return schedule
 
 

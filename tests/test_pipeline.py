@@ -114,3 +114,22 @@ def test_tensor_parallel_stages_with_tied_weights():
     """pp=2 x tp=2 GPT-2: each stage's program is tensor parallel, and the tied embedding's
     shards travel between the first and the last stage."""
     assert max(shardfx.launch(train_pp_tp, nprocs=4, timeout=120, deadline=600)) < 1e-5
+
+
+def test_memory_budget_bounds_the_schedule():
+    """A budget that fits 3 microbatches' activations on the fullest stage: GPipe keeps all 4
+    in flight and is rejected naming the rank and action; 1F1B keeps at most 2 and fits."""
+    from shardfx.passes.stage_cut import stage_report
+    from shardfx.schedule import ScheduleError
+
+    (x,), (y,) = batches(1)[0]
+    plan = shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, microbatches=4)
+    budget = max(2 * r["param_bytes"] + 3 * r["saved_bytes"] for r in stage_report(plan.ir))
+    with pytest.raises(ScheduleError) as info:
+        shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, microbatches=4,
+                          schedule="gpipe", memory_budget=budget)
+    assert "rank 0" in str(info.value) and "over the budget of 3" in str(info.value)
+    shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, microbatches=4,
+                      schedule="1f1b", memory_budget=budget)
+    with pytest.raises(shardfx.ShardfxError, match="budget"):
+        shardfx.partition(build("llama"), (x,), lm_loss, (y,), memory_budget="1KiB")

@@ -38,6 +38,7 @@ class Options:
     debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
 
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules)
+    memory_budget: int | None = None  # bytes per device
 
     @property
     def stages(self) -> int:

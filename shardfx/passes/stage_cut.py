@@ -184,20 +184,25 @@ def _too_many(stages: int, cut_points: int) -> PipelineError:
 
 
 def stage_report(gm: fx.GraphModule) -> list[dict]:
-    """Per stage: forward ops, estimated time, parameter bytes, bytes sent to later stages."""
+    """Per stage: forward ops, estimated time, parameter bytes, activation bytes one microbatch
+    leaves for the backward, and what it sends to later stages."""
     rows: dict[int, dict] = {}
     for node in gm.graph.nodes:
         if M.STAGE not in node.meta:
             continue
         row = rows.setdefault(node.meta[M.STAGE], {"ops": 0, "time": 0.0, "param_bytes": 0,
-                                                   "sends": []})
+                                                   "saved_bytes": 0, "sends": []})
         if node.op == "placeholder":
             if node.meta[M.ROLE].kind is M.InputKind.PARAM:
                 val = node.meta[M.VAL]
                 row["param_bytes"] += val.numel() * val.element_size()
             continue
+        if node.meta[M.PHASE] is not M.Phase.FORWARD:
+            continue
         row["ops"] += 1
         row["time"] += node_time(node)
+        if any(u.meta.get(M.PHASE) is M.Phase.BACKWARD for u in node.users):
+            row["saved_bytes"] += node.meta[M.COST].out_bytes  # kept for the backward
         later = {u.meta[M.STAGE] for u in node.users if u.meta.get(M.STAGE, -1) > node.meta[M.STAGE]}
         if later:
             row["sends"].append((node.name, tensor_bytes(node), sorted(later)))
