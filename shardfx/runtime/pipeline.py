@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from shardfx.runtime.mesh import coordinate, device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from shardfx.runtime.shards import Shards
+from torch.distributed.tensor import Shard
 
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
@@ -48,8 +49,8 @@ class PipelineRunner:
         self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
         self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
-        self._tp_mesh = mesh["tp"] if plan.mesh.axis("tp") > 1 else None  # inside each stage
-        self._coord = coord
+        inner = plan.mesh.only("tp")  # what each stage is sharded over
+        self._tp = Shards(inner, mesh["tp"]) if inner.size > 1 else None
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         split: fx.GraphModule = plan.stage_program
@@ -77,23 +78,19 @@ class PipelineRunner:
                        self.rank for r in roles if r.kind is M.OutputKind.GRAD}
         owned = [p for name, p in self._params.items() if self._roles[name].name in self._owned]
         self.optimizer = optimizer(owned) if optimizer and owned else None
+        self._tied = self._tied_parameters()
 
     def _local(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
-        """This rank's shard of a parameter (tensor parallel inside the stage), or the model's
-        own parameter when the stage is not sharded."""
+        """This rank's tp shard of a parameter, or the model's own when the stage is whole."""
         placements = self._placements.get(name, ())
-        if self._tp_mesh is None or not any(isinstance(p, Shard) for p in placements):
+        if self._tp is None or not any(isinstance(p, Shard) for p in placements):
             return param
-        size = param.shape[placements[0].dim] // self._tp_mesh.size()
-        local = param.detach().narrow(placements[0].dim, self._coord["tp"] * size, size)
-        return torch.nn.Parameter(local.clone(), requires_grad=param.requires_grad)
+        local = self._tp.local(param.detach(), placements).clone()
+        return torch.nn.Parameter(local, requires_grad=param.requires_grad)
 
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""
-        placements = self._placements.get(name, ())
-        if self._tp_mesh is None or not any(isinstance(p, Shard) for p in placements):
-            return local
-        return DTensor.from_local(local, self._tp_mesh, placements, run_check=False).full_tensor()
+        return local if self._tp is None else self._tp.full(local, self._placements.get(name, ()))
 
     def _rank_of(self, part: str) -> int:
         return self.schedule.rank_of(self._stage_of[part])
@@ -200,9 +197,7 @@ class PipelineRunner:
             if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
                 return torch.full((), 1.0 / self.m, dtype=self._vals[arg.name].dtype)
             if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
-                what, axis = role.name.rstrip(")").split("(")
-                return self._tp_mesh.get_group().group_name if what == "group" \
-                    else self._coord[axis]
+                return self._tp.mesh_input(role)
             mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
             return mine.chunk(self.m)[mb]
         part, index = _source(arg)
@@ -230,8 +225,10 @@ class PipelineRunner:
     def _buffer(self, fqn: str) -> torch.Tensor:
         return next(b for n, b in self._buffers.items() if self._roles[n].name == fqn)
 
-    def _share_tied(self) -> None:
-        """A parameter several stages read is updated by its owner, then sent to the others."""
+    def _tied_parameters(self) -> list[tuple[str, int, list[int]]]:
+        """(placeholder, owning pipeline rank, reading ranks) of each parameter several ranks
+        read; worked out once, used after every step."""
+        out = []
         for name, role in sorted(self._roles.items()):
             if role.kind is not M.InputKind.PARAM:
                 continue
@@ -240,8 +237,13 @@ class PipelineRunner:
             owner = next((self._rank_of(p) for (p, _), rs in self._finals.items()
                           if any(r.kind is M.OutputKind.GRAD and r.name == role.name for r in rs)),
                          None)
-            if owner is None or len(readers) < 2:
-                continue
+            if owner is not None and len(readers) > 1:
+                out.append((name, owner, readers))
+        return out
+
+    def _share_tied(self) -> None:
+        """A parameter several stages read is updated by its owner, then sent to the others."""
+        for name, owner, readers in self._tied:
             p = self._params.get(name)
             for r in readers:
                 if r != owner and self.rank == owner:

@@ -17,9 +17,11 @@ from shardfx.runtime.mesh import coordinate, device_mesh
 
 
 class Shards:
-    def __init__(self, spec: MeshSpec):
+    def __init__(self, spec: MeshSpec, mesh=None):
+        """Over ``spec``'s mesh; ``mesh``: an existing (sub-)DeviceMesh with those axes, as a
+        pipeline stage's tp mesh."""
         self.spec = spec
-        self.mesh = device_mesh(spec)
+        self.mesh = mesh if mesh is not None else device_mesh(spec)
         self.coord = coordinate(self.mesh)
         names = self.mesh.mesh_dim_names or ()
         self.groups = {axis: self.mesh.get_group(axis).group_name for axis in names}
