@@ -15,7 +15,7 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import Captured, capture
+from shardfx.partitioner.capture import Captured, canonical_names, capture
 from shardfx.passes.manager import Options
 from shardfx.passes.stage_cut import stage_report
 from shardfx.pipeline import compile_ir
@@ -45,7 +45,7 @@ class Plan:
         if options.memory_budget is not None and self.stage_program is None:
             self._check_budget(options.memory_budget)
         self.state_names = tuple(model.state_dict().keys())
-        self._canonical = _canonical_names(model)
+        self._canonical = canonical_names(model)
         self._inference: tuple[Program, pytree.TreeSpec] | None = None
         if self.mode is M.Mode.INFER:
             self._inference = (self.program, captured.out_spec)
@@ -182,13 +182,3 @@ def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, vir
                 fix="write one action list per pp rank covering every stage and microbatch")
     check(schedule, max_in_flight)
     return schedule
-
-
-def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each FQN of a tied tensor -> the first FQN it is reachable by."""
-    first: dict[int, str] = {}
-    out = {}
-    for fqn, t in [*model.named_parameters(remove_duplicate=False),
-                   *model.named_buffers(remove_duplicate=False)]:
-        out[fqn] = first.setdefault(id(t), fqn)
-    return out

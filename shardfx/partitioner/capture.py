@@ -300,6 +300,15 @@ def _identifier(role: M.InputRole) -> str:
 # --- tied parameters -----------------------------------------------------------------------
 
 
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter and buffer FQN -> the first FQN its tensor is reachable by (a tied
+    weight's other names map to the first)."""
+    first: dict[int, str] = {}
+    return {fqn: first.setdefault(id(t), fqn)
+            for fqn, t in [*model.named_parameters(remove_duplicate=False),
+                           *model.named_buffers(remove_duplicate=False)]}
+
+
 def _merge_tied_parameters(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     """One placeholder per distinct parameter tensor.
 
@@ -308,13 +317,7 @@ def _merge_tied_parameters(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     orders them), point the other placeholders' users at it, and sum their gradients: that is
     what autograd does for one leaf used twice.
     """
-    canonical: dict[int, str] = {}
-    alias_of: dict[str, str] = {}
-    for fqn, t in [*model.named_parameters(remove_duplicate=False),
-                   *model.named_buffers(remove_duplicate=False)]:
-        first = canonical.setdefault(id(t), fqn)
-        if first != fqn:
-            alias_of[fqn] = first
+    alias_of = {fqn: first for fqn, first in canonical_names(model).items() if fqn != first}
     if not alias_of:
         return
     graph = gm.graph
