@@ -83,6 +83,7 @@ def capture(
     prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX
     _to_ir(gm, mode, type(model).__name__, prefix, n_args)
     _merge_tied_parameters(gm, model)
+    gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
     out_spec = ep.call_spec.out_spec if mode is M.Mode.INFER else None
     return Captured(gm, in_spec, leaves, out_spec)
 
@@ -233,7 +234,6 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
                     for k, (path, cls) in stack.items()}
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a tuple out: no pytree specs
     gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=model_name)
-    gm.recompile()
 
 
 # Checks torch.export leaves in the graph; with static shapes they hold by construction.
@@ -347,7 +347,6 @@ def _merge_tied_parameters(gm: fx.GraphModule, model: torch.nn.Module) -> None:
         node.meta[M.ROLE] = M.InputRole(node.meta[M.ROLE].kind, first, aliases=tuple(names))
     out.args = (tuple(v for v in values if v is not None),)
     out.meta[M.OUTPUTS] = tuple(r for r in roles if r is not None)
-    gm.recompile()
 
 
 def _check_inputs(model: Any, args: Any, loss_fn: Any, targets: Any) -> None:
