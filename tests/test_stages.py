@@ -25,7 +25,8 @@ def test_split_computes_the_joint_graph(name, pp):
     split = split_stages(plan.ir)
     parts = stage_parts(split)
     assert parts[:pp] == [f"stage{s}_F" for s in range(pp)]  # forwards first, in stage order
-    assert f"stage{pp - 1}_B" in parts and "stage0_B" not in parts  # stage 0 sends nothing back
+    # every stage's backward splits into its activation-gradient chain and its weight gradients
+    assert all(f"stage{s}_{k}" in parts for s in range(pp) for k in "BW")
 
     # each part holds only its stage's nodes, and the right kind of them
     by_name = {n.name: n for n in plan.ir.graph.nodes}
@@ -59,3 +60,21 @@ def test_split_computes_the_joint_graph(name, pp):
     with torch.no_grad():
         expected, got = program.module(*inputs), split(*inputs)
     assert len(expected) == len(got) and all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_backward_splits_into_activation_and_weight_gradients():
+    """Zero-bubble's premise for matmul layers: per stage, B and W each hold one matmul per
+    layer, as F does; on the first stage too, though it sends no gradient back."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16, bias=False) for _ in range(4)]
+    model = torch.nn.Sequential(*[m for lin in layers for m in (lin, torch.nn.ReLU())])
+    x, y = torch.randn(8, 16, requires_grad=False), torch.randn(8, 16)
+    plan = shardfx.partition(model, (x,), torch.nn.functional.mse_loss, (y,), mesh={"pp": 2})
+    matmuls: dict[tuple[int, str], int] = {}
+    for node, kind in backward_parts(plan.ir).items():
+        if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            key = (node.meta[M.STAGE], kind)
+            matmuls[key] = matmuls.get(key, 0) + 1
+    # stage 0's first layer needs no input gradient: its B is one matmul short
+    assert matmuls == {(0, "F"): 2, (0, "B"): 1, (0, "W"): 2,
+                       (1, "F"): 2, (1, "B"): 2, (1, "W"): 2}

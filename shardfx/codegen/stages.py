@@ -8,9 +8,9 @@ Ensures:  ``split_stages(gm)`` returns a GraphModule whose body calls one submod
           same nodes, regrouped (torch.fx's ``split_module`` finds each part's inputs and
           outputs). Submodules are named ``stage{s}_{F|B|W}``.
 
-The backward of a stage is split as zero-bubble schedules need: B is what the gradient sent to
-the previous stage depends on (the input gradient); W is the rest of that stage's backward
-(the weight gradients), which a schedule may defer to fill bubbles.
+The backward of a stage is split as zero-bubble schedules need (Qi et al. 2023): B is the chain
+of activation gradients, down to the gradient the previous stage is sent; W is the weight
+gradients hanging off that chain, which a schedule may defer to fill bubbles.
 """
 
 from __future__ import annotations
@@ -25,27 +25,55 @@ PARTS = ("F", "B", "W")
 
 
 def backward_parts(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """Each op's part: F for forward ops; for a stage's backward ops, B if a gradient sent to an
-    earlier stage (or the gradient of a batch input) needs it, W otherwise."""
-    part: dict[fx.Node, str] = {}
+    """Each op's part: F for forward ops; for a stage's backward ops, B for the chain of
+    activation gradients, W for the weight-gradient leaves hanging off it. This is zero-bubble's
+    split: for a matmul layer ``dx = dy W^T`` is B and ``dW = x^T dy`` is W, each about one F,
+    on the first stage too, where no input gradient is sent.
+
+    An op is W when its value feeds one parameter's gradient and nothing else. It is B when it
+    feeds more (several gradients, another stage, a non-gradient output), or when it carries a
+    gradient through a parameter (reads a gradient and a value computed from parameters alone:
+    ``dy W^T``, a norm's ``dy * weight``): that is how the chain reaches the layer below.
+    """
     ops = op_nodes(gm.graph)
-    for node in ops:
-        part[node] = "F" if node.meta[M.PHASE] is M.Phase.FORWARD else "W"
-    stack = []
-    for node in ops:  # seeds: backward values read by an earlier stage's backward
+    part = {n: "F" if n.meta[M.PHASE] is M.Phase.FORWARD else None for n in ops}
+    out = gm.graph.output_node()
+    sinks_of: dict[fx.Node, set] = {}  # returned node -> the gradients it is returned as
+    for value, role in zip(out.args[0], out.meta.get(M.OUTPUTS, ())):
+        if isinstance(value, fx.Node):
+            sinks_of.setdefault(value, set()).add(
+                role.name if role.kind is M.OutputKind.GRAD else _CHAIN)
+    params = _parameter_values(gm)
+    feeds: dict[fx.Node, object] = {}  # backward op -> the one gradient it feeds, or _CHAIN
+    for node in reversed(ops):
         if part[node] == "F":
             continue
-        if any(u.op == "call_function" and u.meta[M.PHASE] is M.Phase.BACKWARD
-               and u.meta[M.STAGE] < node.meta[M.STAGE] for u in node.users):
-            stack.append(node)
-    while stack:  # ... and, within its stage, everything backward they depend on
-        node = stack.pop()
-        if part[node] == "B":
-            continue
-        part[node] = "B"
-        stack.extend(a for a in node.all_input_nodes if a in part and part[a] == "W"
-                     and a.meta[M.STAGE] == node.meta[M.STAGE])
+        sinks = set(sinks_of.get(node, ()))
+        for user in node.users:
+            if user.op != "output":
+                same = user in feeds and user.meta[M.STAGE] == node.meta[M.STAGE]
+                sinks.add(feeds[user] if same else _CHAIN)
+        inputs = node.all_input_nodes
+        if any(a in params for a in inputs) and any(
+                a in part and part[a] != "F" for a in inputs):
+            sinks.add(_CHAIN)
+        feeds[node] = sinks.pop() if len(sinks) == 1 else _CHAIN
+        part[node] = "B" if feeds[node] is _CHAIN else "W"
     return part
+
+
+_CHAIN = object()  # the activation-gradient chain: what feeds more than one weight gradient
+
+
+def _parameter_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """Parameters and the ops computed from parameters alone (``t(W)``, a cast, a view)."""
+    out = {n for n in gm.graph.find_nodes(op="placeholder")
+           if getattr(n.meta.get(M.ROLE), "kind", None) is M.InputKind.PARAM}
+    for node in op_nodes(gm.graph):
+        inputs = node.all_input_nodes
+        if inputs and all(a in out for a in inputs):
+            out.add(node)
+    return out
 
 
 def split_stages(gm: fx.GraphModule) -> fx.GraphModule:
