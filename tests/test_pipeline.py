@@ -63,14 +63,32 @@ def train_interleaved_and_trace(path: str):
     runner.step((x,), (y,))
     runner.trace(path)
     spans = runner.timeline()
-    return report.max(), [[a for a, _, _ in rank] for rank in spans], runner.bubble()
+    return report.max(), [[a for a, _, _ in rank] for rank in spans], runner.bubble(), held()
+
+
+def held():
+    """Each schedule's saved activations, as the runner frees them, against the static count:
+    1F1B holds 2 microbatches at most on rank 0 where GPipe holds all 4."""
+    import torch.distributed as dist
+    from shardfx.schedule import in_flight
+
+    (x,), (y,) = batches(1)[0]
+    out = {}
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        plan = shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2},
+                                 microbatches=4, schedule=schedule)
+        runner = plan.runner()
+        runner.step((x,), (y,))
+        rank = dist.get_rank()
+        out[schedule] = (runner.held(), in_flight(plan.schedule)[rank])
+    return out
 
 
 def test_interleaved_virtual_stages_and_the_trace(tmp_path):
     import json
 
     path = str(tmp_path / "trace.json")
-    (err, actions, bubble), _ = shardfx.launch(train_interleaved_and_trace, path, nprocs=2,
+    (err, actions, bubble, held), (*_, held1) = shardfx.launch(train_interleaved_and_trace, path, nprocs=2,
                                                timeout=120, deadline=600)
     assert err < 1e-5
     assert {a[0] for a in actions[0]} == {"0", "2"} and {a[0] for a in actions[1]} == {"1", "3"}
@@ -78,6 +96,10 @@ def test_interleaved_virtual_stages_and_the_trace(tmp_path):
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert sum(e["ph"] == "X" for e in events) == sum(map(len, actions))
     assert bubble >= 0
+    for schedule in held:
+        for measured, expected in (held[schedule], held1[schedule]):
+            assert measured == expected, schedule
+    assert max(held["gpipe"][0]) == 4 and max(held["1f1b"][0]) == 2
 
 
 def train_dp_pp():

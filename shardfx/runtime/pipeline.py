@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,6 +80,8 @@ class PipelineRunner:
         owned = [p for name, p in self._params.items() if self._roles[name].name in self._owned]
         self.optimizer = optimizer(owned) if optimizer and owned else None
         self._tied = self._tied_parameters()
+        self._order = {name: i for i, name in enumerate(self._parts)}
+        self._steps = self._compile()
 
     def _local(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """This rank's tp shard of a parameter, or the model's own when the stage is whole."""
@@ -104,25 +107,31 @@ class PipelineRunner:
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
         flat = self._plan.check_inputs(args, targets)
-        self._store: dict[tuple, Any] = {}
+        self._store: dict[tuple, Any] = {}  # (part, output, microbatch) -> value on this rank
+        self._pending: dict[tuple, tuple] = {}  # posted receives: key -> (work, buffer)
         self._sends: list = []
         self._grads: dict[str, torch.Tensor] = {}
-        loss = torch.zeros(())
         self._spans: list[tuple[str, float, float]] = []  # (action, start, end) for the trace
-        self._pending: dict[tuple, tuple] = {}  # posted receives: key -> (work, buffer)
-        actions = self.schedule.actions[self.rank]
-        for i, action in enumerate(actions):
-            for ahead in actions[i:i + 2]:  # receive this action's and the next one's inputs
-                self._post_receives(ahead)  # early, so senders never wait on a late receive
-            parts = self._parts_of(action)
-            for key in [k for k in self._pending if k[2] == action.microbatch and any(
-                    a.op != "placeholder" and _source(a) == k[:2]
-                    for p in parts for a in self._parts[p].args)]:
-                self._receive(key)  # other ranks' data first: the span below is compute only
+        self._held: list[int] = []
+        loss = torch.zeros(())
+        steps = self._steps
+        if steps:
+            self._post(steps[0])
+        for i, step in enumerate(steps):
+            if i + 1 < len(steps):
+                self._post(steps[i + 1])  # early, so a sender never waits on a late receive
+            for key in step.receives:  # other ranks' data first: the span is compute only
+                work, buf = self._pending.pop(key)
+                work.wait()
+                self._store[key] = buf
             start = time.perf_counter()
-            for part in parts:
-                loss += self._run(part, action.microbatch, flat)
-            self._spans.append((str(action), start, time.perf_counter()))
+            for call in step.calls:
+                loss += self._run(call, step.action.microbatch, flat)
+            self._spans.append((step.name, start, time.perf_counter()))
+            for key in step.frees:  # its last reader on this rank ran: let it go
+                del self._store[key]
+            self._held.append(len({mb for part, _, mb in self._store if part.endswith("_F")}))
+            self._sends = [w for w in self._sends if not w.is_completed()]
         for work in self._sends:
             work.wait()
         if self._dp is not None:  # replicas average their gradients, as DDP does
@@ -143,32 +152,66 @@ class PipelineRunner:
             parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
         return [p for p in parts if p in self._parts]
 
-    def _post_receives(self, action) -> None:
-        for part in self._parts_of(action):
-            for arg in self._parts[part].args:
-                if arg.op == "placeholder":
-                    continue
-                src, index = _source(arg)
-                key = (src, index, action.microbatch)
-                if self._rank_of(src) == self.rank or key in self._store or key in self._pending:
-                    continue
-                val = self._out_val(src, index)
-                buf = torch.empty(val.shape, dtype=val.dtype)
-                work = dist.irecv(buf, self._ranks[self._rank_of(src)],
-                                  tag=self._tag(src, index, action.microbatch))
-                self._pending[key] = (work, buf)
+    def _compile(self) -> list["_Step"]:
+        """This rank's actions with everything the step loop needs worked out once: each part's
+        input sources and output destinations, the values to receive (each once, posted for the
+        first action that reads it) and the values to drop after their last reader."""
+        self._calls = {name: self._compile_part(name) for name in self._parts}
+        steps, first, last = [], {}, {}
+        for i, action in enumerate(self.schedule.actions[self.rank]):
+            calls = [self._calls[p] for p in self._parts_of(action)]
+            steps.append(_Step(action, str(action), calls))
+            for call in calls:
+                for source in call.inputs:
+                    if source[0] == "value":
+                        key = (*source[1:], action.microbatch)
+                        first.setdefault(key, i)
+                        last[key] = i
+        for key, i in first.items():
+            if self._rank_of(key[0]) != self.rank:
+                steps[i].receives.append(key)
+        for key, i in last.items():
+            steps[i].frees.append(key)
+        return steps
 
-    def _run(self, part: str, mb: int, flat: list) -> torch.Tensor:
+    def _compile_part(self, part: str) -> "_Call":
         call = self._parts[part]
-        inputs = [self._input(a, mb, flat) for a in call.args]
+        inputs = []
+        for arg in call.args:
+            if arg.op == "placeholder":
+                role = self._roles[arg.name]
+                inputs.append(("input", arg.name, role))
+            else:
+                inputs.append(("value", *_source(arg)))
+        outputs = []
+        consumers = _consumers(call)
+        for index in sorted(set(consumers) | {i for (p, i) in self._finals if p == part},
+                            key=lambda i: -1 if i is None else i):
+            ranks = sorted({self._rank_of(c) for c in consumers.get(index, ())})
+            outputs.append(_Output(index, tuple(self._finals.get((part, index), ())),
+                                   self.rank in ranks,
+                                   [(self._ranks[r], self._tag(part, index)) for r in ranks
+                                    if r != self.rank]))
+        return _Call(part, getattr(self._module, part), inputs, outputs)
+
+    def _post(self, step: "_Step") -> None:
+        for key in step.receives:
+            part, index, mb = key
+            val = self._out_val(part, index)
+            buf = torch.empty(val.shape, dtype=val.dtype)
+            work = dist.irecv(buf, self._ranks[self._rank_of(part)],
+                              tag=self._tag(part, index) + mb)
+            self._pending[key] = (work, buf)
+
+    def _run(self, call: "_Call", mb: int, flat: list) -> torch.Tensor:
+        inputs = [self._input(source, mb, flat) for source in call.inputs]
         with torch.no_grad():
-            out = getattr(self._module, part)(*inputs)
+            out = call.module(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         loss = torch.zeros(())
-        consumers = _consumers(call)
-        for i, value in enumerate(outs):
-            key = (part, i if isinstance(out, tuple) else None)
-            for role in self._finals.get(key, ()):
+        for o in call.outputs:
+            value = outs[o.index if o.index is not None else 0]
+            for role in o.roles:
                 if role.kind is M.OutputKind.GRAD:
                     g = self._grads.get(role.name)
                     if g is None:  # a copy of its own: it accumulates in place from here on
@@ -179,38 +222,28 @@ class PipelineRunner:
                     loss = value.detach() / self.m
                 elif role.kind is M.OutputKind.BUFFER_UPDATE:
                     self._buffer(role.name).copy_(value)
-            for dst in sorted({self._rank_of(c) for c in consumers.get(key[1], ())}):
-                if dst == self.rank:
-                    self._store[(part, key[1], mb)] = value
-                else:
-                    self._sends.append(dist.isend(value.contiguous(), self._ranks[dst],
-                                                  tag=self._tag(part, key[1], mb)))
+            if o.local:
+                self._store[(call.part, o.index, mb)] = value
+            if o.sends:
+                value = value.contiguous()
+                for dst, tag in o.sends:
+                    self._sends.append(dist.isend(value, dst, tag=tag + mb))
         return loss
 
-    def _input(self, arg: fx.Node, mb: int, flat: list):
-        if arg.op == "placeholder":
-            role = self._roles[arg.name]
-            if role.kind is M.InputKind.PARAM:
-                return self._params[arg.name].detach()
-            if role.kind is M.InputKind.BUFFER:
-                return self._buffers[arg.name]
-            if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
-                return torch.full((), 1.0 / self.m, dtype=self._vals[arg.name].dtype)
-            if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
-                return self._tp.mesh_input(role)
-            mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
-            return mine.chunk(self.m)[mb]
-        part, index = _source(arg)
-        key = (part, index, mb)
-        if key in self._pending:
-            self._receive(key)
-        return self._store[key]
-
-    def _receive(self, key: tuple) -> None:
-        """Wait for a posted receive; the value is kept for every reader on this rank."""
-        work, buf = self._pending.pop(key)
-        work.wait()
-        self._store[key] = buf
+    def _input(self, source: tuple, mb: int, flat: list):
+        if source[0] == "value":
+            return self._store[(source[1], source[2], mb)]
+        _, name, role = source
+        if role.kind is M.InputKind.PARAM:
+            return self._params[name].detach()
+        if role.kind is M.InputKind.BUFFER:
+            return self._buffers[name]
+        if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
+            return torch.full((), 1.0 / self.m, dtype=self._vals[name].dtype)
+        if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
+            return self._tp.mesh_input(role)
+        mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
+        return mine.chunk(self.m)[mb]
 
     def _out_val(self, part: str, index: int | None):
         """The fake value (shape, dtype) of a part's output, to receive it into."""
@@ -218,9 +251,9 @@ class PipelineRunner:
         node = out[index] if index is not None else out
         return node.meta.get(M.VAL, self._vals.get(node.name))
 
-    def _tag(self, part: str, index: int | None, mb: int) -> int:
-        order = list(self._parts).index(part)
-        return (order * 4096 + (index or 0)) * 1024 + mb
+    def _tag(self, part: str, index: int | None) -> int:
+        """The tag of a part's output, plus the microbatch: unique within a step."""
+        return (self._order[part] * 4096 + (index or 0)) * 1024
 
     def _buffer(self, fqn: str) -> torch.Tensor:
         return next(b for n, b in self._buffers.items() if self._roles[n].name == fqn)
@@ -271,6 +304,11 @@ class PipelineRunner:
         dist.all_gather_object(spans, self._spans, group=self._pp)
         t0 = min(s[1] for rank in spans for s in rank)  # clocks of one machine; see trace()
         return [[(a, b - t0, e - t0) for a, b, e in rank] for rank in spans]
+
+    def held(self) -> list[int]:
+        """After each of this rank's actions in the last step, how many microbatches' forward
+        values (saved activations) it still held: what ``schedule.check.in_flight`` predicts."""
+        return list(self._held)
 
     def bubble(self) -> float:
         """Measured idle time over busy time, summed over ranks (the schedule's own terms)."""
@@ -342,6 +380,34 @@ class PipelineRunner:
             dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
         return out
+
+
+@dataclass
+class _Output:
+    index: int | None  # which output of the part; None: its only one
+    roles: tuple  # the program outputs it is (a gradient, the loss, a buffer update)
+    local: bool  # read by a later part on this rank
+    sends: list[tuple[int, int]]  # (global rank, tag without the microbatch) to send it to
+
+
+@dataclass
+class _Call:
+    part: str
+    module: Any
+    inputs: list[tuple]  # ("input", placeholder, role) or ("value", part, output index)
+    outputs: list[_Output]
+
+
+@dataclass
+class _Step:
+    """One action of this rank, compiled: its parts, the values it receives first (posted one
+    action ahead) and those its ends frees."""
+
+    action: Any
+    name: str
+    calls: list[_Call]
+    receives: list[tuple] = field(default_factory=list)
+    frees: list[tuple] = field(default_factory=list)
 
 
 def _source(value: fx.Node) -> tuple[str, int | None]:
