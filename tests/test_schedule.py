@@ -230,11 +230,24 @@ def test_generated_schedules_round_trip_and_pass_check(name, p, m, v):
 @pytest.mark.parametrize("costs", [Costs(), Costs(forward=1, backward=3, weight=1),
                                    Costs(forward=2, backward=3, weight=1),
                                    Costs(forward=1, backward=1.6, weight=0.4)])
-def test_simulated_bubble_equals_formula(name, v, costs):
+@pytest.mark.parametrize("send_early", [False, True])
+def test_simulated_bubble_equals_formula(name, v, costs, send_early):
     for p in range(1, 7):
         for m in range(p, 17, p if v > 1 else 1):  # zero-bubble's formula needs m >= p
-            got = bubble_fraction(generate(name, p, m, v), costs)
-            assert got == pytest.approx(formula_bubble(name, p, m, v, costs)), (p, m)
+            got = bubble_fraction(generate(name, p, m, v), costs, send_early=send_early)
+            want = formula_bubble(name, p, m, v, costs, send_early=send_early)
+            assert got == pytest.approx(want), (p, m)
+
+
+def test_early_input_gradient_shrinks_the_bubble():
+    """B sending its input gradient before W: 1F1B's bubble at F = W = B/2 is 2/3 of (p-1)/m;
+    each B's gradient leaves after its first half."""
+    assert bubble_fraction(one_f_one_b(4, 8), send_early=True) == pytest.approx(3 / 8 * 2 / 3)
+    timeline = simulate(one_f_one_b(2, 2), Costs(), send_early=True)
+    starts = {str(s.action): s.start for s in timeline.spans}
+    assert starts["0B0"] == starts["1B0"] + 1  # half of 1B0's 2
+    with pytest.raises(ScheduleError, match="send_early needs Costs"):
+        simulate(one_f_one_b(2, 2), lambda a: 1.0, send_early=True)
 
 
 def test_bubbles_for_p4_m8():

@@ -76,9 +76,22 @@ class Timeline:
                    if s.action.kind in COMPUTE and rank in (None, s.rank))
 
 
-def simulate(schedule: Schedule, costs: Costs | Callable[[Action], float] | None = None) -> Timeline:
-    """Start and end of every action; ``ScheduleError`` if the schedule deadlocks."""
-    spans, stuck = _run(schedule, _durations(schedule, costs))
+def simulate(schedule: Schedule, costs: Costs | Callable[[Action], float] | None = None, *,
+             send_early: bool = False) -> Timeline:
+    """Start and end of every action; ``ScheduleError`` if the schedule deadlocks.
+
+    ``send_early``: in a schedule without W actions, a B's input gradient leaves once its own
+    part (``costs.backward - costs.weight``) is done, before the weight gradient, as shardfx's
+    runner sends it; the published formulas wait for the whole backward."""
+    early = None
+    if send_early and not schedule.split_backward:
+        if not isinstance(costs, Costs | None):
+            raise ScheduleError("send_early needs Costs (how much of B is the weight gradient)",
+                                where="simulate(..., send_early=True)",
+                                fix="pass Costs(forward, backward, weight)")
+        c = costs or Costs()
+        early = c.backward - c.weight
+    spans, stuck = _run(schedule, _durations(schedule, costs), early)
     if stuck:
         raise _deadlock(schedule, stuck)
     return Timeline(schedule, tuple(spans))
@@ -125,9 +138,10 @@ def peak_in_flight(schedule: Schedule) -> dict[int, int]:
     return {rank: max(counts, default=0) for rank, counts in in_flight(schedule).items()}
 
 
-def bubble_fraction(run: Timeline | Schedule, costs: Costs | None = None) -> float:
+def bubble_fraction(run: Timeline | Schedule, costs: Costs | None = None, *,
+                    send_early: bool = False) -> float:
     """Idle over compute time, summed over ranks: (ranks * makespan - compute) / compute."""
-    timeline = run if isinstance(run, Timeline) else simulate(run, costs)
+    timeline = run if isinstance(run, Timeline) else simulate(run, costs, send_early=send_early)
     compute = timeline.compute()
     return (timeline.schedule.ranks * timeline.makespan - compute) / compute
 
@@ -185,11 +199,12 @@ def _needs(schedule: Schedule, a: Action) -> list[Action]:
     return [Action(s + 1, Kind.SEND_B, i)]  # RECV_B
 
 
-def _run(schedule: Schedule, duration: Callable[[Action], float]):
+def _run(schedule: Schedule, duration: Callable[[Action], float], early: float | None = None):
     """Play the lists; returns the spans that ran and, per stuck rank, (rank, index, action,
-    unmet needs)."""
+    unmet needs). ``early``: a B's input gradient is ready this long after it starts."""
     position, clock = [0] * schedule.ranks, [0.0] * schedule.ranks
     end: dict[Action, float] = {}
+    sent: dict[Action, float] = {}  # when a B's input gradient is ready, if before its end
     spans: list[Span] = []
     progress = True
     while progress:
@@ -200,8 +215,11 @@ def _run(schedule: Schedule, duration: Callable[[Action], float]):
                 needs = _needs(schedule, a)
                 if any(n not in end for n in needs):
                     break
-                start = max([clock[rank], *(end[n] for n in needs)])
+                start = max([clock[rank], *(sent.get(n, end[n]) if n.stage != a.stage or
+                                            a.kind is Kind.SEND_B else end[n] for n in needs)])
                 clock[rank] = end[a] = start + duration(a)
+                if early is not None and a.kind is Kind.B:
+                    sent[a] = start + early
                 spans.append(Span(rank, position[rank], a, start, clock[rank]))
                 position[rank] += 1
                 progress = True

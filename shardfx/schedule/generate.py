@@ -104,7 +104,8 @@ def generate(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return interleaved_1f1b(p, m, v) if name == "interleaved-1f1b" else GENERATORS[name](p, m)
 
 
-def formula_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs | None = None) -> float:
+def formula_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs | None = None, *,
+                   send_early: bool = False) -> float:
     """The published bubble of each schedule, in `check.bubble_fraction`'s terms (idle time over
     compute time), for comparison with what `simulate` or a measured run gives.
 
@@ -113,13 +114,17 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs | None = 
     zero-bubble        (p-1)(F + B - W) / (m (F + B + W)) with B the input-gradient part (Qi et
                        al. 2023, section 2.1): (p-1)/(3m) at F = B = W. Exact for m >= p and
                        W <= min(F, B); a heavier W no longer fits the bubbles it is meant to fill.
+
+    ``send_early`` (see `simulate`): the input gradient leaves a B before its weight gradient is
+    computed, so each bubble on the critical path is F + B - W long instead of F + B; the first
+    three shrink by (F + B - W) / (F + B) (2/3 at F = W = B/2), as shardfx's runner gives them.
+    The zero-bubble schedule already runs W apart, and is unchanged.
     """
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) / m
-    if name == "interleaved-1f1b":
-        return (p - 1) / (v * m)
+    c = costs or Costs()
+    if name in ("gpipe", "1f1b", "interleaved-1f1b"):
+        early = (c.forward + c.backward - c.weight) / (c.forward + c.backward) if send_early else 1
+        return (p - 1) / ((v if name == "interleaved-1f1b" else 1) * m) * early
     if name == "zero-bubble":
-        c = costs or Costs()
         b = c.backward - c.weight
         if c.weight > min(c.forward, b):
             raise ScheduleError(
