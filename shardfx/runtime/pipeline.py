@@ -2,19 +2,30 @@
 
 The plan holds the joint graph split into per-stage parts (``codegen.stages``) and a schedule
 (``shardfx.schedule``): one ordered action list per rank, ``0F1`` = stage 0 forward of
-microbatch 1. Receives for an action's inputs and the next action's are posted ahead (so a
-sender never waits on a late receive), and the timeline records compute only: time waiting for
-data is idle, as the schedule simulator counts it. Pipeline rank r (its place on the pp axis) runs stage r (and r + pp, ... with
+microbatch 1. Pipeline rank r (its place on the pp axis) runs stage r (and r + pp, ... with
 virtual stages); with a dp axis, each replica of the pipeline takes its rows of the batch and
-the replicas average their gradients (and the loss) after the last microbatch. For each action the runner gathers the part's inputs: this
-rank's parameters; the action's microbatch slice of the global inputs and targets; values an
-earlier action of the same rank left (saved activations); values another rank sends, received
-point-to-point (gloo/NCCL ``recv``, tagged by producer, output and microbatch). What the part
-produces for other ranks is sent with ``isend`` at once, so sends never block. Gradients are
-summed over microbatches (the tangent is 1/m: the loss of the whole batch is the mean of the
-microbatch losses), the optimizer steps each rank's own parameters, and a parameter read by
-several stages (a tied embedding) is sent from the stage that owns its gradient to the others
-after each step.
+the replicas average their gradients (and the loss) after the last microbatch.
+
+For each action the runner gathers the part's inputs: this rank's parameters; the action's
+microbatch slice of the global inputs and targets; values an earlier action of the same rank
+left (saved activations, dropped after their last reader, so a rank holds what
+``schedule.check.in_flight`` counts); values another rank sends, received point-to-point
+(tagged by producer, output and microbatch). What a part produces for other ranks is sent with
+``isend`` at once; a B without W actions sends its input gradient before it computes the weight
+gradient (``simulate(..., send_early=True)``).
+
+Every receive of a step is posted when the step starts, into a buffer of its own (as
+torch.distributed.pipelining allocates one per microbatch): posting a gloo receive costs a
+fraction of a millisecond, which between two actions would be idle time on the critical path.
+Gloo matches a message to its receive by tag, so the order of posting does not matter; NCCL
+matches in order and would need each action's sends and receives batched in a matching order
+instead (not done). The timeline records compute only: time waiting for data is idle, as the
+schedule simulator counts it.
+
+Gradients are summed over microbatches (the tangent is 1/m: the loss of the whole batch is the
+mean of the microbatch losses), the optimizer steps each rank's own parameters, and a parameter
+read by several stages (a tied embedding) is sent from the stage that owns its gradient to the
+others after each step.
 """
 
 from __future__ import annotations
@@ -115,11 +126,9 @@ class PipelineRunner:
         self._held: list[int] = []
         loss = torch.zeros(())
         steps = self._steps
-        if steps:
-            self._post(steps[0])
-        for i, step in enumerate(steps):
-            if i + 1 < len(steps):
-                self._post(steps[i + 1])  # early, so a sender never waits on a late receive
+        for step in steps:  # every receive of the step, before any compute (see the docstring)
+            self._post(step)
+        for step in steps:
             for key in step.receives:  # other ranks' data first: the span is compute only
                 work, buf = self._pending.pop(key)
                 work.wait()
@@ -400,8 +409,8 @@ class _Call:
 
 @dataclass
 class _Step:
-    """One action of this rank, compiled: its parts, the values it receives first (posted one
-    action ahead) and those its ends frees."""
+    """One action of this rank, compiled: its parts, the values it waits for first (their
+    first reader on this rank) and those it drops after (their last)."""
 
     action: Any
     name: str
