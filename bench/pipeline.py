@@ -1,27 +1,31 @@
 """Pipeline parallelism: measured bubble against the published formulas, and step time against
 PyTorch's own pipelining (torch.distributed.pipelining).
 
-The model is balanced on purpose: a learned per-feature scale (so that stage 0 computes its
-input's gradient too, as the other stages do), then ``--layers`` identical blocks (Linear(H, H)
-+ ReLU) with ``shardfx.pipe_split`` markers between equal groups. MSE loss, AdamW, global batch
-``--rows`` x H in m = 8 microbatches, p = 2 gloo processes of one thread each (sharing 2 cores).
-
-1. Bubble vs formula, for gpipe, 1f1b, interleaved-1f1b (v = 2) and zero-bubble (ZB-H1),
-   medians of ``--repeats`` steps after 2 warm-up, against ``formula_bubble(name, p, m, v)``
-   (goal: within 5%): ``runner.bubble()`` (the runner's spans are compute only, waiting for a
-   neighbour's data is idle: ``bubble_fraction``'s definition); simulated,
-   ``shardfx.schedule.simulate`` of the schedule with the measured compute times (free
-   communication, no gaps): each stage's median F, B, W, and each action's own (which adds the
-   jitter of this noisy machine).
-2. Step time against the peer, same schedule, model, weights, data and microbatches: each rank
+1. Bubble vs formula on an artificially balanced model (``bench/timed.py``): every stage's
+   F, B and W take exactly ``--ms`` (``timed_work``: the core sleeps, as a CPU does while its
+   GPU computes; tensors are tiny, so messages cost next to nothing). gpipe, 1f1b,
+   interleaved-1f1b (v = 2, each action half as long) and zero-bubble (ZB-H1); p = 2 gloo
+   processes, m = 8; medians of ``--repeats`` steps after 2 warm-up, for ``--ms`` 10 and 100.
+   ``runner.bubble()`` (idle, waiting for data included, over compute) against
+   ``formula_bubble(name, p, m, v)`` as published and as shardfx runs the schedule
+   (``send_early=True``: without W actions a B sends its input gradient before computing the
+   weight gradient, which shrinks the first three schedules' bubbles by (F+B-W)/(F+B) = 2/3).
+   Goal: within 5% of the latter. The difference, spread over a rank's actions, is what the
+   runner adds per action (posting, Python, message latency): it shows in the 10 ms rows.
+2. The same on real arithmetic: a scale, then ``--layers`` Linear(H, H) + ReLU blocks with
+   ``pipe_split`` between equal groups, one thread per process. On this machine's two shared
+   cores the stages' speeds drift apart, which the formulas do not model: the per-stage
+   medians show how far.
+3. Step time against the peer, same schedule, model, weights, data and microbatches: each rank
    wraps its half of the layers (an ``nn.Sequential``) in a manual ``PipelineStage`` and runs
    ``Schedule1F1B`` / ``ScheduleGPipe`` (``scale_grads=True``: gradients of the mean microbatch
    loss, as shardfx). One ``shardfx.launch`` per schedule, the two alternating step by step
    (``--warmup``, then ``--steps`` timed, barriers around each): rank 0's median step time,
    the ratio shardfx / peer (goal <= 1.0x), both losses after the last step (must agree).
-3. ``bench/pipeline_trace.json``: ``runner.trace`` of the last measured 1f1b step.
+4. ``bench/pipeline_trace.json``: ``runner.trace`` of the last measured 1f1b step of part 1
+   at 100 ms.
 
-    python -m bench.pipeline [--repeats 8] [--steps 12] [--no-append]
+    python -m bench.pipeline [--repeats 5] [--steps 12] [--no-append]
 
 Prints the tables and appends them to bench/RESULTS.md with the machine and date.
 """
@@ -40,8 +44,8 @@ import torch.nn as nn
 
 import shardfx
 from bench.common import append_results, machine
-from shardfx.schedule import (Action, Kind, bubble_fraction, formula_bubble, generate,
-                               simulate)
+from bench.timed import Timed
+from shardfx.schedule import Action, Kind, formula_bubble
 
 warnings.filterwarnings("ignore")
 
@@ -88,77 +92,90 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-# --- 1. bubble vs formula ---------------------------------------------------------------------
+# --- 1 and 2. bubble vs formula -----------------------------------------------------------------
 
-def bubbles(layers: int, hidden: int, rows: int, repeats: int) -> dict | None:
-    """On every rank: each schedule's steps; rank 0 returns what `analyse` makes of each."""
+def bubbles(model: str, size: dict, repeats: int, trace: bool) -> dict | None:
+    """On every rank: each schedule's steps; rank 0 returns the measured bubbles and each
+    stage's median F, B, W compute time."""
     torch.set_num_threads(1)
     out = {}
-    x, y = data(rows, hidden)
+    x, y = data(size["rows"], size["hidden"])
     for name, v in SCHEDULES.items():
-        plan = shardfx.partition(Stack(layers, hidden, P * v), (x,), loss_fn, (y,),
-                                 mesh={"pp": P}, microbatches=M, schedule=name)
-        runner, out[name] = plan.runner(optimizer=adamw), []
+        if model == "timed":  # each action ms long: interleaved's 2 virtual stages half as long
+            net = Timed(P * v, size["hidden"], P * v, size["ms"] / v)
+        else:
+            net = Stack(size["layers"], size["hidden"], P * v)
+        plan = shardfx.partition(net, (x,), loss_fn, (y,), mesh={"pp": P}, microbatches=M,
+                                 schedule=name)
+        runner, measured, spans = plan.runner(optimizer=adamw), [], []
         for i in range(2 + repeats):
             dist.barrier()
             runner.step((x,), (y,))
-            spans, measured = runner.timeline(), runner.bubble()
+            timeline, bubble = runner.timeline(), runner.bubble()
             if i >= 2:
-                out[name].append(analyse(plan.schedule, spans, measured))
-        if name == "1f1b":
+                measured.append(bubble)
+                spans += [(Action.parse(a), e - b) for rank in timeline for a, b, e in rank]
+        out[name] = dict(bubble=statistics.median(measured), stages=per_stage(spans),
+                         actions=len(plan.schedule.actions[0]))
+        if trace and name == "1f1b":
             runner.trace(str(TRACE))
     return out if dist.get_rank() == 0 else None
 
 
-def analyse(schedule, spans, measured: float) -> dict:
-    """One step: the measured bubble, each action's compute time, and the simulated bubble."""
-    compute = {Action.parse(a): e - b for rank in spans for a, b, e in rank}
-    return dict(measured=measured, durations=compute,
-                simulated=bubble_fraction(simulate(schedule, lambda a: compute[a])))
-
-
-def per_stage(steps: list[dict]) -> dict[int, dict[Kind, float]]:
-    """Median compute time of each stage's F, B and W actions over the steps."""
+def per_stage(spans: list[tuple[Action, float]]) -> dict[int, dict[Kind, float]]:
+    """Median compute time of each stage's F, B and W actions."""
     times: dict[int, dict[Kind, list[float]]] = {}
-    for step in steps:
-        for a, d in step["durations"].items():
-            times.setdefault(a.stage, {}).setdefault(a.kind, []).append(d)
+    for a, d in spans:
+        times.setdefault(a.stage, {}).setdefault(a.kind, []).append(d)
     return {s: {k: statistics.median(ds) for k, ds in kinds.items()}
             for s, kinds in sorted(times.items())}
 
 
-def bubble_table(a) -> str:
-    res = shardfx.launch(bubbles, a.layers, a.hidden, a.rows, a.repeats, nprocs=P, timeout=300,
-                         deadline=900)[0]
-    rows = [f"bubble: Scale + {a.layers} x (Linear({a.hidden}, {a.hidden}) + ReLU), pipe_split "
-            f"into equal stages, global batch {a.rows} x {a.hidden}, p={P}, m={M}, {P} gloo "
-            f"processes, 1 thread each; medians of {a.repeats} steps after 2 warm-up", "",
-            "| schedule | formula | runner.bubble() | vs formula "
-            "| sim. stage medians | vs formula | sim. each action | vs formula "
-            "| F / B / W per stage (ms) |", "|---|" + "---:|" * 7 + "---|"]
-    for name, steps in res.items():
+def bubble_rows(res: dict, label: str) -> list[str]:
+    rows = []
+    for name, r in res.items():
         v = SCHEDULES[name]
-        formula = formula_bubble(name, P, M, v)
-        stages = per_stage(steps)
-        med = {k: statistics.median(s[k] for s in steps)
-               for k in ("measured", "simulated")}
-        med["medians"] = bubble_fraction(simulate(generate(name, P, M, v),
-                                                  lambda a: stages[a.stage][a.kind]))
-        cells = [f"{med[k]:.3f} | {(med[k] - formula) / formula:+.0%}"
-                 for k in ("measured", "medians", "simulated")]
+        published, as_run = formula_bubble(name, P, M, v), formula_bubble(name, P, M, v,
+                                                                          send_early=True)
+        stages = r["stages"]
+        busy = sum(k[x] for k in stages.values() for x in k) * M  # one step, all ranks
+        per_action = (r["bubble"] - as_run) * busy / (P * r["actions"])
         fbw = "; ".join(f"{s}: " + " / ".join(f"{k[x] * 1e3:.1f}" for x in Kind if x in k)
                         for s, k in stages.items())
-        rows.append(f"| {name}{f' (v={v})' if v > 1 else ''} | {formula:.3f} | "
-                    + " | ".join(cells) + f" | {fbw} |")
-    rows += ["", "formula: `formula_bubble(name, p, m, v)` (zero-bubble: ZB-H1's (p-1)/(3m), "
-             "F = B = W). runner.bubble(): idle (waiting included) over compute. sim.: "
-             "`simulate` of the schedule with each stage's median F, B, W (stage medians) or "
-             "with each action's own measured compute time (each action). F / B / W: median "
-             "compute time of each "
-             "stage's actions (B: the whole backward unless there is W). Without W actions the "
-             "runner still sends the input gradient before computing the weight gradient, so "
-             "gpipe and 1f1b can beat the simulations, which wait for the whole backward. "
-             f"Trace of the last 1f1b step: bench/{TRACE.name}."]
+        rows.append(f"| {label} | {name}{f' (v={v})' if v > 1 else ''} | {published:.4f} | "
+                    f"{as_run:.4f} | {r['bubble']:.4f} | {(r['bubble'] - as_run) / as_run:+.1%} "
+                    f"| {per_action * 1e3:+.2f} | {fbw} |")
+    return rows
+
+
+HEADER = ["| model | schedule | formula (published) | formula (as run) | runner.bubble() "
+          "| vs as run | idle added per action (ms) | F / B / W per stage (ms) |",
+          "|---|---|---:|---:|---:|---:|---:|---|"]
+
+
+def bubble_tables(a) -> str:
+    rows = [f"bubble: p={P}, m={M}, {P} gloo processes, 1 thread each; medians of {a.repeats} "
+            f"steps after 2 warm-up", "", *HEADER]
+    for ms in (10, 100):
+        size = dict(ms=ms, hidden=16, rows=64)
+        res = shardfx.launch(bubbles, "timed", size, a.repeats, ms == 100, nprocs=P,
+                             timeout=300, deadline=1200)[0]
+        rows += bubble_rows(res, f"timed, {ms} ms per F, B, W")
+    size = dict(layers=a.layers, hidden=a.hidden, rows=a.rows)
+    res = shardfx.launch(bubbles, "matmul", size, a.repeats, False, nprocs=P, timeout=300,
+                         deadline=1200)[0]
+    rows += bubble_rows(res, f"Scale + {a.layers} x (Linear({a.hidden}, {a.hidden}) + ReLU), "
+                             f"batch {a.rows}")
+    rows += ["", "formula (published): `formula_bubble(name, p, m, v)`; (as run): with "
+             "`send_early=True`, the runner sending a B's input gradient before its weight "
+             "gradient (2/3 of the published bubble at F = W = B/2; zero-bubble runs W apart "
+             "and is unchanged). runner.bubble(): idle (waiting for data included) over compute, "
+             "summed over ranks. idle added per action: (measured - as run) x compute / "
+             "(ranks x actions per rank). F / B / W: median compute time of each stage's "
+             "actions (B: the whole backward unless there is W). timed: `bench/timed.py`, "
+             "each action sleeps its time exactly; interleaved's actions are half as long "
+             f"(two virtual stages per rank). Trace of the last 1f1b step at 100 ms: "
+             f"bench/{TRACE.name}."]
     return "\n".join(rows)
 
 
@@ -227,16 +244,16 @@ def race_table(a) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=8, help="blocks, a multiple of 2 p")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--rows", type=int, default=1024, help="global batch rows")
-    parser.add_argument("--repeats", type=int, default=8, help="measured steps per schedule")
+    parser.add_argument("--layers", type=int, default=16, help="blocks, a multiple of 2 p")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=2048, help="global batch rows")
+    parser.add_argument("--repeats", type=int, default=5, help="measured steps per schedule")
     parser.add_argument("--warmup", type=int, default=2, help="step race: untimed steps")
     parser.add_argument("--steps", type=int, default=12, help="step race: timed steps")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
 
-    table = "\n\n".join([bubble_table(a), race_table(a)])
+    table = "\n\n".join([bubble_tables(a), race_table(a)])
     print(table)
     if not a.no_append:
         append_results("pipeline", table, machine())
