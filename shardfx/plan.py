@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, summarize
@@ -15,14 +17,14 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import Captured, canonical_names, capture
+from shardfx.partitioner.capture import Captured, canonical_names, capture, microbatch
 from shardfx.passes.manager import Options
-from shardfx.passes.stage_cut import stage_report
+from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.pipeline import compile_ir
 from shardfx.report import render
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
-from shardfx.schedule import GENERATORS, Schedule, check, generate
+from shardfx.schedule import GENERATORS, Schedule, check, forward_only, generate
 
 
 class Plan:
@@ -36,17 +38,19 @@ class Plan:
         self.ir, program, self.history, self.collectives = compile_ir(captured.gm, options)
         self.program: Program | None = program
         self.stage_program = self.schedule = None
+        self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
         if options.stages > 1:  # per-stage parts, run in the order of a schedule
             self.program, self.stage_program = None, program
-            self.schedule = pipeline_schedule(options.schedule, self.mesh.axis("pp"),
-                                              options.microbatches, options.virtual_stages,
-                                              _in_flight_budget(self.ir, options.memory_budget))
-        self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
+            pp, m, v = self.mesh.axis("pp"), options.microbatches, options.virtual_stages
+            self.schedule = forward_only(pp, m, v) if self.mode is M.Mode.INFER else \
+                pipeline_schedule(options.schedule, pp, m, v,
+                                  _in_flight_budget(self.ir, options.memory_budget))
         if options.memory_budget is not None and self.stage_program is None:
             self._check_budget(options.memory_budget)
         self.state_names = tuple(model.state_dict().keys())
         self._canonical = canonical_names(model)
         self._inference: tuple[Program, pytree.TreeSpec] | None = None
+        self._inference_stages: tuple | None = None
         if self.mode is M.Mode.INFER:
             self._inference = (self.program, captured.out_spec)
 
@@ -65,6 +69,23 @@ class Plan:
             _, program, _, _ = compile_ir(captured.gm, self.options)
             self._inference = (program, captured.out_spec)
         return self._inference
+
+    def inference_stages(self) -> tuple[fx.GraphModule, tuple[M.OutputRole, ...], pytree.TreeSpec]:
+        """A pipeline plan's forward-only per-stage program, its output roles and the model
+        output's structure. For a training plan it is captured on first use and cut where the
+        training plan keeps each weight (``Options.follow_stages``), so every rank runs it on
+        the parameters it trains."""
+        if self._inference_stages is None:
+            if self.mode is M.Mode.INFER:
+                split, ir, spec = self.stage_program, self.ir, self._captured.out_spec
+            else:
+                slices = self.options.microbatches * self.mesh.axis("dp")
+                captured = capture(self.model, microbatch(self._example_args, (), slices)[0])
+                options = dataclasses.replace(self.options, follow_stages=weight_stages(self.ir))
+                ir, split, _, _ = compile_ir(captured.gm, options)
+                spec = captured.out_spec
+            self._inference_stages = (split, ir.graph.output_node().meta[M.OUTPUTS], spec)
+        return self._inference_stages
 
     def check_inputs(self, args: Any, targets: Any, inference: bool = False) -> list[torch.Tensor]:
         """Flatten a step's inputs, checking them against what the plan was captured with."""

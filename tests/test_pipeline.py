@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import shardfx
 from shardfx.errors import InputError
@@ -103,13 +104,78 @@ def test_interleaved_virtual_stages_and_the_trace(tmp_path):
 
 
 def train_dp_pp():
-    return compare_training(build("llama"), batches(3, batch=8), lm_loss,
-                            mesh={"dp": 2, "pp": 2}, microbatches=2, schedule="1f1b").max()
+    report = compare_training(build("llama"), batches(3, batch=8), lm_loss,
+                              mesh={"dp": 2, "pp": 2}, microbatches=2, schedule="1f1b")
+    return report.max(), forward_after_training("llama", {"dp": 2, "pp": 2}, batch=8,
+                                                microbatches=2)
 
 
 def test_data_parallel_pipelines():
-    """dp=2 x pp=2: two replicas of a 2-stage pipeline, gradients averaged across them."""
-    assert max(shardfx.launch(train_dp_pp, nprocs=4, timeout=120, deadline=600)) < 1e-5
+    """dp=2 x pp=2: two replicas of a 2-stage pipeline, gradients averaged across them; then
+    inference, each replica its rows, joined on every rank."""
+    for err, forward_err in shardfx.launch(train_dp_pp, nprocs=4, timeout=120, deadline=600):
+        assert err < 1e-5 and forward_err < 1e-5
+
+
+def forward_after_training(name: str, mesh: dict, batch: int = 4, layers: int = 2,
+                           **kwargs) -> float:
+    """Two AdamW steps through a pipeline plan, then ``runner.forward`` on a third batch
+    against the eager model holding ``runner.state_dict()``: relative error of the logits."""
+    import copy
+
+    import torch
+    from shardfx.testing import rel_error
+
+    data = batches(3, batch)
+    (x,), (y,) = data[0]
+    model = tiny(name, layers)
+    plan = shardfx.partition(copy.deepcopy(model), (x,), lm_loss, (y,), mesh=mesh, **kwargs)
+    runner = plan.runner(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    for args, targets in data[:2]:
+        runner.step(args, targets)
+    got = runner.forward(data[2][0])
+    model.load_state_dict(runner.state_dict())
+    with torch.no_grad():
+        want = model(*data[2][0], use_cache=False)
+    return rel_error(got["logits"], want.logits)
+
+
+def infer():
+    """An inference plan cut into 2 stages, and the forward of trained 1F1B and interleaved
+    training plans (GPT-2's tied embedding read by the first and the last stage)."""
+    from shardfx.testing import compare_inference
+
+    (x,), _ = batches(1)[0]
+    return [compare_inference(build("llama"), (x,), mesh={"pp": 2}, microbatches=2),
+            forward_after_training("gpt2", {"pp": 2}, microbatches=2),
+            forward_after_training("llama", {"pp": 2}, layers=4, microbatches=2,
+                                   schedule="interleaved-1f1b")]
+
+
+class WithMean(torch.nn.Module):
+    """Two linear stages; returns the output and its mean (not batch-first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.b(shardfx.pipe_split(self.a(x)))
+        return y, y.mean()
+
+
+def infer_not_batch_first():
+    plan = shardfx.partition(WithMean(), (torch.randn(4, 8),), mesh={"pp": 2}, microbatches=2)
+    with pytest.raises(shardfx.ShardfxError) as info:
+        plan.runner().forward((torch.randn(4, 8),))
+    return str(info.value)
+
+
+def test_inference_through_pipelines():
+    for errors in shardfx.launch(infer, nprocs=2, timeout=120, deadline=600):
+        assert max(errors) < 1e-5, errors
+    message = shardfx.launch(infer_not_batch_first, nprocs=2, timeout=60)[0]
+    assert "out[1]" in message and "not batch-first" in message
 
 
 def test_own_schedule_that_deadlocks_is_rejected_before_launch():
@@ -128,14 +194,17 @@ def test_own_schedule_that_deadlocks_is_rejected_before_launch():
 
 
 def train_pp_tp():
-    return compare_training(tiny("gpt2"), token_batches(3), lm_loss, mesh={"pp": 2, "tp": 2},
-                            microbatches=2, schedule="1f1b", shard="megatron").max()
+    report = compare_training(tiny("gpt2"), token_batches(3), lm_loss, mesh={"pp": 2, "tp": 2},
+                              microbatches=2, schedule="1f1b", shard="megatron")
+    return report.max(), forward_after_training("gpt2", {"pp": 2, "tp": 2}, microbatches=2,
+                                                shard="megatron")
 
 
 def test_tensor_parallel_stages_with_tied_weights():
     """pp=2 x tp=2 GPT-2: each stage's program is tensor parallel, and the tied embedding's
-    shards travel between the first and the last stage."""
-    assert max(shardfx.launch(train_pp_tp, nprocs=4, timeout=120, deadline=600)) < 1e-5
+    shards travel between the first and the last stage; inference runs on the trained shards."""
+    for err, forward_err in shardfx.launch(train_pp_tp, nprocs=4, timeout=120, deadline=600):
+        assert err < 1e-5 and forward_err < 1e-5
 
 
 def test_memory_budget_bounds_the_schedule():

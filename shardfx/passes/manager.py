@@ -39,6 +39,7 @@ class Options:
 
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules)
     memory_budget: int | None = None  # bytes per device
+    follow_stages: dict[str, tuple[int, ...]] | None = None  # weight FQN -> stages (stage_cut)
 
     @property
     def stages(self) -> int:

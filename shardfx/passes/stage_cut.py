@@ -9,6 +9,10 @@ Ensures:  STAGE (0 .. stages-1) on every op and on every placeholder an op reads
           differentiates, or earlier when it reads a gradient made in an earlier stage: in the
           backward, values flow from later stages to earlier ones only.
 
+With ``options.follow_stages`` (weight FQN -> the stages that read it in another plan, as an
+inference graph follows its training plan) nothing is cut: each op goes to the first stage that
+holds its weights and comes after its inputs (``_follow``).
+
 Where the cuts go:
   - with ``shardfx.pipe_split(x)`` markers in the model, right after each marker: there must be
     exactly ``stages - 1`` of them;
@@ -40,6 +44,9 @@ CANDIDATE_SLACK = 1.5  # a cut may carry up to this many times the cheapest cut'
 def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
     stages = options.stages
     forward = [n for n in op_nodes(gm.graph) if n.meta[M.PHASE] is M.Phase.FORWARD]
+    if options.follow_stages is not None:  # another plan's cut, by where its weights live
+        _follow(gm, forward, options.follow_stages)
+        return gm
     if stages <= 1:
         cuts: list[int] = []
     elif markers := [i for i, n in enumerate(forward) if n.target is PIPE_SPLIT]:
@@ -69,6 +76,55 @@ def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
         if used:
             node.meta[M.STAGE] = min(used)
     return gm
+
+
+def _follow(gm: fx.GraphModule, forward: list[fx.Node], readers: dict[str, tuple[int, ...]]):
+    """Stages that keep every parameter and buffer where another plan of the same model (its
+    training plan) reads it: each op runs in the first stage, not before its inputs' stages,
+    that holds the weights it reads; an op of weights alone (``t(W)``, a cast) runs where its
+    first reader does. The forward of a model is the same dataflow in both graphs, so no op
+    lands where its weights are not."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    held = {n: set(readers[n.meta[M.ROLE].name]) for n in placeholders
+            if n.meta[M.ROLE].kind in (M.InputKind.PARAM, M.InputKind.BUFFER)
+            and n.meta[M.ROLE].name in readers}
+    for node in forward:
+        inputs = node.all_input_nodes
+        weights = [held[a] for a in inputs if a in held]
+        allowed = set.intersection(*weights) if weights else None
+        if inputs and len(weights) == len(inputs):
+            held[node] = allowed  # weights alone: placed below, by its readers
+            continue
+        lo = max((a.meta[M.STAGE] for a in inputs if a.op != "placeholder" and a not in held),
+                 default=0)
+        fits = [lo] if allowed is None else sorted(s for s in allowed if s >= lo)
+        if not fits:
+            raise PipelineError(
+                f"{node.name} reads weights held by stages {sorted(allowed)} but its inputs are "
+                f"made in stage {lo}", where=node.name,
+                fix="plan inference on its own: shardfx.partition(model, args, mesh=...) "
+                    "without loss_fn")
+        node.meta[M.STAGE] = fits[0]
+    for node in reversed(forward):
+        if M.STAGE not in node.meta:
+            used = [u.meta[M.STAGE] for u in node.users if M.STAGE in u.meta]
+            node.meta[M.STAGE] = min(used) if used else min(held[node])
+    for node in placeholders:
+        used = [u.meta[M.STAGE] for u in node.users if M.STAGE in u.meta]
+        if used:
+            node.meta[M.STAGE] = min(used)
+
+
+def weight_stages(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """Parameter and buffer FQN -> the stages whose forward reads it (``follow_stages``)."""
+    out = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        role = node.meta[M.ROLE]
+        if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
+            stages = {u.meta[M.STAGE] for u in node.users
+                      if u.meta.get(M.PHASE) is M.Phase.FORWARD and M.STAGE in u.meta}
+            out[role.name] = tuple(sorted(stages))
+    return out
 
 
 def _backward_stages(gm: fx.GraphModule, forward: list[fx.Node]) -> None:

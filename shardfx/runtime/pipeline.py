@@ -33,20 +33,18 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-
-from shardfx.runtime.mesh import coordinate, device_mesh
-from shardfx.runtime.shards import Shards
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
-from shardfx.errors import PipelineError
+from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
-from shardfx.schedule import Kind
+from shardfx.runtime.compiled import StageProgram, Step
+from shardfx.runtime.mesh import coordinate, device_mesh
+from shardfx.runtime.shards import Shards
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan
@@ -65,77 +63,88 @@ class PipelineRunner:
         self._tp = Shards(inner, mesh["tp"]) if inner.size > 1 else None
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
-        split: fx.GraphModule = plan.stage_program
-        self._parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
-        self._module = split
-        self._stage_of = {name: int(name[5:].split("_")[0]) for name in self._parts}
-        inputs = split.graph.find_nodes(op="placeholder")
-        self._roles = {n.name: n.meta[M.ROLE] for n in inputs}
-        self._placements = {n.name: n.meta.get(M.ANNOTATION, ()) for n in inputs}
-        self._vals = {n.name: n.meta[M.VAL] for n in plan.ir.graph.nodes if M.VAL in n.meta}
-        self._vals |= {n.name: n.meta[M.VAL] for n in inputs}
-        out = split.graph.output_node()
-        self._finals = defaultdict(list)  # (part, index) -> output roles it provides
-        for value, role in zip(out.args[0], plan.ir.graph.output_node().meta[M.OUTPUTS]):
-            self._finals[_source(value)].append(role)
-        mine = [p for p in self._parts if self._rank_of(p) == self.rank]
-        reads = {a.name for p in mine for a in self._parts[p].args if a.op == "placeholder"}
+        self._program = self._stage_program(plan.stage_program, plan.ir)
+        self._steps = self._program.steps(self.rank)
         model = plan.model
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        self._params = {name: self._local(name, params[r.name]) for name, r in self._roles.items()
-                        if name in reads and r.kind is M.InputKind.PARAM}
-        self._buffers = {name: buffers[r.name] for name, r in self._roles.items()
-                         if name in reads and r.kind is M.InputKind.BUFFER}
-        self._owned = {r.name for (p, _), roles in self._finals.items() if self._rank_of(p) ==
-                       self.rank for r in roles if r.kind is M.OutputKind.GRAD}
-        owned = [p for name, p in self._params.items() if self._roles[name].name in self._owned]
+        reads = self._program.reads(self.rank).values()
+        # this rank's weights, by FQN: its tp shards, or the model's own tensors
+        self._params = {r.name: self._local(r.name, params[r.name]) for r in reads
+                        if r.kind is M.InputKind.PARAM}
+        self._buffers = {r.name: buffers[r.name] for r in reads if r.kind is M.InputKind.BUFFER}
+        self._owned = {fqn for fqn in self._params
+                       if self._program.producer(M.OutputKind.GRAD, fqn) == self.rank}
+        owned = [self._params[fqn] for fqn in sorted(self._owned)]
         self.optimizer = optimizer(owned) if optimizer and owned else None
         self._tied = self._tied_parameters()
-        self._order = {name: i for i, name in enumerate(self._parts)}
-        self._steps = self._compile()
+        self._grads: dict[str, torch.Tensor] = {}
+        self._spans: list[tuple[str, float, float]] = []
+        self._held: list[int] = []
+        self._forward: tuple | None = None  # the inference program, compiled on first use
 
-    def _local(self, name: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
+    def _stage_program(self, split, ir) -> StageProgram:
+        vals = {n.name: n.meta[M.VAL] for n in ir.graph.nodes if M.VAL in n.meta}
+        return StageProgram(split, ir.graph.output_node().meta[M.OUTPUTS], self.schedule,
+                            self._ranks, vals)
+
+    def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """This rank's tp shard of a parameter, or the model's own when the stage is whole."""
-        placements = self._placements.get(name, ())
+        placements = self._program.placements.get(fqn, ())
         if self._tp is None or not any(isinstance(p, Shard) for p in placements):
             return param
         local = self._tp.local(param.detach(), placements).clone()
         return torch.nn.Parameter(local, requires_grad=param.requires_grad)
 
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+    def _full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""
-        return local if self._tp is None else self._tp.full(local, self._placements.get(name, ()))
-
-    def _rank_of(self, part: str) -> int:
-        return self.schedule.rank_of(self._stage_of[part])
-
-    def forward(self, args: tuple):
-        raise PipelineError("inference through a pipeline plan does not run yet",
-                            where="runner.forward", fix="plan the model without pp for "
-                            "inference: shardfx.partition(model, args, mesh={'tp': ...})")
+        if self._tp is None:
+            return local
+        return self._tp.full(local, self._program.placements.get(fqn, ()))
 
     # --- a training step -------------------------------------------------------------------
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
+        if self._plan.mode is not M.Mode.TRAIN:
+            raise InputError("this plan was built for inference (no loss_fn)",
+                             where="runner.step", fix="call partition(..., loss_fn=...) to "
+                             "train, or use runner.forward(args)")
         flat = self._plan.check_inputs(args, targets)
+        self._grads = {}
+        weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
+        loss = self._execute(self._program, self._steps, flat, weights)
+        if self._dp is not None:  # replicas average their gradients, as DDP does
+            for g in self._grads.values():
+                dist.all_reduce(g, group=self._dp)
+                g /= self._dp_size
+        for fqn, p in self._params.items():
+            p.grad = self._grads.get(fqn) if fqn in self._owned else None
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self._share_tied()
+        return self._broadcast_loss(loss)
+
+    def _execute(self, program: StageProgram, steps: list[Step], flat: list,
+                 weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run this rank's steps once: every receive posted first (see the module docstring),
+        then each action's parts, its span timed once its inputs are here."""
         self._store: dict[tuple, Any] = {}  # (part, output, microbatch) -> value on this rank
         self._pending: dict[tuple, tuple] = {}  # posted receives: key -> (work, buffer)
         self._sends: list = []
-        self._grads: dict[str, torch.Tensor] = {}
-        self._spans: list[tuple[str, float, float]] = []  # (action, start, end) for the trace
-        self._held: list[int] = []
+        self._outputs: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
+        self._spans, self._held = [], []
         loss = torch.zeros(())
-        steps = self._steps
-        for step in steps:  # every receive of the step, before any compute (see the docstring)
-            self._post(step)
         for step in steps:
-            for key in step.receives:  # other ranks' data first: the span is compute only
-                work, buf = self._pending.pop(key)
+            for r in step.receives:
+                buf = torch.empty(r.shape, dtype=r.dtype)
+                self._pending[r.key] = (dist.irecv(buf, r.src, tag=r.tag), buf)
+        for step in steps:
+            for r in step.receives:  # other ranks' data first: the span is compute only
+                work, buf = self._pending.pop(r.key)
                 work.wait()
-                self._store[key] = buf
+                self._store[r.key] = buf
             start = time.perf_counter()
             for call in step.calls:
-                loss += self._run(call, step.action.microbatch, flat)
+                loss += self._run(program, call, step.action.microbatch, flat, weights)
             self._spans.append((step.name, start, time.perf_counter()))
             for key in step.frees:  # its last reader on this rank ran: let it go
                 del self._store[key]
@@ -143,77 +152,11 @@ class PipelineRunner:
             self._sends = [w for w in self._sends if not w.is_completed()]
         for work in self._sends:
             work.wait()
-        if self._dp is not None:  # replicas average their gradients, as DDP does
-            for g in self._grads.values():
-                dist.all_reduce(g, group=self._dp)
-                g /= self._dp_size
-        for name, p in self._params.items():
-            fqn = self._roles[name].name
-            p.grad = self._grads.get(fqn) if fqn in self._owned else None
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self._share_tied()
-        return self._broadcast_loss(loss)
+        return loss
 
-    def _parts_of(self, action) -> list[str]:
-        parts = [f"stage{action.stage}_{action.kind.value}"]
-        if action.kind is Kind.B and not self.schedule.split_backward:
-            parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
-        return [p for p in parts if p in self._parts]
-
-    def _compile(self) -> list["_Step"]:
-        """This rank's actions with everything the step loop needs worked out once: each part's
-        input sources and output destinations, the values to receive (each once, posted for the
-        first action that reads it) and the values to drop after their last reader."""
-        self._calls = {name: self._compile_part(name) for name in self._parts}
-        steps, first, last = [], {}, {}
-        for i, action in enumerate(self.schedule.actions[self.rank]):
-            calls = [self._calls[p] for p in self._parts_of(action)]
-            steps.append(_Step(action, str(action), calls))
-            for call in calls:
-                for source in call.inputs:
-                    if source[0] == "value":
-                        key = (*source[1:], action.microbatch)
-                        first.setdefault(key, i)
-                        last[key] = i
-        for key, i in first.items():
-            if self._rank_of(key[0]) != self.rank:
-                steps[i].receives.append(key)
-        for key, i in last.items():
-            steps[i].frees.append(key)
-        return steps
-
-    def _compile_part(self, part: str) -> "_Call":
-        call = self._parts[part]
-        inputs = []
-        for arg in call.args:
-            if arg.op == "placeholder":
-                role = self._roles[arg.name]
-                inputs.append(("input", arg.name, role))
-            else:
-                inputs.append(("value", *_source(arg)))
-        outputs = []
-        consumers = _consumers(call)
-        for index in sorted(set(consumers) | {i for (p, i) in self._finals if p == part},
-                            key=lambda i: -1 if i is None else i):
-            ranks = sorted({self._rank_of(c) for c in consumers.get(index, ())})
-            outputs.append(_Output(index, tuple(self._finals.get((part, index), ())),
-                                   self.rank in ranks,
-                                   [(self._ranks[r], self._tag(part, index)) for r in ranks
-                                    if r != self.rank]))
-        return _Call(part, getattr(self._module, part), inputs, outputs)
-
-    def _post(self, step: "_Step") -> None:
-        for key in step.receives:
-            part, index, mb = key
-            val = self._out_val(part, index)
-            buf = torch.empty(val.shape, dtype=val.dtype)
-            work = dist.irecv(buf, self._ranks[self._rank_of(part)],
-                              tag=self._tag(part, index) + mb)
-            self._pending[key] = (work, buf)
-
-    def _run(self, call: "_Call", mb: int, flat: list) -> torch.Tensor:
-        inputs = [self._input(source, mb, flat) for source in call.inputs]
+    def _run(self, program: StageProgram, call, mb: int, flat: list,
+             weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = [self._input(program, src, mb, flat, weights) for src in call.inputs]
         with torch.no_grad():
             out = call.module(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
@@ -230,7 +173,9 @@ class PipelineRunner:
                 elif role.kind is M.OutputKind.LOSS:
                     loss = value.detach() / self.m
                 elif role.kind is M.OutputKind.BUFFER_UPDATE:
-                    self._buffer(role.name).copy_(value)
+                    self._buffers[role.name].copy_(value)
+                elif role.kind is M.OutputKind.OUTPUT:
+                    self._outputs[role.index][mb] = value
             if o.local:
                 self._store[(call.part, o.index, mb)] = value
             if o.sends:
@@ -239,54 +184,108 @@ class PipelineRunner:
                     self._sends.append(dist.isend(value, dst, tag=tag + mb))
         return loss
 
-    def _input(self, source: tuple, mb: int, flat: list):
-        if source[0] == "value":
-            return self._store[(source[1], source[2], mb)]
-        _, name, role = source
-        if role.kind is M.InputKind.PARAM:
-            return self._params[name].detach()
-        if role.kind is M.InputKind.BUFFER:
-            return self._buffers[name]
+    def _input(self, program: StageProgram, src: tuple, mb: int, flat: list,
+               weights: dict[str, torch.Tensor]):
+        if src[0] == "value":
+            return self._store[(src[1], src[2], mb)]
+        _, name, role = src
+        if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
+            return weights[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
-            return torch.full((), 1.0 / self.m, dtype=self._vals[name].dtype)
+            return torch.full((), 1.0 / self.m, dtype=program.input_val(name).dtype)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
         return mine.chunk(self.m)[mb]
 
-    def _out_val(self, part: str, index: int | None):
-        """The fake value (shape, dtype) of a part's output, to receive it into."""
-        out = getattr(self._module, part).graph.output_node().args[0]
-        node = out[index] if index is not None else out
-        return node.meta.get(M.VAL, self._vals.get(node.name))
+    # --- inference --------------------------------------------------------------------------
 
-    def _tag(self, part: str, index: int | None) -> int:
-        """The tag of a part's output, plus the microbatch: unique within a step."""
-        return (self._order[part] * 4096 + (index or 0)) * 1024
+    def forward(self, args: tuple) -> Any:
+        """The model's output for the global batch ``args``, on every rank: each microbatch
+        through the stages' forward programs (a training plan's forward-only program, cut
+        where the training plan keeps each weight), the outputs joined along the batch."""
+        flat = self._plan.check_inputs(args, (), inference=True)
+        if self._forward is None:
+            self._forward = self._compile_forward()
+        program, steps, spec, outputs = self._forward
+        self._execute(program, steps, flat, self._inference_weights(program))
+        rows = flat[0].shape[0] // (self._dp_size * self.m) if flat else 0
+        leaves = []
+        for role, (part, index) in outputs:
+            owner = program.rank_of(part)
+            val = program.out_val(part, index)
+            if val.dim() == 0 or val.shape[0] != rows:
+                raise PipelineError(
+                    f"model output {role.name} is {list(val.shape)} per microbatch, not batch-first "
+                    f"({rows} rows): its microbatches cannot be joined", where="runner.forward",
+                    fix="return batch-first tensors from the model, or plan inference without pp")
+            shape = (val.shape[0] * self.m, *val.shape[1:])
+            if self.rank == owner:
+                mine = torch.cat([self._outputs[role.index][mb] for mb in range(self.m)])
+            else:
+                mine = torch.empty(shape, dtype=val.dtype)
+            dist.broadcast(mine, src=self._ranks[owner], group=self._pp)
+            if self._dp is not None:  # every replica's rows, in order
+                parts = [torch.empty_like(mine) for _ in range(self._dp_size)]
+                dist.all_gather(parts, mine.contiguous(), group=self._dp)
+                mine = torch.cat(parts)
+            leaves.append(mine)
+        return pytree.tree_unflatten(leaves, spec)
 
-    def _buffer(self, fqn: str) -> torch.Tensor:
-        return next(b for n, b in self._buffers.items() if self._roles[n].name == fqn)
+    def _compile_forward(self) -> tuple:
+        split, roles, spec = self._plan.inference_stages()
+        if split is self._plan.stage_program:  # an inference plan: its program is the one
+            program, steps = self._program, self._steps
+        else:
+            from shardfx.schedule import forward_only
+            schedule = forward_only(self.schedule.ranks, self.m,
+                                    self.schedule.stages // self.schedule.ranks)
+            vals = {n.name: n.meta[M.VAL] for n in split.graph.nodes if M.VAL in n.meta}
+            program = StageProgram(split, roles, schedule, self._ranks, vals)
+            steps = program.steps(self.rank)
+        outputs = sorted(((r, key) for key, rs in program.finals.items() for r in rs
+                          if r.kind is M.OutputKind.OUTPUT), key=lambda x: x[0].index)
+        return program, steps, spec, outputs
+
+    def _inference_weights(self, program: StageProgram) -> dict[str, torch.Tensor]:
+        """The weights the forward program reads on this rank: the trained ones, resharded over
+        tp where the forward program places them differently."""
+        out = {}
+        for role in program.reads(self.rank).values():
+            fqn = role.name
+            if role.kind is M.InputKind.BUFFER:
+                out[fqn] = self._buffers.get(fqn, dict(self._plan.model.named_buffers())[fqn])
+            elif role.kind is M.InputKind.PARAM:
+                if fqn not in self._params:
+                    raise PipelineError(
+                        f"the forward program reads {fqn} on pipeline rank {self.rank}, which "
+                        "does not train it", where="runner.forward",
+                        fix="plan inference on its own: shardfx.partition(model, args, mesh=...)")
+                local = self._params[fqn].detach()
+                want = program.placements.get(fqn, ())
+                if self._tp is not None and want != self._program.placements.get(fqn, ()):
+                    local = self._tp.local(self._full(fqn, local), want)
+                out[fqn] = local
+        return out
+
+    # --- weights read by several stages, the loss -----------------------------------------------
 
     def _tied_parameters(self) -> list[tuple[str, int, list[int]]]:
-        """(placeholder, owning pipeline rank, reading ranks) of each parameter several ranks
-        read; worked out once, used after every step."""
+        """(FQN, owning pipeline rank, reading ranks) of each parameter several ranks read;
+        worked out once, used after every step."""
         out = []
-        for name, role in sorted(self._roles.items()):
-            if role.kind is not M.InputKind.PARAM:
-                continue
-            readers = sorted({self._rank_of(p) for p, c in self._parts.items()
-                              if any(a.name == name for a in c.args)})
-            owner = next((self._rank_of(p) for (p, _), rs in self._finals.items()
-                          if any(r.kind is M.OutputKind.GRAD and r.name == role.name for r in rs)),
-                         None)
+        for fqn in sorted({r.name for r in self._program.roles.values()
+                           if r.kind is M.InputKind.PARAM}):
+            readers = self._program.readers(fqn)
+            owner = self._program.producer(M.OutputKind.GRAD, fqn)
             if owner is not None and len(readers) > 1:
-                out.append((name, owner, readers))
+                out.append((fqn, owner, readers))
         return out
 
     def _share_tied(self) -> None:
         """A parameter several stages read is updated by its owner, then sent to the others."""
-        for name, owner, readers in self._tied:
-            p = self._params.get(name)
+        for fqn, owner, readers in self._tied:
+            p = self._params.get(fqn)
             for r in readers:
                 if r != owner and self.rank == owner:
                     dist.send(p.detach().contiguous(), self._ranks[r], tag=1 << 30)
@@ -344,8 +343,7 @@ class PipelineRunner:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's full gradients, on every rank (each sent by its owner)."""
-        names = {r.name: n for n, r in self._roles.items()}
-        return self._gather({fqn: self._full(names[fqn], g) for fqn, g in self._grads.items()
+        return self._gather({fqn: self._full(fqn, g) for fqn, g in self._grads.items()
                              if fqn in self._owned}, self._grad_shapes())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -353,20 +351,19 @@ class PipelineRunner:
         updates the model's own tensors in place, so a rank's copy of what it owns is current.)"""
         model = self._plan.model
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-        tensors |= {self._roles[n].name: self._full(n, p) for n, p in self._params.items()}
-        mine = {fqn: t for fqn, t in tensors.items() if self._roles_owner(fqn) == self.rank}
+        tensors |= {fqn: self._full(fqn, p) for fqn, p in self._params.items()}
+        mine = {fqn: t for fqn, t in tensors.items() if self._holder(fqn) == self.rank}
         full = self._gather(mine, self._state_shapes())
         return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
 
-    def _roles_owner(self, fqn: str) -> int:
-        """The rank that holds ``fqn`` for state_dict: its gradient's owner, else its reader."""
-        for (part, _), roles in self._finals.items():
-            if any(r.name == fqn and r.kind in (M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE)
-                   for r in roles):
-                return self._rank_of(part)
-        name = next((n for n, r in self._roles.items() if r.name == fqn), None)
-        return min((self._rank_of(p) for p, c in self._parts.items()
-                    if any(a.name == name for a in c.args)), default=0)
+    def _holder(self, fqn: str) -> int:
+        """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or
+        its buffer update), else the first that reads it."""
+        for kind in (M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE):
+            rank = self._program.producer(kind, fqn)
+            if rank is not None:
+                return rank
+        return min(self._program.readers(fqn), default=0)
 
     def _state_shapes(self) -> dict[str, torch.Tensor]:
         model = self._plan.model
@@ -374,66 +371,16 @@ class PipelineRunner:
 
     def _grad_shapes(self) -> dict[str, torch.Tensor]:
         model = dict(self._plan.model.named_parameters())
-        return {r.name: model[r.name] for n, r in self._roles.items()
-                if r.kind is M.InputKind.PARAM and any(
-                    x.kind is M.OutputKind.GRAD and x.name == r.name
-                    for rs in self._finals.values() for x in rs)}
+        return {fqn: t for fqn, t in model.items()
+                if self._program.producer(M.OutputKind.GRAD, fqn) is not None}
 
     def _gather(self, mine: dict, shapes: dict) -> dict[str, torch.Tensor]:
         out = {}
         for fqn in sorted(shapes):
-            owner = self._roles_owner(fqn)
+            owner = self._holder(fqn)
             val = shapes[fqn]
             t = mine[fqn].detach().clone() if self.rank == owner and mine.get(fqn) is not None \
                 else torch.empty(val.shape, dtype=val.dtype)
             dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
         return out
-
-
-@dataclass
-class _Output:
-    index: int | None  # which output of the part; None: its only one
-    roles: tuple  # the program outputs it is (a gradient, the loss, a buffer update)
-    local: bool  # read by a later part on this rank
-    sends: list[tuple[int, int]]  # (global rank, tag without the microbatch) to send it to
-
-
-@dataclass
-class _Call:
-    part: str
-    module: Any
-    inputs: list[tuple]  # ("input", placeholder, role) or ("value", part, output index)
-    outputs: list[_Output]
-
-
-@dataclass
-class _Step:
-    """One action of this rank, compiled: its parts, the values it waits for first (their
-    first reader on this rank) and those it drops after (their last)."""
-
-    action: Any
-    name: str
-    calls: list[_Call]
-    receives: list[tuple] = field(default_factory=list)
-    frees: list[tuple] = field(default_factory=list)
-
-
-def _source(value: fx.Node) -> tuple[str, int | None]:
-    """(part, output index) a value of the split graph comes from; index None: a part's only
-    output."""
-    if value.op == "call_module":
-        return value.target, None
-    src, index = value.args
-    return src.target, index
-
-
-def _consumers(call: fx.Node) -> dict[int | None, list[str]]:
-    """Output index -> the parts that read it."""
-    out: dict[int | None, list[str]] = defaultdict(list)
-    for user in call.users:
-        if user.op == "call_function":  # getitem(call, i)
-            out[user.args[1]] += [u.target for u in user.users if u.op == "call_module"]
-        elif user.op == "call_module":
-            out[None].append(user.target)
-    return out

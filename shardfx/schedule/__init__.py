@@ -11,12 +11,12 @@ static check that simulates them before launch.
 from shardfx.schedule.actions import Action, Kind, Schedule, ScheduleError, with_communication
 from shardfx.schedule.check import (Costs, Span, Timeline, bubble_fraction, check, grid,
                                     in_flight, peak_in_flight, simulate)
-from shardfx.schedule.generate import (GENERATORS, formula_bubble, generate, gpipe,
-                                       interleaved_1f1b, one_f_one_b, zb_h1)
+from shardfx.schedule.generate import (GENERATORS, formula_bubble, forward_only, generate,
+                                       gpipe, interleaved_1f1b, one_f_one_b, zb_h1)
 
 __all__ = [
     "Action", "Kind", "Schedule", "ScheduleError", "with_communication",
     "Costs", "Span", "Timeline", "bubble_fraction", "check", "grid", "in_flight",
     "peak_in_flight", "simulate",
-    "GENERATORS", "formula_bubble", "generate", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1",
+    "GENERATORS", "formula_bubble", "forward_only", "generate", "gpipe", "interleaved_1f1b", "one_f_one_b", "zb_h1",
 ]

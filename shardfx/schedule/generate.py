@@ -89,6 +89,14 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule(per_rank, p, m)
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Inference: every rank runs its stages' forwards, microbatch by microbatch (stage s on rank
+    s % p). Each list follows one global order (microbatch, then stage), so none deadlocks."""
+    _check_sizes("forward_only", p, m, v)
+    return Schedule([[Action(s, Kind.F, i) for i in range(m) for s in range(r, p * v, p)]
+                     for r in range(p)], p * v, m)
+
+
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zero-bubble": zb_h1,
 }

@@ -1,0 +1,174 @@
+"""A pipeline plan's split program, compiled for one rank: the steps the runner's loop takes.
+
+``codegen.stages`` splits the program into parts named ``stage{s}_{F|B|W}``; a schedule orders
+actions per rank. `StageProgram.steps` turns this rank's action list into `Step` records:
+each action's parts with where every input comes from (a weight, a batch slice, a value an
+earlier part on this rank left, a value another rank sends) and where every output goes (a
+gradient, the loss, a model output, a later part here, other ranks); the values the action
+waits for first (their first reader on this rank) and those it drops after (their last). The
+loop then only looks things up. Built for the training program, and for the forward-only
+program a pipeline plan runs inference with.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardfx.ir import meta as M
+from shardfx.schedule import Action, Kind, Schedule
+
+
+@dataclass
+class Output:
+    index: int | None  # which output of the part; None: its only one
+    roles: tuple[M.OutputRole, ...]  # the program outputs it is (a gradient, the loss, ...)
+    local: bool  # read by a later part on this rank
+    sends: list[tuple[int, int]]  # (global rank, tag without the microbatch) to send it to
+
+
+@dataclass
+class Call:
+    part: str
+    module: Any
+    inputs: list[tuple]  # ("input", placeholder, role) or ("value", part, output index)
+    outputs: list[Output]
+
+
+@dataclass
+class Receive:
+    key: tuple  # (part, output index, microbatch)
+    src: int  # global rank
+    tag: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Step:
+    """One action of this rank: its parts, what it waits for first, what it drops after."""
+
+    action: Action
+    name: str
+    calls: list[Call]
+    receives: list[Receive] = field(default_factory=list)
+    frees: list[tuple] = field(default_factory=list)
+
+
+class StageProgram:
+    def __init__(self, split: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
+                 schedule: Schedule, ranks: list[int], vals: dict[str, Any]):
+        """``split``: the per-stage parts; ``outputs``: the roles of its outputs; ``ranks``:
+        pipeline rank -> global rank; ``vals``: fake values by node name, for shapes the parts'
+        own graphs do not record."""
+        self.module, self.schedule, self.ranks, self._vals = split, schedule, ranks, vals
+        self.parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+        self._stage = {name: int(name[5:].split("_")[0]) for name in self.parts}
+        self._order = {name: i for i, name in enumerate(self.parts)}
+        placeholders = split.graph.find_nodes(op="placeholder")
+        self.roles = {n.name: n.meta[M.ROLE] for n in placeholders}
+        self._input_vals = {n.name: n.meta.get(M.VAL) for n in placeholders}
+        self.placements = {n.meta[M.ROLE].name: n.meta.get(M.ANNOTATION, ())
+                           for n in placeholders}  # by FQN for weights
+        self.finals: dict[tuple, list[M.OutputRole]] = defaultdict(list)  # (part, index) -> roles
+        for value, role in zip(split.graph.output_node().args[0], outputs):
+            self.finals[source(value)].append(role)
+
+    def rank_of(self, part: str) -> int:
+        return self.schedule.rank_of(self._stage[part])
+
+    def reads(self, rank: int) -> dict[str, M.InputRole]:
+        """Placeholder name -> role of every program input a part on ``rank`` reads."""
+        return {a.name: self.roles[a.name] for p, call in self.parts.items()
+                if self.rank_of(p) == rank for a in call.args if a.op == "placeholder"}
+
+    def readers(self, fqn: str) -> list[int]:
+        """The ranks whose parts read the weight ``fqn``."""
+        return sorted({self.rank_of(p) for p, c in self.parts.items() for a in c.args
+                       if a.op == "placeholder" and self.roles[a.name].name == fqn})
+
+    def input_val(self, placeholder: str):
+        return self._input_vals[placeholder]
+
+    def producer(self, kind: M.OutputKind, name: str) -> int | None:
+        """The rank whose parts produce the output ``kind name`` (a parameter's gradient)."""
+        return next((self.rank_of(p) for (p, _), roles in self.finals.items()
+                     if any(r.kind is kind and r.name == name for r in roles)), None)
+
+    def parts_of(self, action: Action) -> list[str]:
+        parts = [f"stage{action.stage}_{action.kind.value}"]
+        if action.kind is Kind.B and not self.schedule.split_backward:
+            parts.append(f"stage{action.stage}_W")  # B without W: the whole backward
+        return [p for p in parts if p in self.parts]
+
+    def steps(self, rank: int) -> list[Step]:
+        """``rank``'s actions, compiled."""
+        calls = {name: self._call(name, rank) for name in self.parts}
+        steps, first, last = [], {}, {}
+        for i, action in enumerate(self.schedule.actions[rank]):
+            mine = [calls[p] for p in self.parts_of(action)]
+            steps.append(Step(action, str(action), mine))
+            for call in mine:
+                for src in call.inputs:
+                    if src[0] == "value":
+                        key = (*src[1:], action.microbatch)
+                        first.setdefault(key, i)
+                        last[key] = i
+        for key, i in first.items():
+            part, index, mb = key
+            if self.rank_of(part) != rank:
+                val = self.out_val(part, index)
+                steps[i].receives.append(Receive(key, self.ranks[self.rank_of(part)],
+                                                 self.tag(part, index) + mb, tuple(val.shape),
+                                                 val.dtype))
+        for key, i in last.items():
+            steps[i].frees.append(key)
+        return steps
+
+    def _call(self, part: str, rank: int) -> Call:
+        call = self.parts[part]
+        inputs = [("input", a.name, self.roles[a.name]) if a.op == "placeholder"
+                  else ("value", *source(a)) for a in call.args]
+        consumers = _consumers(call)
+        outputs = []
+        for index in sorted(set(consumers) | {i for (p, i) in self.finals if p == part},
+                            key=lambda i: -1 if i is None else i):
+            ranks = sorted({self.rank_of(c) for c in consumers.get(index, ())})
+            outputs.append(Output(index, tuple(self.finals.get((part, index), ())),
+                                  rank in ranks, [(self.ranks[r], self.tag(part, index))
+                                                  for r in ranks if r != rank]))
+        return Call(part, getattr(self.module, part), inputs, outputs)
+
+    def out_val(self, part: str, index: int | None):
+        """The fake value (shape, dtype) of a part's output, to receive it into."""
+        out = getattr(self.module, part).graph.output_node().args[0]
+        node = out[index] if index is not None else out
+        return node.meta.get(M.VAL, self._vals.get(node.name))
+
+    def tag(self, part: str, index: int | None) -> int:
+        """The tag of a part's output, plus the microbatch: unique within a step."""
+        return (self._order[part] * 4096 + (index or 0)) * 1024
+
+
+def source(value: fx.Node) -> tuple[str, int | None]:
+    """(part, output index) a value of the split graph comes from; index None: a part's only
+    output."""
+    if value.op == "call_module":
+        return value.target, None
+    src, index = value.args
+    return src.target, index
+
+
+def _consumers(call: fx.Node) -> dict[int | None, list[str]]:
+    """Output index -> the parts that read it."""
+    out: dict[int | None, list[str]] = defaultdict(list)
+    for user in call.users:
+        if user.op == "call_function":  # getitem(call, i)
+            out[user.args[1]] += [u.target for u in user.users if u.op == "call_module"]
+        elif user.op == "call_module":
+            out[None].append(user.target)
+    return out
