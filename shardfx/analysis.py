@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
-from shardfx.passes.estimate_cost import is_view
+from shardfx.passes.estimate_cost import is_view, node_bytes
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ def summarize(gm: fx.GraphModule) -> Summary:
     )
 
 
-def _liveness(graph: fx.Graph) -> tuple[int, int, int]:
+def _liveness(graph: fx.Graph, size=lambda n: n.meta[M.COST].out_bytes,
+              phase=lambda n: n.meta[M.PHASE]) -> tuple[int, int, int]:
     """Peak live activation bytes in forward and in backward, and bytes saved for backward."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     base: dict[fx.Node, fx.Node] = {}  # view -> the node that owns its storage
@@ -86,17 +87,52 @@ def _liveness(graph: fx.Graph) -> tuple[int, int, int]:
     for node in graph.nodes:
         i = order[node]
         if node.op == "call_function":
-            size = node.meta[M.COST].out_bytes
-            live += size
-            frees[last_use.get(node, i)] += size
-            if node.meta[M.PHASE] is M.Phase.FORWARD:
+            nbytes = size(node)
+            live += nbytes
+            frees[last_use.get(node, i)] += nbytes
+            if phase(node) is M.Phase.FORWARD:
                 peak_fwd = max(peak_fwd, live)
-                if any(u.meta.get(M.PHASE) is M.Phase.BACKWARD for u in _readers(node, base)):
-                    saved += size
+                if any(u.op == "call_function" and phase(u) is M.Phase.BACKWARD
+                       for u in _readers(node, base)):
+                    saved += nbytes
             else:
                 peak_bwd = max(peak_bwd, live)
         live -= frees.pop(i, 0)
     return peak_fwd, peak_bwd, saved
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one device holds while it runs a program (optimizer state aside)."""
+
+    param_bytes: int
+    buffer_bytes: int
+    grad_bytes: int
+    peak_activation_bytes: int  # forward or backward, whichever is higher
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.buffer_bytes + self.grad_bytes + self.peak_activation_bytes
+
+
+def device_memory(program: fx.GraphModule, train: bool) -> DeviceMemory:
+    """Per-device memory of a generated program, whose values have this device's local shapes:
+    its parameters, buffers, their gradients when training, and the liveness peak over every
+    op it runs, collectives and gradient buckets included. Ops codegen inserted have no phase:
+    they take the phase of the op before them in program order."""
+    params = buffers = 0
+    for node in program.graph.find_nodes(op="placeholder"):
+        kind, val = node.meta[M.ROLE].kind, node.meta[M.VAL]
+        if kind is M.InputKind.PARAM:
+            params += _bytes(val)
+        elif kind is M.InputKind.BUFFER:
+            buffers += _bytes(val)
+    phases, current = {}, M.Phase.FORWARD
+    for node in program.graph.nodes:
+        current = node.meta.get(M.PHASE, current)
+        phases[node] = current
+    fwd, bwd, _ = _liveness(program.graph, node_bytes, phases.__getitem__)
+    return DeviceMemory(params, buffers, params if train else 0, max(fwd, bwd))
 
 
 def _readers(node: fx.Node, base: dict[fx.Node, fx.Node]) -> list[fx.Node]:

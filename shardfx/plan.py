@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from shardfx.analysis import Summary, summarize
+from shardfx.analysis import Summary, device_memory, summarize
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
@@ -117,12 +117,7 @@ class Plan:
         return summarize(self.ir)
 
     def _check_budget(self, budget: int) -> None:
-        if self.mesh.size > 1:
-            raise InputError(
-                "memory_budget is modelled for one-device and pipeline plans; per-device memory "
-                "of dp/tp plans is not yet", where="partition(..., memory_budget=...)",
-                fix="drop memory_budget for this mesh, or add a pp axis")
-        need = self.memory_estimate()[0]
+        need = max(self.memory_estimate().values())
         if need > budget:
             raise PipelineError(
                 f"the plan needs about {need} bytes per device (parameters, gradients, peak "
@@ -130,12 +125,17 @@ class Plan:
                 fix="use more devices (a pp or tp axis) or a larger budget")
 
     def memory_estimate(self) -> dict[int, int]:
-        """Predicted peak bytes per rank: parameters, buffers, gradients and peak activations
-        (optimizer state is the optimizer's and not counted)."""
-        s = self.summary
-        grads = s.param_bytes if self.mode is M.Mode.TRAIN else 0
-        peak = max(s.peak_fwd_bytes, s.peak_bwd_bytes)
-        return {0: s.param_bytes + s.buffer_bytes + grads + peak}
+        """Predicted peak bytes per device: parameters, buffers, gradients and peak activations
+        (optimizer state is the optimizer's and not counted). On a mesh, read off the program
+        every device runs (local shapes, collectives and gradient buckets included): one SPMD
+        program, so every device the same."""
+        if self.program is None:
+            raise PipelineError("memory_estimate is per stage for pipeline plans",
+                                where="plan.memory_estimate()",
+                                fix="print(plan) shows each stage's parameter and activation "
+                                    "bytes; memory_budget= bounds the schedule by them")
+        need = device_memory(self.program.module, self.mode is M.Mode.TRAIN).total
+        return {rank: need for rank in range(self.mesh.size)}
 
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial, Shard
 
 import shardfx
 from shardfx import LaunchError
+from shardfx.analysis import device_memory
 from shardfx.errors import MeshError, ShardingError
 from shardfx.testing import compare_inference, compare_training
 
@@ -43,16 +44,41 @@ def train_and_infer(cases: list[tuple[str, dict, str]]) -> list[tuple[str, float
         report = compare_training(build(name), data, lm_loss, mesh=mesh, shard=shard)
         worst = compare_inference(build(name), data[0][0], mesh=mesh, shard=shard)
         plan = shardfx.partition(build(name), data[0][0], lm_loss, data[0][1], mesh=mesh, shard=shard)
-        out.append((f"{name} {mesh} {shard}", report.max(), worst, hash(plan.program.source)))
+        # the memory model's parameters are the shards this rank really holds
+        held = sum(p.numel() * p.element_size() for p in plan.runner().parameters())
+        modelled = device_memory(plan.program.module, train=True).param_bytes
+        out.append((f"{name} {mesh} {shard}", report.max(), worst, held == modelled,
+                    hash(plan.program.source)))
     return out
 
 
 def check(results: list[list[tuple]]) -> None:
     for rank_results in results:
-        for label, train_err, infer_err, _ in rank_results:
+        for label, train_err, infer_err, params_modelled, _ in rank_results:
             assert train_err < 1e-5 and infer_err < 1e-5, (label, train_err, infer_err)
+            assert params_modelled, label
     # the SPMD property: every rank built the very same program
     assert len({tuple(h for *_, h in r) for r in results}) == 1
+
+
+def test_memory_per_device_on_a_mesh():
+    """Per-device memory from the program each device runs: tp=2 halves the sharded weights,
+    dp=2 the activations; a budget between one device's need and tp=2's admits only tp=2."""
+    (x,), (y,) = token_batches(1, 8)[0]
+
+    def plan(mesh, **kwargs):
+        return shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh=mesh,
+                                 shard="megatron" if "tp" in mesh else "auto", **kwargs)
+
+    one, dp, tp = (device_memory(plan(m).program.module, train=True)
+                   for m in ({}, {"dp": 2}, {"tp": 2}))
+    assert dp.param_bytes == one.param_bytes and tp.param_bytes < 0.8 * one.param_bytes
+    assert dp.peak_activation_bytes < 0.8 * one.peak_activation_bytes
+    assert set(plan({"dp": 2, "tp": 2}).memory_estimate()) == {0, 1, 2, 3}
+    budget = (one.total + tp.total) // 2
+    with pytest.raises(shardfx.ShardfxError, match="budget"):
+        plan({}, memory_budget=budget)
+    assert plan({"tp": 2}, memory_budget=budget).memory_estimate()[1] == tp.total
 
 
 def test_two_processes_dp_and_tp():
