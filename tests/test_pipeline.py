@@ -134,10 +134,17 @@ def forward_after_training(name: str, mesh: dict, batch: int = 4, layers: int = 
     for args, targets in data[:2]:
         runner.step(args, targets)
     got = runner.forward(data[2][0])
-    model.load_state_dict(runner.state_dict())
+    state = runner.state_dict()
+    model.load_state_dict(state)
     with torch.no_grad():
         want = model(*data[2][0], use_cache=False)
-    return rel_error(got["logits"], want.logits)
+    # a fresh runner resumes from the checkpoint: the same weights, the same outputs
+    resumed = shardfx.partition(tiny(name, layers), (x,), lm_loss, (y,), mesh=mesh,
+                                **kwargs).runner()
+    resumed.load_state_dict(state)
+    again = resumed.forward(data[2][0])
+    assert all(torch.equal(a, state[k]) for k, a in resumed.state_dict().items())
+    return max(rel_error(got["logits"], want.logits), rel_error(again["logits"], want.logits))
 
 
 def infer():

@@ -44,6 +44,7 @@ from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.mesh import coordinate, device_mesh
+from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
 
 if TYPE_CHECKING:
@@ -355,6 +356,16 @@ class PipelineRunner:
         mine = {fqn: t for fqn, t in tensors.items() if self._holder(fqn) == self.rank}
         full = self._gather(mine, self._state_shapes())
         return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Every rank takes its weights (its tp shards) from a full state dict, as
+        ``state_dict`` gives it."""
+        def local(fqn: str, t: torch.Tensor) -> torch.Tensor:
+            placements = self._program.placements.get(fqn, ())
+            return t if self._tp is None or fqn not in self._params else \
+                self._tp.local(t, placements)
+
+        load_state(self._plan, state, {**self._params, **self._buffers}, local)
 
     def _holder(self, fqn: str) -> int:
         """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or

@@ -121,28 +121,38 @@ class Runner:
                 if p.grad is not None}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        names = set(self._plan.state_names)
-        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
-        if missing or unexpected:
-            raise InputError(
-                f"state dict does not match the model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}", where="runner.load_state_dict",
-                fix="save it with runner.state_dict() or model.state_dict() of the same model")
         tensors = {**self._params, **self._buffers}
-        for fqn in self._plan.state_names:
-            name = self._plan.canonical(fqn)
-            dst, src = tensors[name], state[fqn]
-            if self._shards is not None:
-                src = self._shards.local(src, self._placements.get(name, ()))
-            if dst.shape != src.shape:
-                raise InputError(f"{fqn} has shape {list(src.shape)} in the state dict, "
-                                 f"{list(dst.shape)} in the model", where=fqn,
-                                 fix="load a checkpoint of the same model configuration")
-            with torch.no_grad():
-                dst.copy_(src)
+        local = (lambda name, t: t) if self._shards is None else \
+            (lambda name, t: self._shards.local(t, self._placements.get(name, ())))
+        load_state(self._plan, state, tensors, local)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return self._params.values()
+
+
+def load_state(plan: "Plan", state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+               local: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+    """Copy a full state dict (the model's FQNs) into a runner's ``tensors`` (canonical FQN ->
+    this rank's tensor; names it lacks are another rank's), ``local`` cutting this rank's
+    shard; a state dict of another model is an error naming the difference."""
+    names = set(plan.state_names)
+    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+    if missing or unexpected:
+        raise InputError(
+            f"state dict does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}", where="runner.load_state_dict",
+            fix="save it with runner.state_dict() or model.state_dict() of the same model")
+    for fqn in plan.state_names:
+        name = plan.canonical(fqn)
+        if name not in tensors:
+            continue
+        dst, src = tensors[name], local(name, state[fqn])
+        if dst.shape != src.shape:
+            raise InputError(f"{fqn} has shape {list(src.shape)} in the state dict, "
+                             f"{list(dst.shape)} in the model", where=fqn,
+                             fix="load a checkpoint of the same model configuration")
+        with torch.no_grad():
+            dst.copy_(src)
 
 
 def _placements(program: Program) -> dict[str, M.Placements]:
