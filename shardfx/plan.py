@@ -88,7 +88,12 @@ class Plan:
         return self._inference_stages
 
     def check_inputs(self, args: Any, targets: Any, inference: bool = False) -> list[torch.Tensor]:
-        """Flatten a step's inputs, checking them against what the plan was captured with."""
+        """Flatten a step's inputs, checking them against what the plan was captured with (and
+        that a training step has a training plan)."""
+        if not inference and self.mode is not M.Mode.TRAIN:
+            raise InputError("this plan was built for inference (no loss_fn)",
+                             where="runner.step", fix="call partition(..., loss_fn=...) to "
+                             "train, or use runner.forward(args)")
         leaves = [s for s in self._captured.leaves
                   if not (inference and s.name.startswith("targets"))]
         flat, spec = pytree.tree_flatten((args, () if inference else targets))

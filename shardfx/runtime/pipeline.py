@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
-from shardfx.errors import InputError, PipelineError
+from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.mesh import coordinate, device_mesh
@@ -105,10 +105,6 @@ class PipelineRunner:
     # --- a training step -------------------------------------------------------------------
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
-        if self._plan.mode is not M.Mode.TRAIN:
-            raise InputError("this plan was built for inference (no loss_fn)",
-                             where="runner.step", fix="call partition(..., loss_fn=...) to "
-                             "train, or use runner.forward(args)")
         flat = self._plan.check_inputs(args, targets)
         self._grads = {}
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers

@@ -53,10 +53,6 @@ class Runner:
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
         """One training step on the global batch; returns the loss."""
-        if self._plan.mode is not M.Mode.TRAIN:
-            raise InputError("this plan was built for inference (no loss_fn)",
-                             where="runner.step", fix="call partition(..., loss_fn=...) to "
-                             "train, or use runner.forward(args)")
         flat = self._plan.check_inputs(args, targets)
         outs = self._run(self._plan.program, flat)
         loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
