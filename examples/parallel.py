@@ -3,6 +3,7 @@
     python examples/parallel.py                      # spawns 4 local gloo processes
     torchrun --nproc-per-node 4 examples/parallel.py # the same, launched by torchrun
     python examples/parallel.py --mesh tp=2          # any mesh whose size is the process count
+    python examples/parallel.py --mesh pp=2,tp=2 --schedule zero-bubble   # a pipeline of 2 stages
 
 Every rank runs ``train``: it plans the model for the mesh (the same program on every rank),
 keeps its own shard of each parameter, takes its slice of each global batch, and steps. Rank 0
@@ -25,14 +26,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import nanogpt  # noqa: E402  (the model, the data and the loss, side by side in examples/)
 
 
-def train(mesh: dict[str, int], steps: int, lr: float) -> list[float]:
+def train(mesh: dict[str, int], steps: int, lr: float, schedule: str = "1f1b",
+          microbatches: int = 4) -> list[float]:
     """One rank's part: partition, then ``steps`` AdamW steps on global batches."""
     w = nanogpt.workload(n_layer=2)
     model, (idx,), (targets,) = w["model"], w["args"], w["targets"]
+    pipeline = {"schedule": schedule, "microbatches": microbatches} if "pp" in mesh else {}
     plan = shardfx.partition(model, (idx,), nanogpt.loss_fn, (targets,), mesh=mesh,
-                             shard="megatron")
+                             shard="megatron", **pipeline)
     if shardfx.runtime.launch.rank() == 0:
         print(plan)
+        if plan.schedule is not None:
+            print(plan.schedule)
     runner = plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=lr))
     gen = torch.Generator().manual_seed(1)  # every rank draws the same global batches
     text = nanogpt.make_text(nanogpt.GPTConfig())
@@ -66,9 +71,13 @@ def main() -> None:
     parser.add_argument("--mesh", default="dp=2,tp=2")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--schedule", default="1f1b",
+                        help="with a pp axis: gpipe | 1f1b | zero-bubble")
+    parser.add_argument("--microbatches", type=int, default=4, help="with a pp axis")
     a = parser.parse_args()
     mesh = dict(MeshSpec.parse(a.mesh).axes)
-    per_rank = shardfx.launch(train, mesh, a.steps, a.lr, nprocs=MeshSpec.parse(a.mesh).size,
+    per_rank = shardfx.launch(train, mesh, a.steps, a.lr, a.schedule, a.microbatches,
+                              nprocs=MeshSpec.parse(a.mesh).size,
                               timeout=120, deadline=900)
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun every rank gets here
         return
