@@ -57,6 +57,12 @@ class PipelineRunner:
         coord = coordinate(mesh)
         self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
         self._pp = mesh.get_group("pp")
+        if dist.get_backend(self._pp) != "gloo":  # see the module docstring
+            raise PipelineError(
+                f"the pipeline runner sends stage to stage over gloo; this run uses "
+                f"{dist.get_backend(self._pp)}, whose in-order matching the runner's early "
+                "receives would deadlock", where="plan.runner()",
+                fix="init_process_group('gloo') (shardfx.launch does), or plan without pp")
         self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
         self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
