@@ -12,6 +12,7 @@ import torch
 from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import capture, capture_leaves, microbatch
+from shardfx.partitioner.microbatching import loss_reduction
 from shardfx.passes.manager import Options
 from shardfx.plan import Plan
 
@@ -71,6 +72,9 @@ def partition(
     captured = capture(model, mb_args, loss_fn, mb_targets)
     if slices > 1:  # steps take the whole batch: check them against its shapes
         captured.leaves = capture_leaves(example_args, example_targets)
+        if loss_fn is not None:  # and the slices' losses must make the batch's
+            reduction = loss_reduction(loss_fn, captured.output, example_targets, slices)
+            options = dataclasses.replace(options, loss_reduction=reduction)
     plan = Plan(model, example_args, captured, spec, options)
     if dump := os.environ.get("SHARDFX_DUMP"):
         plan.dump(dump)

@@ -18,6 +18,7 @@ from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import Captured, canonical_names, capture, microbatch
+from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.pipeline import compile_ir
@@ -39,6 +40,9 @@ class Plan:
         self.program: Program | None = program
         self.stage_program = self.schedule = None
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
+        slices = options.microbatches * self.mesh.axis("dp")
+        if options.stages > 1 and self.mode is M.Mode.TRAIN and slices > 1:
+            check_rows_independent(self.ir, slices)  # each slice's forward sees its rows only
         if options.stages > 1:  # per-stage parts, run in the order of a schedule
             self.program, self.stage_program = None, program
             pp, m, v = self.mesh.axis("pp"), options.microbatches, options.virtual_stages

@@ -106,8 +106,11 @@ def test_interleaved_virtual_stages_and_the_trace(tmp_path):
 def train_dp_pp():
     report = compare_training(build("llama"), batches(3, batch=8), lm_loss,
                               mesh={"dp": 2, "pp": 2}, microbatches=2, schedule="1f1b")
-    return report.max(), forward_after_training("llama", {"dp": 2, "pp": 2}, batch=8,
-                                                microbatches=2)
+    # a summed loss: slices' losses and replicas' gradients add up instead of averaging
+    summed = compare_training(TwoStages(), rows(3), sum_loss, mesh={"dp": 2, "pp": 2},
+                              microbatches=2)
+    return max(report.max(), summed.max()), forward_after_training(
+        "llama", {"dp": 2, "pp": 2}, batch=8, microbatches=2)
 
 
 def test_data_parallel_pipelines():
@@ -157,6 +160,59 @@ def infer():
             forward_after_training("gpt2", {"pp": 2}, microbatches=2),
             forward_after_training("llama", {"pp": 2}, layers=4, microbatches=2,
                                    schedule="interleaved-1f1b")]
+
+
+class TwoStages(torch.nn.Module):
+    """Linear, ReLU | Linear, with an optional BatchNorm: a cut by a pipe_split marker."""
+
+    def __init__(self, norm: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8) if norm else torch.nn.Identity()
+
+    def forward(self, x):
+        return self.b(shardfx.pipe_split(torch.relu(self.norm(self.a(x)))))
+
+
+def rows(n: int, batch: int = 8) -> list[tuple[tuple, tuple]]:
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randn(batch, 8, generator=g),), (torch.randn(batch, 8, generator=g),))
+            for _ in range(n)]
+
+
+def sum_loss(out, target):
+    return torch.nn.functional.mse_loss(out, target, reduction="sum")
+
+
+def test_microbatching_that_would_change_the_result_is_refused():
+    """BatchNorm's batch statistics, and a loss that is neither a mean nor a sum over rows (a
+    mean over non-ignored tokens, with different numbers ignored per row)."""
+    from shardfx.errors import LossError, PipelineError
+
+    (x,), (y,) = rows(1)[0]
+    with pytest.raises(PipelineError) as info:
+        shardfx.partition(TwoStages(norm=True), (x,), torch.nn.functional.mse_loss, (y,),
+                          mesh={"pp": 2}, microbatches=2)
+    assert "norm" in info.value.cause and "statistics over the batch" in info.value.cause
+    shardfx.partition(TwoStages(norm=True), (x,), torch.nn.functional.mse_loss, (y,),
+                      mesh={"pp": 2}, microbatches=1)  # one slice: the batch's own statistics
+
+    def token_loss(out, labels):  # 2 tokens of 4 classes per row, a mean over those counted
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 4), labels.reshape(-1))
+
+    labels = torch.randint(0, 4, (8, 2), generator=torch.Generator().manual_seed(0))
+    labels[0, 0] = -100  # row 0 counts 1 token, row 1 counts 2: per-row means weigh them apart
+    with pytest.raises(LossError) as info:
+        shardfx.partition(TwoStages(), (x,), token_loss, (labels,), mesh={"pp": 2},
+                          microbatches=2)
+    assert "neither the mean" in info.value.cause and "nan" not in info.value.cause
+    labels[0, 0] = 1  # every token counted: a mean over rows
+    plan = shardfx.partition(TwoStages(), (x,), token_loss, (labels,), mesh={"pp": 2},
+                             microbatches=2)
+    assert plan.options.loss_reduction == "mean"
+    plan = shardfx.partition(TwoStages(), (x,), sum_loss, (y,), mesh={"pp": 2}, microbatches=2)
+    assert plan.options.loss_reduction == "sum"
 
 
 class WithMean(torch.nn.Module):

@@ -31,6 +31,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import insert_op
+from shardfx.partitioner.microbatching import output_of
 
 log = logging.getLogger("shardfx.capture")
 
@@ -52,6 +53,7 @@ class Captured:
     in_spec: pytree.TreeSpec  # of (args, targets)
     leaves: tuple[LeafSpec, ...]  # one per flattened leaf of (args, targets)
     out_spec: pytree.TreeSpec | None  # the model output's structure (inference)
+    output: tuple | None = None  # training: the model output as traced (microbatching.output_of)
 
 
 def capture(
@@ -85,7 +87,7 @@ def capture(
     _merge_tied_parameters(gm, model)
     gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
     out_spec = ep.call_spec.out_spec if mode is M.Mode.INFER else None
-    return Captured(gm, in_spec, leaves, out_spec)
+    return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None))
 
 
 def capture_leaves(args: tuple, targets: tuple) -> tuple[LeafSpec, ...]:
@@ -127,6 +129,7 @@ class _LossOf(torch.nn.Module):
 
     def forward(self, args: tuple, targets: tuple) -> torch.Tensor:
         out = self.model(*args)
+        object.__setattr__(self, "output", output_of(out))  # for microbatching.loss_reduction
         try:
             loss = self.loss_fn(out, *targets)
         except ShardfxError:

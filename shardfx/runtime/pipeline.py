@@ -70,6 +70,7 @@ class PipelineRunner:
         self._tp = Shards(inner, mesh["tp"]) if inner.size > 1 else None
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
+        self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up
         self._program = self._stage_program(plan.stage_program, plan.ir)
         self._steps = self._program.steps(self.rank)
         model = plan.model
@@ -115,10 +116,11 @@ class PipelineRunner:
         self._grads = {}
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
         loss = self._execute(self._program, self._steps, flat, weights)
-        if self._dp is not None:  # replicas average their gradients, as DDP does
+        if self._dp is not None:  # replicas combine their gradients: average (as DDP) or sum
             for g in self._grads.values():
                 dist.all_reduce(g, group=self._dp)
-                g /= self._dp_size
+                if self._mean:
+                    g /= self._dp_size
         for fqn, p in self._params.items():
             p.grad = self._grads.get(fqn) if fqn in self._owned else None
         if self.optimizer is not None:
@@ -174,7 +176,7 @@ class PipelineRunner:
                     else:
                         g.add_(value)
                 elif role.kind is M.OutputKind.LOSS:
-                    loss = value.detach() / self.m
+                    loss = value.detach() / self.m if self._mean else value.detach()
                 elif role.kind is M.OutputKind.BUFFER_UPDATE:
                     self._buffers[role.name].copy_(value)
                 elif role.kind is M.OutputKind.OUTPUT:
@@ -194,8 +196,9 @@ class PipelineRunner:
         _, name, role = src
         if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
             return weights[role.name]
-        if role.kind is M.InputKind.TANGENT:  # d(mean of m losses)/d(one of them)
-            return torch.full((), 1.0 / self.m, dtype=program.input_val(name).dtype)
+        if role.kind is M.InputKind.TANGENT:  # d(mean, or sum, of m losses)/d(one of them)
+            return torch.full((), 1.0 / self.m if self._mean else 1.0,
+                              dtype=program.input_val(name).dtype)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
@@ -301,9 +304,10 @@ class PipelineRunner:
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         last = self.schedule.rank_of(self.schedule.stages - 1)
         dist.broadcast(loss, src=self._ranks[last], group=self._pp)
-        if self._dp is not None:  # the batch's loss: the mean over data-parallel replicas
+        if self._dp is not None:  # the batch's loss: over data-parallel replicas
             dist.all_reduce(loss, group=self._dp)
-            loss /= self._dp_size
+            if self._mean:
+                loss /= self._dp_size
         return loss
 
     # --- the timeline -----------------------------------------------------------------------

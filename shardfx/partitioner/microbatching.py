@@ -1,0 +1,123 @@
+"""Whether a training step may run microbatch by microbatch, and how the losses combine.
+
+A pipeline runs the model and ``loss_fn`` on slices of the batch (``microbatches``, times the
+``dp`` replicas of the pipeline) and combines the slices' losses and gradients. That equals
+the one-device step only if
+
+- the forward treats rows independently: an op that mixes rows (BatchNorm in training mode:
+  statistics over the batch) sees a slice's rows only. ``check_rows_independent`` rejects it,
+  naming the op and module.
+- the batch loss is the mean of the slices' losses (``reduction="mean"``: the runner averages)
+  or their sum (``reduction="sum"``: the runner adds). ``loss_reduction`` finds which by
+  running ``loss_fn`` on random outputs of the model's output shapes, one row per slice, with
+  the example targets' first rows: whole vs sliced. A loss that is neither (a mean over the
+  tokens not ignored, when slices ignore different numbers of tokens) is rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from shardfx.errors import LossError, PipelineError
+from shardfx.ir import meta as M
+
+log = logging.getLogger("shardfx.microbatching")
+
+ROWS = 2  # slices of one row each that the loss is tried on
+MAX_ELEMENTS = 1 << 26  # larger model outputs are not tried (the check allocates them)
+
+# ATen ops whose result depends on other rows of the batch when ``training`` is set.
+_BATCH_STATS = {"_native_batch_norm_legit_functional": 5, "_native_batch_norm_legit": 5,
+                "native_batch_norm": 5, "_native_batch_norm_legit_no_training": None}
+
+
+def check_rows_independent(gm: fx.GraphModule, slices: int) -> None:
+    """Requires: PHASE on ops (assign_phase). Raises PipelineError at the first forward op that
+    computes statistics over the batch in training mode."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get(M.PHASE) is not M.Phase.FORWARD:
+            continue
+        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        index = _BATCH_STATS.get(name)
+        if index is None or not (len(node.args) > index and node.args[index] is True):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        module = next(reversed(stack.values()), ("", ""))[0] if stack else "?"
+        raise PipelineError(
+            f"{module or 'the model'} normalizes by statistics over the batch ({name} in "
+            f"training mode); a pipeline runs the batch in {slices} slices, each normalized by "
+            "its own rows, which differs from one device", where=f"{node.name} ({module})",
+            fix="use microbatches=1 without dp, put the norm in eval mode, or use a per-row "
+                "norm (LayerNorm, RMSNorm, GroupNorm)")
+
+
+def loss_reduction(loss_fn: Callable, output: tuple[list, pytree.TreeSpec] | None,
+                   targets: tuple, slices: int) -> str:
+    """"mean" or "sum": how the whole batch's loss follows from the slices' (see above).
+    ``output``: the model output of one slice as traced (`output_of`); ``targets``: the whole
+    batch's."""
+    if output is None or slices == 1:
+        return "mean"
+    leaves, spec = output
+    flat_targets = pytree.tree_leaves(targets)
+    rows = flat_targets[0].shape[0] // slices if flat_targets else 0
+    tensors = [x for x in leaves if isinstance(x, tuple)]
+    why = None
+    if rows < 1 or any(t.dim() == 0 or t.shape[0] < ROWS for t in flat_targets):
+        why = "the targets have too few rows"
+    elif any(len(shape) == 0 or shape[0] != rows for shape, _ in tensors):
+        why = "an output is not batch-first"
+    elif sum(ROWS * _numel(shape[1:]) for shape, _ in tensors) > MAX_ELEMENTS:
+        why = "the model output is too large to try"
+    if why:
+        log.warning("%s: assuming loss_fn is a mean over the %d slices of the batch", why, slices)
+        return "mean"
+    g = torch.Generator().manual_seed(0)
+    samples = [[_random((1, *x[0][1:]), x[1], g) if isinstance(x, tuple) else x for x in leaves]
+               for _ in range(ROWS)]
+    whole = _loss(loss_fn, [torch.cat(ls) if isinstance(ls[0], torch.Tensor) else ls[0]
+                            for ls in zip(*samples)], spec, targets, slice(0, ROWS))
+    parts = [_loss(loss_fn, r, spec, targets, slice(i, i + 1)) for i, r in enumerate(samples)]
+    for name, combined in (("mean", sum(parts) / ROWS), ("sum", sum(parts))):
+        if torch.allclose(whole, combined, rtol=1e-4, atol=1e-6):
+            return name
+    raise LossError(
+        f"loss_fn of the batch ({whole.item():.6g}) is neither the mean "
+        f"({sum(parts).item() / ROWS:.6g}) nor the sum ({sum(parts).item():.6g}) of its slices' "
+        "losses, so a pipeline's microbatches cannot reproduce it (a mean over non-ignored "
+        "tokens is one such loss)", where="loss_fn",
+        fix="use a loss that is a mean or a sum over rows (e.g. normalize by a fixed token "
+            "count), or microbatches=1 without dp")
+
+
+def _loss(loss_fn: Callable, leaves: list, spec: pytree.TreeSpec, targets: tuple,
+          rows: slice) -> torch.Tensor:
+    sliced = pytree.tree_map_only(torch.Tensor, lambda t: t[rows], targets)
+    with torch.no_grad():
+        return loss_fn(pytree.tree_unflatten(leaves, spec), *sliced).detach().double()
+
+
+def _random(shape: tuple, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def output_of(value: Any) -> tuple[list, pytree.TreeSpec]:
+    """A model output seen while tracing: its leaves, each tensor as (shape, dtype), and its
+    structure."""
+    leaves, spec = pytree.tree_flatten(value)
+    return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in leaves], spec
