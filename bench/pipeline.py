@@ -16,10 +16,10 @@ PyTorch's own pipelining (torch.distributed.pipelining).
    ``pipe_split`` between equal groups, one thread per process. On this machine's two shared
    cores the stages' speeds drift apart, which the formulas do not model: the per-stage
    medians show how far.
-3. Step time against the peer, same schedule, model, weights, data and microbatches: each rank
-   wraps its half of the layers (an ``nn.Sequential``) in a manual ``PipelineStage`` and runs
-   ``Schedule1F1B`` / ``ScheduleGPipe`` (``scale_grads=True``: gradients of the mean microbatch
-   loss, as shardfx). One ``shardfx.launch`` per schedule, the two alternating step by step
+3. Step time against the peer, same schedule, model, weights, data, cuts and microbatches: each
+   rank wraps each of its stages' layers (an ``nn.Sequential``) in a manual ``PipelineStage``
+   and runs ``Schedule1F1B`` / ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B`` (2 stages per
+   rank; ``scale_grads=True``: gradients of the mean microbatch loss, as shardfx). One ``shardfx.launch`` per schedule, the two alternating step by step
    (``--warmup``, then ``--steps`` timed, barriers around each): rank 0's median step time,
    the ratio shardfx / peer (goal <= 1.0x), both losses after the last step (must agree).
 4. ``bench/pipeline_trace.json``: ``runner.trace`` of the last measured 1f1b step of part 1
@@ -182,20 +182,28 @@ def bubble_tables(a) -> str:
 # --- 2. step time against torch.distributed.pipelining ----------------------------------------
 
 
+PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
+         "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+
 def race(name: str, layers: int, hidden: int, rows: int, warmup: int, steps: int) -> dict | None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
     torch.set_num_threads(1)
     x, y = data(rows, hidden)
-    plan = shardfx.partition(Stack(layers, hidden, P), (x,), loss_fn, (y,), mesh={"pp": P},
-                             microbatches=M, schedule=name)
+    stages = P * SCHEDULES[name]
+    plan = shardfx.partition(Stack(layers, hidden, stages), (x,), loss_fn, (y,),
+                             mesh={"pp": P}, microbatches=M, schedule=name)
     runner = plan.runner(optimizer=adamw)
-    rank, cut = dist.get_rank(), 1 + layers // P  # stage 0: Scale and the first half
-    mine = Stack(layers, hidden, P).layers  # same seed, same weights; a copy of its own
-    mine = nn.Sequential(*(mine[:cut] if rank == 0 else mine[cut:]))
-    stage = PipelineStage(mine, rank, P, torch.device("cpu"))
-    pipe = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[name](stage, M, loss_fn=loss_fn)
-    opt = adamw(mine.parameters())
+    rank = dist.get_rank()
+    full = Stack(layers, hidden, stages)  # same seed, same weights; a copy of its own
+    bounds = [0, *sorted(full.cuts), len(full.layers)]  # the same cuts as the markers'
+    mine = {s: nn.Sequential(*full.layers[bounds[s]:bounds[s + 1]])
+            for s in range(rank, stages, P)}  # stage s on rank s % P, as shardfx places it
+    peer = [pipelining.PipelineStage(m, s, stages, torch.device("cpu")) for s, m in mine.items()]
+    schedule = getattr(pipelining, PEERS[name])
+    pipe = schedule(peer if stages > P else peer[0], M, loss_fn=loss_fn)
+    opt = adamw([p for m in mine.values() for p in m.parameters()])
 
     def peer_step():
         opt.zero_grad()
@@ -226,7 +234,7 @@ def race_table(a) -> str:
             "", f"| schedule | variant | min (ms) | median (ms) | vs peer | loss after step "
             f"{a.warmup + a.steps} |", "|---|---|---:|---:|---:|---:|"]
     verdicts = []
-    for name, peer in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
+    for name, peer in PEERS.items():
         res = shardfx.launch(race, name, a.layers, a.hidden, a.rows, a.warmup, a.steps,
                              nprocs=P, timeout=300, deadline=900)[0]
         times, losses = res["times"], res["losses"]
