@@ -159,13 +159,20 @@ class Plan:
         return f"<shardfx.Plan {self.summary.model} {self.mode} mesh={self.mesh}>"
 
     def dump(self, directory: str | os.PathLike) -> Path:
-        """Write the IR after every pass, the generated program, and the summary."""
+        """Write the IR after every pass, the generated program (for a pipeline plan: each
+        stage's F, B and W parts and the schedule), and the summary."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for i, record in enumerate(self.history):
             (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
         if self.program is not None:
             (out / f"program_{self.mode}.py").write_text(self.program.source)
+        if self.stage_program is not None:
+            for name, part in self.stage_program.named_children():  # stage0_F, stage1_B, ...
+                (out / f"{name}.py").write_text(part.code)
+            (out / "stages.py").write_text(self.stage_program.code)  # the order parts feed
+            (out / "schedule.txt").write_text(f"{self.schedule}\n\n"
+                                              f"{self.schedule.format_lists()}\n")
         (out / "plan.txt").write_text(str(self))
         if self.collectives:
             (out / "collectives.txt").write_text("".join(

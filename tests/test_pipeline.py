@@ -215,6 +215,20 @@ def test_microbatching_that_would_change_the_result_is_refused():
     assert plan.options.loss_reduction == "sum"
 
 
+def test_dump_of_a_pipeline_plan(tmp_path):
+    """Each stage's F, B and W code, and the schedule, as a grid and as lists that parse back."""
+    from shardfx.schedule import Schedule
+
+    (x,), (y,) = rows(1)[0]
+    plan = shardfx.partition(TwoStages(), (x,), sum_loss, (y,), mesh={"pp": 2}, microbatches=2,
+                             schedule="zero-bubble")
+    out = plan.dump(tmp_path)
+    for part in ("stage0_F", "stage0_B", "stage0_W", "stage1_F", "stage1_B", "stage1_W"):
+        assert "def forward" in (out / f"{part}.py").read_text(), part
+    grid, lists = (out / "schedule.txt").read_text().split("\n\n")
+    assert Schedule.parse(grid) == Schedule.parse(lists) == plan.schedule
+
+
 class WithMean(torch.nn.Module):
     """Two linear stages; returns the output and its mean (not batch-first)."""
 
