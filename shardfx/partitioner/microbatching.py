@@ -64,14 +64,13 @@ def loss_reduction(loss_fn: Callable, output: tuple[list, pytree.TreeSpec] | Non
     if output is None or slices == 1:
         return "mean"
     leaves, spec = output
-    flat_targets = pytree.tree_leaves(targets)
-    rows = flat_targets[0].shape[0] // slices if flat_targets else 0
     tensors = [x for x in leaves if isinstance(x, tuple)]
+    rows = tensors[0][0][0] if tensors and tensors[0][0] else 0  # one slice's batch, as traced
     why = None
-    if rows < 1 or any(t.dim() == 0 or t.shape[0] < ROWS for t in flat_targets):
-        why = "the targets have too few rows"
-    elif any(len(shape) == 0 or shape[0] != rows for shape, _ in tensors):
-        why = "an output is not batch-first"
+    if not tensors or any(len(shape) == 0 or shape[0] != rows for shape, _ in tensors):
+        why = "the model output is not batch-first"
+    elif any(t.dim() == 0 or t.shape[0] != rows * slices for t in pytree.tree_leaves(targets)):
+        why = "a target is not batch-first"
     elif sum(ROWS * _numel(shape[1:]) for shape, _ in tensors) > MAX_ELEMENTS:
         why = "the model output is too large to try"
     if why:
