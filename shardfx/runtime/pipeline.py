@@ -117,10 +117,13 @@ class PipelineRunner:
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
         loss = self._execute(self._program, self._steps, flat, weights)
         if self._dp is not None:  # replicas combine their gradients: average (as DDP) or sum
-            for g in self._grads.values():
-                dist.all_reduce(g, group=self._dp)
+            for bucket in _buckets([self._grads[f] for f in sorted(self._grads)]):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=self._dp)
                 if self._mean:
-                    g /= self._dp_size
+                    flat /= self._dp_size
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(part.view_as(g))
         for fqn, p in self._params.items():
             p.grad = self._grads.get(fqn) if fqn in self._owned else None
         if self.optimizer is not None:
@@ -401,3 +404,21 @@ class PipelineRunner:
             dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
         return out
+
+
+BUCKET_BYTES = 25 << 20  # as DDP's default bucket
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Gradients in groups of one dtype and at most ``BUCKET_BYTES`` (a larger one alone): one
+    all-reduce per group instead of one per parameter."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not out or out[-1][0].dtype != g.dtype or size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
