@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from functools import cached_property
 from pathlib import Path
@@ -25,7 +26,8 @@ from shardfx.pipeline import compile_ir
 from shardfx.report import render
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
-from shardfx.schedule import GENERATORS, Schedule, check, forward_only, generate
+from shardfx.schedule import (GENERATORS, Schedule, check, forward_only, generate,
+                              peak_in_flight)
 
 
 class Plan:
@@ -134,17 +136,27 @@ class Plan:
                 fix="use more devices (a pp or tp axis) or a larger budget")
 
     def memory_estimate(self) -> dict[int, int]:
-        """Predicted peak bytes per device: parameters, buffers, gradients and peak activations
-        (optimizer state is the optimizer's and not counted). On a mesh, read off the program
-        every device runs (local shapes, collectives and gradient buckets included): one SPMD
-        program, so every device the same."""
-        if self.program is None:
-            raise PipelineError("memory_estimate is per stage for pipeline plans",
-                                where="plan.memory_estimate()",
-                                fix="print(plan) shows each stage's parameter and activation "
-                                    "bytes; memory_budget= bounds the schedule by them")
-        need = device_memory(self.program.module, self.mode is M.Mode.TRAIN).total
-        return {rank: need for rank in range(self.mesh.size)}
+        """Predicted peak bytes per device (global rank): parameters, buffers, gradients and
+        peak activations (optimizer state is the optimizer's and not counted). On a dp/tp mesh,
+        read off the program every device runs (local shapes, collectives and gradient buckets
+        included): one SPMD program, so every device the same. In a pipeline, per pp rank: its
+        stages' parameters (tp shards) and gradients, and the activations its schedule keeps
+        at its peak (``peak_in_flight`` microbatches of its stages' saved activations)."""
+        if self.program is not None:
+            need = device_memory(self.program.module, self.mode is M.Mode.TRAIN).total
+            return {rank: need for rank in range(self.mesh.size)}
+        train = self.mode is M.Mode.TRAIN
+        rows = stage_report(self.ir)
+        peaks = peak_in_flight(self.schedule) if train else {}
+        per_pp = {}
+        for r in range(self.mesh.axis("pp")):
+            mine = [row for row in rows if self.schedule.rank_of(row["stage"]) == r]
+            params = sum(row["param_bytes"] for row in mine)
+            saved = max((row["saved_bytes"] for row in mine), default=0)
+            per_pp[r] = params * (2 if train else 1) + peaks.get(r, 0) * saved
+        pp = [a for a, _ in self.mesh.axes].index("pp")  # ranks run row-major over the axes
+        coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
+        return {rank: per_pp[coord[pp]] for rank, coord in enumerate(coords)}
 
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),

@@ -300,5 +300,14 @@ def test_memory_budget_bounds_the_schedule():
     assert "rank 0" in str(info.value) and "over the budget of 3" in str(info.value)
     shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2}, microbatches=4,
                       schedule="1f1b", memory_budget=budget)
+    # per device: its stage's weights and gradients, and what its schedule keeps at its peak
+    rows = stage_report(plan.ir)
+    for schedule in ("1f1b", "gpipe"):
+        need = shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"dp": 2, "pp": 2},
+                                 microbatches=2, schedule=schedule).memory_estimate()
+        assert set(need) == {0, 1, 2, 3} and need[0] == need[2] and need[1] == need[3]
+    need = shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"pp": 2},
+                             microbatches=4, schedule="gpipe").memory_estimate()
+    assert need[0] == 2 * rows[0]["param_bytes"] + 4 * rows[0]["saved_bytes"]
     with pytest.raises(shardfx.ShardfxError, match="budget"):
         shardfx.partition(build("llama"), (x,), lm_loss, (y,), memory_budget="1KiB")
