@@ -1,9 +1,9 @@
 """A model whose every F, B and W takes a set time: the premise of the pipeline-bubble formulas
 (every stage's forward, input-gradient and weight-gradient steps equal) made exact.
 
-``timed_work(x, ms)`` is an operator that keeps its core busy for ``ms`` milliseconds (a spin
-on the clock, as a kernel holds its core) and returns ``x``; its backward does the same to the
-incoming gradient. ``Timed`` is a learned per-feature scale, then ``blocks`` blocks of
+``timed_work(x, ms)`` is an operator that takes ``ms`` milliseconds and returns ``x``: it
+sleeps, leaving its core free as a CPU is while its GPU computes, and spins the last
+millisecond on the clock to end on time; its backward does the same to the incoming gradient. ``Timed`` is a learned per-feature scale, then ``blocks`` blocks of
 
     h = x * tap(w)          tap: identity forward; its backward runs timed_work on dL/dw
     y = timed_work(h, ms)
@@ -11,7 +11,7 @@ incoming gradient. ``Timed`` is a learned per-feature scale, then ``blocks`` blo
 so that per block the forward runs one ``timed_work`` (F), the activation gradient another
 (``dh``: B, it reaches the layer below through ``w``) and the weight gradient a third (W, the
 leaf ``dL/dw`` only). The leading scale gives the first stage's last block an activation
-gradient to compute too, as the other stages have. Tensors are tiny, so the real arithmetic
+gradient to compute too, as the other stages have (its first block's input needs none). Tensors are tiny, so the real arithmetic
 and the messages between stages cost next to nothing beside ``ms``: what the runner adds to
 the schedule's own idle time is what is left to see.
 """
