@@ -11,9 +11,10 @@ millisecond on the clock to end on time; its backward does the same to the incom
 so that per block the forward runs one ``timed_work`` (F), the activation gradient another
 (``dh``: B, it reaches the layer below through ``w``) and the weight gradient a third (W, the
 leaf ``dL/dw`` only). The leading scale gives the model's first block an activation gradient
-to compute too (the scale's weight needs it), so the first stage's B is as long as the others'. Tensors are tiny, so the real arithmetic
-and the messages between stages cost next to nothing beside ``ms``: what the runner adds to
-the schedule's own idle time is what is left to see.
+to compute too (the scale's weight needs it), so the first stage's B is as long as the
+others'. Tensors are tiny, so the real arithmetic and the messages between stages cost next
+to nothing beside ``ms``: what the runner adds to the schedule's own idle time is what is
+left to see.
 """
 
 from __future__ import annotations
