@@ -67,7 +67,7 @@ def partition(
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.
-    slices = microbatches * (spec.axis("dp") if spec.axis("pp") > 1 else 1)
+    slices = options.slices
     mb_args, mb_targets = microbatch(example_args, example_targets, slices)
     captured = capture(model, mb_args, loss_fn, mb_targets)
     if slices > 1:  # steps take the whole batch: check them against its shapes

@@ -42,9 +42,8 @@ class Plan:
         self.program: Program | None = program
         self.stage_program = self.schedule = None
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
-        slices = options.microbatches * self.mesh.axis("dp")
-        if options.stages > 1 and self.mode is M.Mode.TRAIN and slices > 1:
-            check_rows_independent(self.ir, slices)  # each slice's forward sees its rows only
+        if options.stages > 1 and self.mode is M.Mode.TRAIN and options.slices > 1:
+            check_rows_independent(self.ir, options.slices)  # each slice's forward sees its rows only
         if options.stages > 1:  # per-stage parts, run in the order of a schedule
             self.program, self.stage_program = None, program
             pp, m, v = self.mesh.axis("pp"), options.microbatches, options.virtual_stages
@@ -76,21 +75,21 @@ class Plan:
             self._inference = (program, captured.out_spec)
         return self._inference
 
-    def inference_stages(self) -> tuple[fx.GraphModule, tuple[M.OutputRole, ...], pytree.TreeSpec]:
-        """A pipeline plan's forward-only per-stage program, its output roles and the model
-        output's structure. For a training plan it is captured on first use and cut where the
+    def inference_stages(self) -> tuple[fx.GraphModule, fx.GraphModule, pytree.TreeSpec]:
+        """A pipeline plan's forward-only per-stage program, the IR it was split from and the
+        model output's structure. For a training plan it is captured on first use and cut where the
         training plan keeps each weight (``Options.follow_stages``), so every rank runs it on
         the parameters it trains."""
         if self._inference_stages is None:
             if self.mode is M.Mode.INFER:
                 split, ir, spec = self.stage_program, self.ir, self._captured.out_spec
             else:
-                slices = self.options.microbatches * self.mesh.axis("dp")
-                captured = capture(self.model, microbatch(self._example_args, (), slices)[0])
+                captured = capture(self.model,
+                                   microbatch(self._example_args, (), self.options.slices)[0])
                 options = dataclasses.replace(self.options, follow_stages=weight_stages(self.ir))
                 ir, split, _, _ = compile_ir(captured.gm, options)
                 spec = captured.out_spec
-            self._inference_stages = (split, ir.graph.output_node().meta[M.OUTPUTS], spec)
+            self._inference_stages = (split, ir, spec)
         return self._inference_stages
 
     def check_inputs(self, args: Any, targets: Any, inference: bool = False) -> list[torch.Tensor]:

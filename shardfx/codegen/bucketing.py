@@ -68,8 +68,11 @@ class _Bucket:
         return sum(g.nbytes for g in self.grads)
 
 
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
+
+
 def bucket_gradients(program: Program, collectives: Sequence[Collective] = (), *,
-                     bucket_bytes: int = 25 * 2**20) -> tuple[Program, list[Collective]]:
+                     bucket_bytes: int = BUCKET_BYTES) -> tuple[Program, list[Collective]]:
     """The program with its gradient all-reduces bucketed, and ``collectives`` with their
     per-gradient records replaced by one per bucket. ``program`` is left untouched."""
     graph = copy.deepcopy(program.module.graph)

@@ -55,8 +55,8 @@ def backward_parts(gm: fx.GraphModule) -> dict[fx.Node, str]:
                 sinks.add(feeds[user] if same else _CHAIN)
         inputs = node.all_input_nodes
         if any(a in params for a in inputs) and any(
-                a in part and part[a] != "F" for a in inputs):
-            sinks.add(_CHAIN)
+                a.meta.get(M.PHASE) is M.Phase.BACKWARD for a in inputs):
+            sinks.add(_CHAIN)  # a gradient carried through a weight: the chain goes on below
         feeds[node] = sinks.pop() if len(sinks) == 1 else _CHAIN
         part[node] = "B" if feeds[node] is _CHAIN else "W"
     return part

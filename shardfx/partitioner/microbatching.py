@@ -31,9 +31,9 @@ log = logging.getLogger("shardfx.microbatching")
 ROWS = 2  # slices of one row each that the loss is tried on
 MAX_ELEMENTS = 1 << 26  # larger model outputs are not tried (the check allocates them)
 
-# ATen ops whose result depends on other rows of the batch when ``training`` is set.
-_BATCH_STATS = {"_native_batch_norm_legit_functional": 5, "_native_batch_norm_legit": 5,
-                "native_batch_norm": 5, "_native_batch_norm_legit_no_training": None}
+# ATen ops whose result depends on other rows of the batch when their ``training`` is set.
+_BATCH_STATS = {"_native_batch_norm_legit_functional", "_native_batch_norm_legit",
+                "native_batch_norm"}
 
 
 def check_rows_independent(gm: fx.GraphModule, slices: int) -> None:
@@ -43,8 +43,10 @@ def check_rows_independent(gm: fx.GraphModule, slices: int) -> None:
         if node.op != "call_function" or node.meta.get(M.PHASE) is not M.Phase.FORWARD:
             continue
         name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
-        index = _BATCH_STATS.get(name)
-        if index is None or not (len(node.args) > index and node.args[index] is True):
+        if name not in _BATCH_STATS:
+            continue
+        names = [a.name for a in node.target._schema.arguments]  # overloads place it apart
+        if node.args[names.index("training")] is not True:
             continue
         stack = node.meta.get("nn_module_stack") or {}
         module = next(reversed(stack.values()), ("", ""))[0] if stack else "?"

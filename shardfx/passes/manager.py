@@ -43,6 +43,12 @@ class Options:
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
 
     @property
+    def slices(self) -> int:
+        """Slices of the batch a step runs one at a time: microbatches, times the dp replicas of
+        a pipeline (each its own rows); the program is traced on one."""
+        return self.microbatches * (self.mesh.axis("dp") if self.mesh.axis("pp") > 1 else 1)
+
+    @property
     def stages(self) -> int:
         """Pipeline stages: ``virtual_stages`` per rank of the pp axis."""
         return self.mesh.axis("pp") * (self.virtual_stages if self.mesh.axis("pp") > 1 else 1)

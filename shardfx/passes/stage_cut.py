@@ -28,9 +28,12 @@ crossing each cut.
 
 from __future__ import annotations
 
-import torch.fx as fx
-from torch.distributed.tensor import Shard
+import math
 
+import torch
+import torch.fx as fx
+
+from shardfx.codegen.spmd import local_shape
 from shardfx.errors import PipelineError
 from shardfx.hints import PIPE_SPLIT
 from shardfx.ir import meta as M
@@ -240,19 +243,16 @@ def _too_many(stages: int, cut_points: int) -> PipelineError:
         fix=f"use at most {cut_points + 1} pipeline stages, or mark cuts with shardfx.pipe_split")
 
 
-def _shards(placements, sizes: dict[str, int]) -> int:
-    """Into how many pieces placements cut a tensor: the product of its sharded axes' sizes."""
-    n = 1
-    for (_, size), p in zip(sizes.items(), placements):
-        n *= size if isinstance(p, Shard) else 1
-    return n
+def _local_bytes(val, placements, axes) -> int:
+    """Bytes of this device's shard of a tensor placed so on the mesh ``axes``."""
+    return math.prod(local_shape(val.shape, placements, axes)) * val.element_size()
 
 
 def stage_report(gm: fx.GraphModule) -> list[dict]:
     """Per stage: forward ops, estimated time, parameter bytes, activation bytes one microbatch
     leaves for the backward, and what it sends to later stages. Bytes are per device: a stage
     sharded over tp holds its shards (placements from shard_propagate)."""
-    sizes = dict(gm.meta[M.GRAPH].mesh)
+    axes = gm.meta[M.GRAPH].mesh
     rows: dict[int, dict] = {}
     for node in gm.graph.nodes:
         if M.STAGE not in node.meta:
@@ -261,19 +261,19 @@ def stage_report(gm: fx.GraphModule) -> list[dict]:
                                                    "saved_bytes": 0, "sends": []})
         if node.op == "placeholder":
             if node.meta[M.ROLE].kind is M.InputKind.PARAM:
-                val = node.meta[M.VAL]
-                row["param_bytes"] += val.numel() * val.element_size() // _shards(
-                    node.meta.get(M.ANNOTATION, ()), sizes)
+                row["param_bytes"] += _local_bytes(node.meta[M.VAL],
+                                                   node.meta.get(M.ANNOTATION, ()), axes)
             continue
         if node.meta[M.PHASE] is not M.Phase.FORWARD:
             continue
         row["ops"] += 1
         row["time"] += node_time(node)
         if any(u.meta.get(M.PHASE) is M.Phase.BACKWARD for u in node.users):
-            sharding = node.meta.get(M.SHARDING)  # one op's output placements, or a tuple
-            out = sharding.out if sharding is not None else ()
-            split = _shards(out, sizes) if out and not isinstance(out[0], tuple) else 1
-            row["saved_bytes"] += node.meta[M.COST].out_bytes // split  # kept for the backward
+            saved = node.meta[M.COST].out_bytes  # kept for the backward; views own nothing
+            sharding, val = node.meta.get(M.SHARDING), node.meta[M.VAL]
+            if saved and sharding is not None and isinstance(val, torch.Tensor):
+                saved = _local_bytes(val, sharding.out, axes)  # this device's shard
+            row["saved_bytes"] += saved
         later = {u.meta[M.STAGE] for u in node.users if u.meta.get(M.STAGE, -1) > node.meta[M.STAGE]}
         if later:
             row["sends"].append((node.name, tensor_bytes(node), sorted(later)))

@@ -4,7 +4,7 @@ The plan holds the joint graph split into per-stage parts (``codegen.stages``) a
 (``shardfx.schedule``): one ordered action list per rank, ``0F1`` = stage 0 forward of
 microbatch 1. Pipeline rank r (its place on the pp axis) runs stage r (and r + pp, ... with
 virtual stages); with a dp axis, each replica of the pipeline takes its rows of the batch and
-the replicas average their gradients (and the loss) after the last microbatch.
+the replicas combine their gradients (and the loss) after the last microbatch.
 
 For each action the runner gathers the part's inputs: this rank's parameters; the action's
 microbatch slice of the global inputs and targets; values an earlier action of the same rank
@@ -22,10 +22,11 @@ matches in order and would need each action's sends and receives batched in a ma
 instead (not done). The timeline records compute only: time waiting for data is idle, as the
 schedule simulator counts it.
 
-Gradients are summed over microbatches (the tangent is 1/m: the loss of the whole batch is the
-mean of the microbatch losses), the optimizer steps each rank's own parameters, and a parameter
-read by several stages (a tied embedding) is sent from the stage that owns its gradient to the
-others after each step.
+Gradients are summed over microbatches. The tangent is 1/m when the batch's loss is the mean of
+the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
+time); dp replicas average or add alike, in DDP-sized buckets. The optimizer steps each rank's
+own parameters, and a parameter read by several stages (a tied embedding) is sent from the
+stage that owns its gradient to the others after each step.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
+from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.mesh import coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
+from shardfx.schedule import forward_only
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan
@@ -71,7 +74,7 @@ class PipelineRunner:
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up
-        self._program = self._stage_program(plan.stage_program, plan.ir)
+        self._program = self._stage_program(plan.stage_program, plan.ir, self.schedule)
         self._steps = self._program.steps(self.rank)
         model = plan.model
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
@@ -90,9 +93,11 @@ class PipelineRunner:
         self._held: list[int] = []
         self._forward: tuple | None = None  # the inference program, compiled on first use
 
-    def _stage_program(self, split, ir) -> StageProgram:
+    def _stage_program(self, split, ir, schedule) -> StageProgram:
+        """``split``'s parts, run by ``schedule``; the IR it was split from has the outputs'
+        roles and the fake values (shapes to receive into)."""
         vals = {n.name: n.meta[M.VAL] for n in ir.graph.nodes if M.VAL in n.meta}
-        return StageProgram(split, ir.graph.output_node().meta[M.OUTPUTS], self.schedule,
+        return StageProgram(split, ir.graph.output_node().meta[M.OUTPUTS], schedule,
                             self._ranks, vals)
 
     def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -215,19 +220,11 @@ class PipelineRunner:
         where the training plan keeps each weight), the outputs joined along the batch."""
         flat = self._plan.check_inputs(args, (), inference=True)
         if self._forward is None:
-            self._forward = self._compile_forward()
+            self._forward = self._compile_forward(flat[0].shape[0] // (self._dp_size * self.m))
         program, steps, spec, outputs = self._forward
         self._execute(program, steps, flat, self._inference_weights(program))
-        rows = flat[0].shape[0] // (self._dp_size * self.m) if flat else 0
         leaves = []
-        for role, (part, index) in outputs:
-            owner = program.rank_of(part)
-            val = program.out_val(part, index)
-            if val.dim() == 0 or val.shape[0] != rows:
-                raise PipelineError(
-                    f"model output {role.name} is {list(val.shape)} per microbatch, not batch-first "
-                    f"({rows} rows): its microbatches cannot be joined", where="runner.forward",
-                    fix="return batch-first tensors from the model, or plan inference without pp")
+        for role, owner, val in outputs:
             shape = (val.shape[0] * self.m, *val.shape[1:])
             if self.rank == owner:
                 mine = torch.cat([self._outputs[role.index][mb] for mb in range(self.m)])
@@ -241,29 +238,38 @@ class PipelineRunner:
             leaves.append(mine)
         return pytree.tree_unflatten(leaves, spec)
 
-    def _compile_forward(self) -> tuple:
-        split, roles, spec = self._plan.inference_stages()
+    def _compile_forward(self, rows: int) -> tuple:
+        """The forward program, this rank's steps of it, the output structure, and per model
+        output (role, producing rank, fake value of one microbatch's), checked batch-first."""
+        split, ir, spec = self._plan.inference_stages()
         if split is self._plan.stage_program:  # an inference plan: its program is the one
             program, steps = self._program, self._steps
         else:
-            from shardfx.schedule import forward_only
             schedule = forward_only(self.schedule.ranks, self.m,
                                     self.schedule.stages // self.schedule.ranks)
-            vals = {n.name: n.meta[M.VAL] for n in split.graph.nodes if M.VAL in n.meta}
-            program = StageProgram(split, roles, schedule, self._ranks, vals)
+            program = self._stage_program(split, ir, schedule)
             steps = program.steps(self.rank)
-        outputs = sorted(((r, key) for key, rs in program.finals.items() for r in rs
-                          if r.kind is M.OutputKind.OUTPUT), key=lambda x: x[0].index)
-        return program, steps, spec, outputs
+        outputs = []
+        for (part, index), roles in program.finals.items():
+            for role in (r for r in roles if r.kind is M.OutputKind.OUTPUT):
+                val = program.out_val(part, index)
+                if val.dim() == 0 or val.shape[0] != rows:
+                    raise PipelineError(
+                        f"model output {role.name} is {list(val.shape)} per microbatch, not "
+                        f"batch-first ({rows} rows): its microbatches cannot be joined",
+                        where="runner.forward", fix="return batch-first tensors from the model, "
+                        "or plan inference without pp")
+                outputs.append((role, program.rank_of(part), val))
+        return program, steps, spec, sorted(outputs, key=lambda o: o[0].index)
 
     def _inference_weights(self, program: StageProgram) -> dict[str, torch.Tensor]:
         """The weights the forward program reads on this rank: the trained ones, resharded over
         tp where the forward program places them differently."""
-        out = {}
+        out, buffers = {}, dict(self._plan.model.named_buffers())
         for role in program.reads(self.rank).values():
             fqn = role.name
             if role.kind is M.InputKind.BUFFER:
-                out[fqn] = self._buffers.get(fqn, dict(self._plan.model.named_buffers())[fqn])
+                out[fqn] = self._buffers.get(fqn, buffers[fqn])
             elif role.kind is M.InputKind.PARAM:
                 if fqn not in self._params:
                     raise PipelineError(
@@ -405,8 +411,6 @@ class PipelineRunner:
             out[fqn] = t
         return out
 
-
-BUCKET_BYTES = 25 << 20  # as DDP's default bucket
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
