@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardfx
-from bench.common import append_results, machine
+from bench.common import alternate, append_results, machine
 from bench.timed import Timed
 from shardfx.schedule import Action, Kind, formula_bubble
 
@@ -212,17 +211,8 @@ def race(name: str, layers: int, hidden: int, rows: int, warmup: int, steps: int
         opt.step()
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
-    contestants = {"shardfx": lambda: runner.step((x,), (y,)), "peer": peer_step}
-    times: dict[str, list[float]] = {k: [] for k in contestants}
-    losses = {}
-    for i in range(warmup + steps):
-        for key, step in contestants.items():
-            dist.barrier()
-            start = time.perf_counter()
-            losses[key] = step()
-            dist.barrier()
-            if i >= warmup:
-                times[key].append(time.perf_counter() - start)
+    times, losses = alternate({"shardfx": lambda: runner.step((x,), (y,)), "peer": peer_step},
+                              warmup, steps)
     dist.broadcast(losses["peer"], src=P - 1)  # the last stage has the peer's losses
     return dict(times=times, losses={k: v.item() for k, v in losses.items()}) \
         if rank == 0 else None

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardfx
-from bench.common import append_results, machine
+from bench.common import alternate, append_results, machine
 
 warnings.filterwarnings("ignore")
 
@@ -149,16 +149,7 @@ def race(b: int, s: int, warmup: int, steps: int) -> dict | None:
         return loss.detach()
 
     contestants = {"shardfx": lambda: runner.step((x,), (y,)), "peer": peer_step}
-    times: dict[str, list[float]] = {k: [] for k in contestants}
-    losses = {}
-    for i in range(warmup + steps):
-        for name, step in contestants.items():
-            dist.barrier()
-            start = time.perf_counter()
-            losses[name] = step()
-            dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+    times, losses = alternate(contestants, warmup, steps)
     dist.all_reduce(losses["peer"], group=mesh["dp"].get_group())  # mean of the dp slices' means
     losses = {"shardfx": losses["shardfx"].item(), "peer": losses["peer"].item() / 2}
     notes = {name: profiled(step) for name, step in contestants.items()}
