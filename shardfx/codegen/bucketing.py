@@ -140,8 +140,9 @@ def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> Non
     with graph.inserting_before(b.grads[-1].value.next):
         flat = []
         for i, g in enumerate(b.grads):
-            view = aten.view if g.value.meta[M.VAL].is_contiguous() else aten.reshape
-            flat.append(op(view.default, g.value, [-1], rename=f"{name}_in{i}"))
+            # reshape, not view: a kernel may lay a gradient out unlike its traced strides
+            # (codegen.program); on a dense one it is a view
+            flat.append(op(aten.reshape.default, g.value, [-1], rename=f"{name}_in{i}"))
         buffer = op(aten.cat.default, flat, rename=f"{name}_flat") if len(flat) > 1 else flat[0]
         reduce = op(c10d.all_reduce.default, buffer, b.op, b.group, rename=f"{name}_all_reduce")
     # Wait as late as possible: the gradients' only use is the output.

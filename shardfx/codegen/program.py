@@ -4,6 +4,19 @@ On one device the program is the IR itself, stripped of analysis metadata, compi
 Python that calls ATen ops in order. Later stages of the compiler add here: local shapes,
 explicit collectives and send/recv (spmd), and Triton kernels for fused groups. The runner only
 knows ``Program``: a callable with a list of input roles and a list of output roles.
+
+Layouts. The strides in the IR (``meta["val"]``) are FakeTensor's prediction, and a real kernel
+may lay out its result otherwise: CPU ``mse_loss_backward`` returns a contiguous gradient for a
+transposed input where the fake one keeps the input's strides; the runner's inputs (a batch
+slice, a tensor received from another stage) and codegen's collectives have layouts of their
+own. Nearly every op computes the same values from any layout; two kinds do not, and
+``layout_free`` rewrites both in every generated program (as Inductor lowers them):
+
+- views that fail when the strides do not allow them (``view``, ``_unsafe_view``) become
+  ``reshape``: the same values, a view where the layout allows and a copy where not;
+- ops that address their operand's memory (``as_strided``, ``view.dtype``, ...) get their operand
+  laid out as the IR recorded (``restride``: the operand itself when it already is, a copy
+  otherwise), so they read what the trace meant.
 """
 
 from __future__ import annotations
@@ -11,10 +24,23 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from shardfx.hints import strip_hints
 from shardfx.ir import meta as M
+
+aten = torch.ops.aten
+
+# Ops that fail unless their operand's strides allow them -> the op computing the same values
+# from any layout.
+RESHAPES = {aten.view.default: aten.reshape.default,
+            aten._unsafe_view.default: aten.reshape.default}
+
+# Ops whose values depend on their first operand's strides and storage offset.
+ADDRESSING = frozenset({aten.as_strided.default, aten.as_strided_copy.default,
+                        aten.as_strided_scatter.default, aten.view.dtype,
+                        aten.view_as_complex.default})
 
 
 @dataclass(frozen=True)
@@ -39,10 +65,49 @@ class Program:
 
 
 def generate(gm: fx.GraphModule) -> Program:
-    """Requires: ROLE on placeholders, OUTPUTS on the output node. Leaves ``gm`` untouched."""
+    """Requires: ROLE on placeholders, OUTPUTS on the output node. Leaves ``gm`` untouched.
+    Ensures: the program's values do not depend on the layouts its kernels give (``layout_free``);
+    ops keep their PHASE and STAGE (a pipeline is cut from this graph)."""
     graph = copy.deepcopy(gm.graph)
     strip_hints(graph)
+    layout_free(graph)
     module = fx.GraphModule(gm, graph, class_name="ShardfxProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     outputs = tuple(graph.output_node().meta[M.OUTPUTS])
     return Program(module, inputs, outputs)
+
+
+def layout_free(graph: fx.Graph) -> None:
+    """Rewrite the ops whose result depends on their operand's layout (see the module docstring)
+    so the program computes what the IR means whatever layouts its values have at run time.
+    A ``restride`` takes the PHASE and STAGE of the op it serves."""
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in RESHAPES:
+            node.target = RESHAPES[node.target]
+        elif node.target in ADDRESSING and isinstance(node.args[0], fx.Node):
+            x = node.args[0]
+            val = x.meta[M.VAL]
+            with graph.inserting_before(node):
+                guard = graph.call_function(restride, (x, tuple(val.stride()),
+                                                       val.storage_offset()))
+            guard.meta[M.VAL] = val
+            guard.meta.update({k: node.meta[k] for k in (M.PHASE, M.STAGE) if k in node.meta})
+            node.update_arg(0, guard)
+
+
+def restride(x: torch.Tensor, stride: tuple[int, ...], offset: int) -> torch.Tensor:
+    """``x`` with the strides and storage offset the program was traced with: ``x`` itself when
+    it has them, else a copy laid out so (in a buffer just large enough). A broadcast dim
+    (stride 0) holds one value, written once."""
+    if x.stride() == stride and x.storage_offset() == offset:
+        return x
+    extent = offset + (1 + sum((n - 1) * s for n, s in zip(x.shape, stride)) if x.numel() else 0)
+    out = x.new_empty(extent).as_strided(x.shape, stride, offset)
+    src, dst = x, out
+    for dim, (n, s) in enumerate(zip(x.shape, stride)):
+        if s == 0 and n > 1:
+            src, dst = src.narrow(dim, 0, 1), dst.narrow(dim, 0, 1)
+    dst.copy_(src)
+    return out

@@ -7,7 +7,8 @@ Ensures:  a new GraphModule over local shapes, with explicit collectives, whose 
 
 Walking the global graph in order, every operand is first redistributed to the placements the
 op's rule asked for (``codegen.redistribute``), then the op is emitted with its arguments made
-local (view sizes and the like, from the rule). Every emitted node gets its local FakeTensor by
+local (view sizes and the like, from the rule), layout-free as on one device (views as
+reshapes, ``codegen.program.layout_free``). Every emitted node gets its local FakeTensor by
 running the op on its operands' local fake values, so the program's shapes are checked as it is
 built. Returned values are redistributed to what the runner expects: each gradient like its
 parameter, the loss and model outputs replicated.
@@ -21,15 +22,12 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
 
-from shardfx.codegen.program import Program
+from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
 from shardfx.errors import PassError
 from shardfx.hints import MARKERS
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
-
-
-VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
@@ -58,7 +56,8 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
 
     for node in gm.graph.find_nodes(op="placeholder"):
         local = graph.placeholder(node.name)
-        local.meta.update({k: node.meta[k] for k in (M.ROLE, M.ANNOTATION) if k in node.meta})
+        local.meta.update({k: node.meta[k] for k in (M.ROLE, M.ANNOTATION, M.CONSTANT)
+                           if k in node.meta})
         placements = node.meta.get(M.ANNOTATION, ())
         local.meta[M.VAL] = _local_fake(fake, node.meta[M.VAL], placements, info.mesh)
         env[node], have[node] = local, placements
@@ -81,6 +80,7 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
         for p in (m.group, m.coord):
             if not p.users:
                 graph.erase_node(p)
+    layout_free(graph)  # values independent of the layouts kernels give (codegen.program)
     module = fx.GraphModule(gm, graph, class_name="ShardfxSpmdProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     return Program(module, inputs, tuple(out.meta[M.OUTPUTS])), log
@@ -98,10 +98,9 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
     kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
     args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(local_operands), (args, kwargs))
     target = sharding.local_op or node.target
-    if target in VIEWS and not args[0].meta[M.VAL].is_contiguous():
-        # A redistributed operand may be laid out differently from the global one; reshape is
-        # view where the layout allows and a copy where not: the same values either way.
-        target = torch.ops.aten.reshape.default
+    # A local operand may be laid out unlike the global one (redistributed, a batch slice):
+    # a view becomes a reshape here, so the fake value is computed as the program will run.
+    target = RESHAPES.get(target, target)
     local = emit(target, *args, **kwargs)
     local._rename(node.name)
     local.meta.update({k: node.meta[k] for k in (M.PHASE, M.STAGE) if k in node.meta})

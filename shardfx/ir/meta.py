@@ -8,6 +8,7 @@ reader can find in one place what a key means and which pass produces it.
     ----------------  -----------------  -------------  ------------------------------
     VAL               every value node   FakeTensor     torch (capture)
     ROLE              placeholders       InputRole      partitioner.capture
+    CONSTANT          constant inputs    Constant       partitioner.capture
     OUTPUTS           the output node    tuple[OutputRole, ...]  partitioner.capture
     PHASE             call_function      Phase          passes.assign_phase
     COST              call_function      NodeCost       passes.estimate_cost
@@ -23,8 +24,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+
 VAL = "val"
 ROLE = "shardfx.role"
+CONSTANT = "shardfx.constant"
 OUTPUTS = "shardfx.outputs"
 PHASE = "shardfx.phase"
 COST = "shardfx.cost"
@@ -60,6 +64,8 @@ class InputKind(str, enum.Enum):
     TARGET = "target"  # a leaf of example_targets
     TANGENT = "tangent"  # d(loss)/d(loss): 1.0, or the loss scale under fp16
     MESH = "mesh"  # per-rank facts of a per-device program: a process group name, a coordinate
+    CONSTANT = "constant"  # a tensor the model makes from Python values (x[:, [0, 1]]'s index)
+    RNG = "rng"  # i64[3] [seed, step, slice]: the random state of dropout masks (passes.rng)
 
     def __str__(self) -> str:
         return self.value
@@ -71,8 +77,9 @@ class InputRole:
 
     ``name`` is the module FQN for parameters and buffers (``transformer.h.0.attn.c_attn.weight``),
     ``args[i]`` / ``targets[i]`` for the i-th flattened leaf of the user's inputs, ``loss`` for
-    the tangent. ``aliases`` lists other FQNs bound to the same tensor (tied weights, e.g.
-    GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``).
+    the tangent, the name torch gave a constant (``_tensor_constant0``; its value is in the
+    placeholder's ``CONSTANT``). ``aliases`` lists other FQNs bound to the same tensor (tied
+    weights, e.g. GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``).
     """
 
     kind: InputKind
@@ -85,6 +92,21 @@ class InputRole:
         if self.aliases:
             s += " (= " + ", ".join(self.aliases) + ")"
         return s
+
+
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """The value of a CONSTANT input: a tensor the traced code built from Python values, such as
+    the index of ``h[:, [0, 1]]``. torch leaves it in the graph as a module attribute; shardfx
+    makes it an input like the others (torch.export lifts constants alike), so every program,
+    on one device, sharded or cut into pipeline stages, takes it as an input the runner feeds.
+    A constant is the same on every device: replicated on every mesh axis. Compared by identity
+    (tensors have no single truth value)."""
+
+    value: torch.Tensor
+
+    def __str__(self) -> str:
+        return f"constant {list(self.value.shape)} {self.value.dtype}"
 
 
 class OutputKind(str, enum.Enum):

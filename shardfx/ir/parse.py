@@ -20,8 +20,9 @@ fake values, which recomputes ``meta["val"]``, and must give the declared type. 
 
 Unreadable text raises ``ParseError``; a declared type the op does not compute raises
 ``VerifyError``; both name the line and show it in context. The result passes ``verify``, and
-``ir_to_text(text_to_ir(t)) == t`` for text ``ir_to_text`` printed. Constants (``= constant
-NAME``) are refused: their values are not in the text.
+``ir_to_text(text_to_ir(t)) == t`` for text ``ir_to_text`` printed. A constant input is read
+with its value (``= constant NAME [0, 1]``, as ``ir_to_text`` prints small ones); one printed
+without (too large to print) is refused.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ _PLACEMENT = re.compile(r"S\((-?\d+)\)|R|P(?:\((\w+)\))?")
 _OUTPUT = re.compile(r"output\s+(?P<kind>\w+)\s+(?P<name>\S+)\s*=\s*(?P<value>.+)")
 _NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)"
                    r"(?:\s+#\s*(?P<notes>.*))?")  # name: type = rhs  # notes
+_CONSTANT = re.compile(r"constant\s+(?P<name>\S+)(?:\s+(?P<value>.+))?")
 _INPUT = re.compile(r"(?P<kind>\w+)\s+(?P<name>[^\s(]+)(?:\s+\(=\s*(?P<aliases>[^)]*)\))?")
 _TENSOR = re.compile(r"(?P<dtype>[\w.]+)\[(?P<shape>[\d,\s]*)\]")
 _LEAF = {M.InputKind.INPUT: re.compile(r"args\[(\d+)\]"),
          M.InputKind.TARGET: re.compile(r"targets\[(\d+)\]")}
-_INPUT_WORDS = {k.value for k in M.InputKind} | {"constant"}
+_INPUT_WORDS = {k.value for k in M.InputKind}
 _CALLS = {"float": float, "torch.device": torch.device}  # literals arg_str prints as calls
 _TORCH_ENUMS = (torch.dtype, torch.memory_format, torch.layout)  # torch.float32, torch.strided
 
@@ -170,13 +172,12 @@ class _Reader:
             self.declared[node] = (self.lineno, notes)
 
     def _placeholder(self, m: re.Match) -> fx.Node:
+        if m["rhs"].split(maxsplit=1)[0] == M.InputKind.CONSTANT.value:
+            return self._constant(m)
         rhs = _INPUT.fullmatch(m["rhs"])
         if rhs is None:
             raise self._error(f"cannot read input {m['rhs']!r}",
                               fix="write 'KIND NAME' or 'KIND NAME (= ALIAS, ...)'")
-        if rhs["kind"] == "constant":
-            raise self._error("constants cannot be rebuilt from text: their values are not in it",
-                              fix="make the constant an input of the graph")
         kind = M.InputKind(rhs["kind"])
         index = None
         if kind in _LEAF:
@@ -187,6 +188,26 @@ class _Reader:
         dtype, shape = self._tensor_type(m["type"])
         node = self.graph.placeholder(m["name"])
         node.meta[M.ROLE] = M.InputRole(kind, rhs["name"], index, aliases)
+        with self.fake_mode:
+            node.meta[M.VAL] = torch.empty(shape, dtype=dtype, device=self.device)
+        return node
+
+    def _constant(self, m: re.Match) -> fx.Node:
+        """``constant NAME VALUE``: a CONSTANT input, its value a Python literal."""
+        c = _CONSTANT.fullmatch(m["rhs"])
+        if c is None or c["value"] is None:
+            raise self._error("constants cannot be rebuilt from text without their values (too "
+                              "large to print)", fix="capture the model (shardfx.partition), "
+                              "which records them, or make the value an input of the model")
+        dtype, shape = self._tensor_type(m["type"])
+        try:
+            value = torch.tensor(ast.literal_eval(c["value"]), dtype=dtype).reshape(shape)
+        except (ValueError, SyntaxError, TypeError, RuntimeError) as e:
+            raise self._error(f"cannot read the value of constant {c['name']}: {e}",
+                              fix=f"write a list literal of {m['type']}, e.g. [0, 1]") from None
+        node = self.graph.placeholder(m["name"])
+        node.meta[M.ROLE] = M.InputRole(M.InputKind.CONSTANT, c["name"])
+        node.meta[M.CONSTANT] = M.Constant(value)
         with self.fake_mode:
             node.meta[M.VAL] = torch.empty(shape, dtype=dtype, device=self.device)
         return node

@@ -10,10 +10,12 @@
       output grad transformer.wte.weight = add_3
 
 Types are ``dtype[shape]`` (``f32[2, 8]``), a tuple of them for multi-output ops, ``-`` for a
-value that is not a tensor. Operands are node names or Python literals. ``# fwd``/``# bwd`` is
-the node's PHASE; ``@1`` its pipeline STAGE; then, on a graph planned for a mesh (``graph train M mesh dp=2,tp=2``), its
-placements, one per mesh axis (``S(0)R``: Shard(0) on dp, Replicate on tp; ``P`` a partial sum). ``shardfx.ir.parse.text_to_ir`` reads this form back, so tests can be
-written in it.
+value that is not a tensor. A small constant input shows its value
+(``tensor_constant0: i64[2] = constant _tensor_constant0 [0, 1]``). Operands are node names or
+Python literals. ``# fwd``/``# bwd`` is the node's PHASE; ``@1`` its pipeline STAGE; then, on a
+graph planned for a mesh (``graph train M mesh dp=2,tp=2``), its placements, one per mesh axis
+(``S(0)R``: Shard(0) on dp, Replicate on tp; ``P`` a partial sum). ``shardfx.ir.parse.text_to_ir``
+reads this form back, so tests can be written in it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ def node_line(node: fx.Node) -> str:
         rhs = f"{role.kind} {role.name}" if role else "input ?"
         if role and role.aliases:
             rhs += " (= " + ", ".join(role.aliases) + ")"
+        if role and role.kind is M.InputKind.CONSTANT:
+            rhs += constant_str(node.meta.get(M.CONSTANT))
     elif node.op == "get_attr":
         rhs = f"constant {node.target}"
     else:
@@ -78,6 +82,19 @@ def node_line(node: fx.Node) -> str:
         rhs = f"{target_str(node.target)}({', '.join(operands)})"
     notes = node_notes(node)
     return f"{node.name}: {ty} = {rhs}" + (f"  # {notes}" if notes else "")
+
+
+INLINE_CONSTANT = 16  # constants of at most this many elements are printed with their values
+
+
+def constant_str(const: M.Constant | None) -> str:
+    """`` [0, 1]``: a small constant's value, as a literal ``parse`` reads back; '' otherwise."""
+    if const is None or const.value.numel() > INLINE_CONSTANT:
+        return ""
+    value = const.value
+    if (value.is_floating_point() or value.is_complex()) and not value.isfinite().all():
+        return ""  # nan and inf are not literals
+    return f" {value.tolist()!r}"
 
 
 def node_notes(node: fx.Node) -> str:

@@ -4,6 +4,9 @@ Always:
   - the graph lints (torch.fx's own structural check);
   - ``gm.meta[GRAPH]`` is a ``GraphInfo``;
   - every placeholder has a ``ROLE``; parameter and buffer FQNs appear once;
+  - a CONSTANT input has its value in ``CONSTANT``, of the shape and dtype of its ``VAL``, and
+    once placed, is replicated on every mesh axis (every device holds the whole constant); no
+    tensor is read with ``get_attr`` (constants are inputs);
   - every node that yields a tensor has a ``VAL`` (getitem of a tuple included);
   - the output node has one ``OUTPUTS`` role per returned value; a training graph returns
     exactly one ``LOSS`` and takes exactly one ``TANGENT``; an inference graph neither.
@@ -12,7 +15,9 @@ Once a pass has written a per-node key (``PHASE``, ``COST``), every call_functio
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
 from shardfx.errors import VerifyError
 from shardfx.ir import meta as M
@@ -38,11 +43,20 @@ def verify(gm: fx.GraphModule) -> None:
         if not isinstance(role, M.InputRole):
             raise VerifyError("placeholder has no ROLE", where=node.format_node())
         kinds[role.kind] = kinds.get(role.kind, 0) + 1
+        if role.kind is M.InputKind.CONSTANT:
+            _verify_constant(node)
         if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
             if role.name in seen:
                 raise VerifyError(f"{role.kind} {role.name} is bound to two placeholders",
                                   where=f"{seen[role.name].name} and {node.name}")
             seen[role.name] = node
+
+    for node in graph.find_nodes(op="get_attr"):
+        owner, _, attr = str(node.target).rpartition(".")
+        if isinstance(getattr(gm.get_submodule(owner), attr, None), torch.Tensor):
+            raise VerifyError("a tensor constant is read as a module attribute, not an input",
+                              where=node.format_node(),
+                              fix="constants are CONSTANT inputs (partitioner.capture lifts them)")
 
     present = {k for k in PER_NODE_KEYS if any(k in n.meta for n in graph.nodes)}
     for node in graph.nodes:
@@ -70,3 +84,18 @@ def verify(gm: fx.GraphModule) -> None:
         raise VerifyError(
             f"a {info.mode} graph must have {want} loss output and {want} tangent input, "
             f"has {n_loss} and {n_tangent}", where="graph inputs/outputs")
+
+
+def _verify_constant(node: fx.Node) -> None:
+    const, val = node.meta.get(M.CONSTANT), node.meta.get(M.VAL)
+    if not isinstance(const, M.Constant) or not isinstance(const.value, torch.Tensor):
+        raise VerifyError("constant input has no CONSTANT value", where=node.format_node(),
+                          fix="constants come from partitioner.capture, which records the value")
+    if val is not None and (const.value.shape != val.shape or const.value.dtype != val.dtype):
+        raise VerifyError(f"constant value is {list(const.value.shape)} {const.value.dtype}, its "
+                          f"VAL {list(val.shape)} {val.dtype}", where=node.format_node())
+    placements = node.meta.get(M.ANNOTATION, ())
+    if any(not isinstance(p, Replicate) for p in placements):
+        raise VerifyError(f"constant placed {M.placements_str(placements)}, not replicated",
+                          where=node.format_node(),
+                          fix="a constant is the same on every device: annotate it Replicate()")

@@ -8,7 +8,8 @@ Two torch steps, then our naming:
    the joint forward+backward graph. Every input and output carries a descriptor saying what it is
    (parameter FQN, user input index, gradient of which parameter, mutated buffer).
 3. We turn the descriptors into ``ROLE`` / ``OUTPUTS`` meta, give placeholders readable names,
-   drop the ``None`` outputs, and merge tied parameters into one input whose gradient is the sum.
+   drop the ``None`` outputs, make tensor constants inputs (``CONSTANT``), and merge tied
+   parameters into one input whose gradient is the sum.
 
 For training the traced callable is ``loss_fn(model(*args), *targets)``; for inference, the model.
 """
@@ -27,10 +28,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._functorch._aot_autograd import descriptors as d
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from shardfx.errors import CaptureError, InputError, LossError, ShardfxError
+from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
 from shardfx.ir import meta as M
-from shardfx.ir.graph import insert_op
+from shardfx.ir.graph import fake_mode_of, insert_op
 from shardfx.partitioner.microbatching import output_of
 
 log = logging.getLogger("shardfx.capture")
@@ -77,6 +79,7 @@ def capture(
     example = args if mode is M.Mode.INFER else (args, targets)
     with _hf_cache_off(model):
         ep = _export(traced, example, model)
+        _check_static(ep, model)
         with contextlib.ExitStack() as stack:
             grad_mode = torch.enable_grad() if mode is M.Mode.TRAIN else torch.no_grad()
             with grad_mode:
@@ -198,6 +201,23 @@ def _export(traced: torch.nn.Module, example: tuple, model: torch.nn.Module):
         ) from e
 
 
+def _check_static(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> None:
+    """torch.export's non-strict mode records a value read from a tensor into Python (``.item()``,
+    ``.tolist()``) or a shape that depends on the data (``nonzero``) as an unbacked symbol; the
+    joint trace cannot follow it. Raise a CaptureError at the first such node's line."""
+    for node in ep.graph.nodes:
+        if "val" in node.meta and free_unbacked_symbols(node.meta["val"]):
+            name = type(model).__name__
+            raise CaptureError(
+                f"{name} computes a value that depends on the data ({node.target}): a Python "
+                "number read from a tensor, or a shape that depends on tensor values, which a "
+                "static training graph cannot hold",
+                where=user_line(node.meta.get("stack_trace")) or f"{name}, node {node.name}",
+                fix="keep it a tensor: drop .item()/.tolist() and compute with the 0-dim tensor "
+                "(it broadcasts like a number), choose with torch.where, and use a mask "
+                "(torch.where(mask, x, 0)) instead of nonzero/masked_select")
+
+
 def _user_frame(e: BaseException) -> str | None:
     """The innermost traceback frame outside torch itself, as 'file:line in fn: code'."""
     torch_dir = torch.__file__.rsplit("/", 1)[0]
@@ -228,6 +248,7 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
         roles.append(role)
     out_node.args = (tuple(values),)
     out_node.meta[M.OUTPUTS] = tuple(roles)
+    _lift_constants(gm)
     _drop_asserts(graph)
     if prefix:  # module paths as the user's model names them, like the parameters
         for node in graph.nodes:
@@ -237,6 +258,34 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
                     for k, (path, cls) in stack.items()}
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a tuple out: no pytree specs
     gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=model_name)
+
+
+def _lift_constants(gm: fx.GraphModule) -> None:
+    """Each tensor constant (``get_attr _tensor_constant0``: a tensor the model built from Python
+    values, such as the index of ``h[:, [0, 1]]``) becomes a placeholder with a CONSTANT role and
+    its value in ``CONSTANT``, after the other inputs. As an input it is planned (replicated),
+    cut into pipeline stages and fed by the runner like any other; the attribute is dropped, so
+    the value lives in one place. (Submodule attributes, the bodies of torch.cond and the like,
+    stay as they are.)"""
+    graph = gm.graph
+    last = graph.find_nodes(op="placeholder")[-1]
+    for node in graph.find_nodes(op="get_attr"):
+        owner, _, attr = node.target.rpartition(".")
+        value = getattr(gm.get_submodule(owner), attr)
+        if not isinstance(value, torch.Tensor):
+            continue
+        role = M.InputRole(M.InputKind.CONSTANT, node.target)
+        with graph.inserting_after(last):
+            lifted = graph.placeholder(_identifier(role))
+        lifted.meta.update(node.meta)
+        lifted.meta[M.ROLE] = role
+        lifted.meta[M.CONSTANT] = M.Constant(value.detach())
+        if M.VAL not in lifted.meta:
+            lifted.meta[M.VAL] = fake_mode_of(graph).from_tensor(value)
+        node.replace_all_uses_with(lifted)
+        graph.erase_node(node)
+        delattr(gm.get_submodule(owner), attr)
+        last = lifted
 
 
 # Checks torch.export leaves in the graph; with static shapes they hold by construction.

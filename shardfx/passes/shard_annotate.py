@@ -13,8 +13,8 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
     solver replaces this in a later version);
   - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
     its placements, one per mesh axis; unmatched parameters are replicated.
-Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``; the tangent and
-buffers are replicated.
+Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``; the tangent,
+buffers and constants (the same on every device) are replicated.
 """
 
 from __future__ import annotations
