@@ -7,7 +7,8 @@ with torch's functional collectives, so the program reads as plain ATen plus col
     P    -> R             all_reduce(sum), then / n for P(avg)
     P    -> S(d)          reduce_scatter along d
     S(d) -> R             all_gather along d
-    R    -> S(d)          narrow(d, coord * size, size)    (no communication)
+    R    -> S(d)          narrow(d, coord * size, size)    (no communication; copied dense
+                                                            when the slice is strided)
     R    -> P             x / n for P(sum): every rank holds a share that sums back to x
     S(a) -> S(b), S -> P  through R
 
@@ -93,7 +94,12 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list)
     if isinstance(h, Replicate) and isinstance(w, Shard):
         size = x.meta[M.VAL].shape[w.dim] // n
         start = emit(operator.mul, axis.coord, size)
-        return emit(aten.narrow.default, x, w.dim, start, size)
+        x = emit(aten.narrow.default, x, w.dim, start, size)
+        # A slice along a later dim is strided; kernels such as CPU native_layer_norm_backward
+        # read their saved statistics as dense memory and silently misread it: leave dense.
+        if not x.meta[M.VAL].is_contiguous():
+            x = emit(aten.clone.default, x, memory_format=torch.contiguous_format)
+        return x
     if isinstance(h, Replicate) and isinstance(w, Partial):
         return emit(aten.div.Tensor, x, n) if w.reduce_op == "sum" else x
     raise NotImplementedError(f"redistribution {h} -> {w}")

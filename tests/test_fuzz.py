@@ -1,0 +1,97 @@
+"""Random models through one device, dp=2, tp=2 (Megatron's plan and random placements) and
+pp=2, each trained 3 AdamW steps and compared with eager PyTorch by
+``shardfx.testing.compare_training``.
+
+The models are drawn by ``tests/fuzz_models.py`` from Linear (with and without bias, under
+names Megatron's plan shards), activations, residual blocks, LayerNorm / RMSNorm, softmax,
+transposes (and Linears over the other axis) and reshapes. A failure prints the model's one-line
+description, which ``ModelSpec.parse`` reads back::
+
+    .venv/bin/python -m bench.fuzz --repro "x(4,24) seed 0: transpose ..." --meshes pp2
+
+- one device: hypothesis draws the models (derandomized: the same ones on every run);
+- the meshes: a launch of 2 processes costs seconds, so each mesh checks numbered models
+  (``random_spec(n)``, the same on every machine) and the issue's own examples in one launch.
+The ``slow`` tests check many more models, through every mesh; ``bench/fuzz.py`` does the same
+with a table of counts, and reduces a failure to the smallest model that fails the same way
+(the command is printed with each failure).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, example, given, settings
+
+from fuzz_models import MESHES, ModelSpec, batches, build, check, model_specs, out_shape, \
+    random_spec, run
+
+# Models of issue 9: a LayerNorm over a transposed activation between Linears over the other
+# axis (a program assuming contiguous strides failed on it), and a pipeline whose stage 0 ends
+# in a LayerNorm of a softmax (its backward part's only output is a multi-output op).
+TRANSPOSED_NORM = ModelSpec.parse(
+    "x(4,24) seed 0: transpose linear(4,bias) transpose | layernorm | "
+    "transpose linear(4,bias) transpose")
+STAGE_ENDS_IN_NORM = ModelSpec.parse(
+    "x(4,16) seed 0: scale(-1.5) softmax layernorm | relu linear(20,bias) linear(12,bias)")
+
+# Found by this fuzzer: under tp, LayerNorm's saved mean and rstd reached its backward as a
+# strided slice (a replicated value cut along the sequence dim), which the CPU kernel reads as
+# dense memory: wrong weight and input gradients, no error.
+NORM_THEN_SHARDED_TRANSPOSE = ModelSpec.parse("x(4,4) seed 0: layernorm transpose fc2(4)")
+
+QUICK = [TRANSPOSED_NORM, STAGE_ENDS_IN_NORM, NORM_THEN_SHARDED_TRANSPOSE,
+         *map(random_spec, range(5))]
+SLOW_MODELS = 30  # per mesh
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, database=None)
+@given(spec=model_specs())
+def test_specs_print_parse_and_build(spec):
+    """The text form reads back; the model's output has the shape the description says."""
+    assert ModelSpec.parse(str(spec)) == spec
+    (x,), (y,) = batches(spec, 1)[0]
+    out = build(spec)(x)
+    assert out.shape[1:] == y.shape[1:] == out_shape(spec)
+
+
+# Shrinking a spec costs a training run per try, minutes in all: a failure prints the spec and
+# the command that reduces it (bench/fuzz.py --reduce) instead.
+QUICKLY = settings(max_examples=8, derandomize=True, deadline=None, database=None,
+                   phases=[Phase.explicit, Phase.generate],
+                   suppress_health_check=[HealthCheck.too_slow])
+
+
+@QUICKLY
+@given(spec=model_specs())
+@example(spec=TRANSPOSED_NORM)
+def test_random_models_on_one_device(spec):
+    result = check(spec, "one")
+    assert result.ok, explain([result])
+
+
+@pytest.mark.parametrize("mesh", ["dp2", "tp2", "tp2-globs", "pp2"])
+def test_random_models_on_two_devices(mesh):
+    failed = [r for r in run(QUICK, mesh) if not r.ok]
+    assert not failed, explain(failed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [m for m in MESHES if m != "one"])
+def test_many_random_models(mesh):
+    """``SLOW_MODELS`` numbered models per mesh, four-process meshes included (minutes each)."""
+    failed = [r for r in run([random_spec(n) for n in range(SLOW_MODELS)], mesh) if not r.ok]
+    assert not failed, f"{len(failed)} of {SLOW_MODELS} failed:\n" + explain(failed)
+
+
+@pytest.mark.slow
+@settings(QUICKLY, max_examples=100)
+@given(spec=model_specs())
+def test_many_random_models_on_one_device(spec):
+    result = check(spec, "one")
+    assert result.ok, explain([result])
+
+
+def explain(failed) -> str:
+    """Each failure, and the command that reduces it to the smallest model failing the same way."""
+    return "\n".join(f"{r}\n  reduce: .venv/bin/python -m bench.fuzz --repro '{r.spec}' "
+                     f"--meshes {r.mesh} --reduce" for r in failed)
