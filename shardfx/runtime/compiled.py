@@ -25,7 +25,7 @@ from shardfx.schedule import Action, Kind, Schedule
 
 @dataclass
 class Output:
-    index: int | None  # which output of the part; None: its only one
+    index: int  # which output of the part (a part returns a tuple, even of one)
     roles: tuple[M.OutputRole, ...]  # the program outputs it is (a gradient, the loss, ...)
     local: bool  # read by a later part on this rank
     sends: list[tuple[int, int]]  # (global rank, tag without the microbatch) to send it to
@@ -72,6 +72,8 @@ class StageProgram:
         placeholders = split.graph.find_nodes(op="placeholder")
         self.roles = {n.name: n.meta[M.ROLE] for n in placeholders}
         self._input_vals = {n.name: n.meta.get(M.VAL) for n in placeholders}
+        self.constants = {n.name: n.meta[M.CONSTANT].value for n in placeholders
+                          if M.CONSTANT in n.meta}  # by placeholder name
         self.placements = {n.meta[M.ROLE].name: n.meta.get(M.ANNOTATION, ())
                            for n in placeholders}  # by FQN for weights
         self.finals: dict[tuple, list[M.OutputRole]] = defaultdict(list)  # (part, index) -> roles
@@ -135,40 +137,33 @@ class StageProgram:
                   else ("value", *source(a)) for a in call.args]
         consumers = _consumers(call)
         outputs = []
-        for index in sorted(set(consumers) | {i for (p, i) in self.finals if p == part},
-                            key=lambda i: -1 if i is None else i):
+        for index in sorted(set(consumers) | {i for (p, i) in self.finals if p == part}):
             ranks = sorted({self.rank_of(c) for c in consumers.get(index, ())})
             outputs.append(Output(index, tuple(self.finals.get((part, index), ())),
                                   rank in ranks, [(self.ranks[r], self.tag(part, index))
                                                   for r in ranks if r != rank]))
         return Call(part, getattr(self.module, part), inputs, outputs)
 
-    def out_val(self, part: str, index: int | None):
+    def out_val(self, part: str, index: int):
         """The fake value (shape, dtype) of a part's output, to receive it into."""
-        out = getattr(self.module, part).graph.output_node().args[0]
-        node = out[index] if index is not None else out
+        node = getattr(self.module, part).graph.output_node().args[0][index]
         return node.meta.get(M.VAL, self._vals.get(node.name))
 
-    def tag(self, part: str, index: int | None) -> int:
+    def tag(self, part: str, index: int) -> int:
         """The tag of a part's output, plus the microbatch: unique within a step."""
-        return (self._order[part] * 4096 + (index or 0)) * 1024
+        return (self._order[part] * 4096 + index) * 1024
 
 
-def source(value: fx.Node) -> tuple[str, int | None]:
-    """(part, output index) a value of the split graph comes from; index None: a part's only
-    output."""
-    if value.op == "call_module":
-        return value.target, None
+def source(value: fx.Node) -> tuple[str, int]:
+    """(part, output index) a value of the split graph comes from: ``getitem(part(...), i)``,
+    as every part returns a tuple (``codegen.stages``)."""
     src, index = value.args
     return src.target, index
 
 
-def _consumers(call: fx.Node) -> dict[int | None, list[str]]:
+def _consumers(call: fx.Node) -> dict[int, list[str]]:
     """Output index -> the parts that read it."""
-    out: dict[int | None, list[str]] = defaultdict(list)
-    for user in call.users:
-        if user.op == "call_function":  # getitem(call, i)
-            out[user.args[1]] += [u.target for u in user.users if u.op == "call_module"]
-        elif user.op == "call_module":
-            out[None].append(user.target)
+    out: dict[int, list[str]] = defaultdict(list)
+    for user in call.users:  # getitem(call, i)
+        out[user.args[1]] += [u.target for u in user.users if u.op == "call_module"]
     return out
