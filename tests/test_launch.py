@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,7 +19,8 @@ import torch.distributed as dist
 import shardfx
 from shardfx.errors import MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
-from shardfx.runtime.launch import LaunchError, launch, rank, world_size
+from shardfx.runtime.launch import (CONSEQUENCE_S, LaunchError, _communication_error,
+                                    _first_failure, _Outcome, launch, rank, world_size)
 from shardfx.runtime.mesh import coordinate, device_mesh
 
 # ---- run on the ranks ---------------------------------------------------------------------------
@@ -55,6 +57,13 @@ def die_while_rank_0_reduces() -> None:
     dist.all_reduce(torch.ones(1))  # would wait for rank 1 forever
 
 
+def raise_while_rank_0_reduces() -> None:
+    if rank() == 1:
+        time.sleep(0.5)  # let rank 0 get into the all_reduce
+        raise ValueError("bad shard 7")
+    dist.all_reduce(torch.ones(1))  # fails when rank 1's connections close
+
+
 def stall_on_rank_1() -> None:
     if rank() == 1:
         time.sleep(60)  # never joins the collective
@@ -65,21 +74,40 @@ def sleep_forever() -> None:
     time.sleep(60)
 
 
-def write_pid_and_sleep(folder: str) -> None:
-    with open(os.path.join(folder, f"pid{rank()}"), "w") as f:
-        f.write(str(os.getpid()))
+def sleep_then_return(seconds: float) -> int:
+    time.sleep(seconds)
+    return rank()
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def print_pid_and_sleep() -> None:
+    # to the launcher's stdout (the fork server's), in one write: ranks write at once
+    os.write(sys.stdout.fileno(), f"started {os.getpid()}\n".encode())
     time.sleep(60)
 
 
-def mesh_2x2() -> tuple[dict[str, int], tuple[str, ...], str]:
+def mesh_2x2() -> tuple[dict[str, int], tuple[str, ...], str, list[float]]:
     mesh = device_mesh(MeshSpec.parse("dp=2,tp=2"))
     with pytest.raises(MeshError) as wrong:
         device_mesh("dp=2")
-    return coordinate(mesh), mesh.mesh_dim_names, str(wrong.value)
+    timeouts = [mesh.get_group(axis)._get_backend(torch.device("cpu")).options._timeout
+                for axis in ("dp", "tp")]
+    return coordinate(mesh), mesh.mesh_dim_names, str(wrong.value), [
+        t.total_seconds() for t in timeouts]
 
 
 def mesh_of(spec: str) -> dict[str, int]:
     return coordinate(device_mesh(spec))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    """Start the ranks' fork server once (it imports torch and shardfx: seconds on a busy
+    machine), so that the tests timing a failed run time the run."""
+    launch(whoami, "warm-up", nprocs=1)
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -128,29 +156,101 @@ def test_rank_that_exits_without_raising_is_reported_with_its_exit_code(tmp_path
     assert_killed(tmp_path / "pid")
 
 
-def test_rank_dying_during_a_collective_fails_the_survivor():
+def test_rank_dying_during_a_collective_is_blamed_not_the_survivor():
     start = time.monotonic()
     with pytest.raises(LaunchError) as err:
         launch(die_while_rank_0_reduces, nprocs=2, timeout=5)
     assert time.monotonic() - start < 5
-    # Both are reported (which one first is a race): gloo failed rank 0, not the launcher.
-    assert "rank 1 exited with code 1" in str(err.value)
-    assert "rank 0 raised" in str(err.value)
+    # rank 0's "connection closed" is the consequence: gloo failed it, not the launcher
+    assert err.value.rank == 1 and err.value.cause.startswith("rank 1 exited with code 1")
+    assert "rank 0 raised RuntimeError" in err.value.where
 
 
-def test_collective_timeout_fails_the_waiting_rank():
+def test_rank_raising_during_a_peers_collective_is_blamed_not_the_peer():
+    with pytest.raises(LaunchError) as err:
+        launch(raise_while_rank_0_reduces, nprocs=2, timeout=5)
+    assert err.value.rank == 1 and err.value.cause == "rank 1 raised ValueError: bad shard 7"
+    assert "in raise_while_rank_0_reduces" in err.value.traceback
+    assert "rank 0 raised RuntimeError" in err.value.where
+
+
+def outcome(at: float, kind: str = "raised", communication: bool = False) -> _Outcome:
+    return _Outcome(kind, at=at, communication=communication, exitcode=1)
+
+
+def test_first_failure_is_first_by_time_with_communication_errors_as_consequences():
+    ok = _Outcome("ok")
+    assert _first_failure([outcome(5.0), outcome(4.0), ok]) == 1  # by time, not by rank
+    # a peer's "connection closed" stamped before the launcher saw rank 1 exit
+    assert _first_failure([outcome(4.0, communication=True), outcome(4.3, "exited")]) == 1
+    # ... but not a failure that came well after it: the communication error came first
+    late = 4.0 + CONSEQUENCE_S + 1
+    assert _first_failure([outcome(4.0, communication=True), outcome(late)]) == 0
+    # only communication errors (a rank hung): the first to time out
+    assert _first_failure([None, outcome(4.2, communication=True),
+                           outcome(4.1, communication=True)]) == 2
+
+
+def test_communication_errors_are_told_from_others():
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:4242.")
+    assert _communication_error(gloo) and _communication_error(dist.DistBackendError("nccl"))
+    assert not _communication_error(ValueError("bad shard 7"))
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise ValueError("step failed") from e
+    except ValueError as e:
+        assert _communication_error(e)  # raised from one
+
+
+def test_collective_timeout_fails_the_waiting_rank_and_names_the_stuck_one():
     start = time.monotonic()
     with pytest.raises(LaunchError, match="rank 0 raised") as err:
-        launch(stall_on_rank_1, nprocs=2, timeout=2, deadline=30)
+        launch(stall_on_rank_1, nprocs=2, timeout=2, deadline=30)  # a regression fails, not hangs
     assert time.monotonic() - start < 10
-    assert "rank 1 was killed" in str(err.value)
+    assert "rank 1 was killed while still running" in err.value.where
+    assert err.value.running == [1] and "in stall_on_rank_1" in err.value.stacks[1]
+    assert "rank(s) 1 still ran" in err.value.fix
 
 
 def test_deadline_kills_a_run_that_never_ends():
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"timed out: ranks \[0, 1\] still running"):
+    with pytest.raises(LaunchError, match=r"timed out: ranks \[0, 1\] still running") as err:
         launch(sleep_forever, nprocs=2, deadline=1)
     assert time.monotonic() - start < 6
+    assert "in sleep_forever" in err.value.stacks[0] and "in sleep_forever" in str(err.value)
+
+
+def test_no_deadline_by_default():
+    """A healthy run may take longer than any multiple of the collective timeout."""
+    assert launch(sleep_then_return, 2.5, nprocs=2, timeout=1) == [0, 1]
+
+
+# ---- threads ------------------------------------------------------------------------------------
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_ranks_share_the_cores(nprocs, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch(threads, nprocs=nprocs) == [max(1, cores() // nprocs)] * nprocs
+
+
+def test_thread_count_the_user_chose_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch(threads, nprocs=2) == [3, 3]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 2)
+    try:
+        assert launch(threads, nprocs=2) == [before + 2] * 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fn_that_cannot_be_pickled_is_refused():
@@ -168,25 +268,26 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ranks_exit_when_the_launcher_dies(tmp_path):
-    code = "import sys, shardfx, test_launch as t; " \
-           "shardfx.launch(t.write_pid_and_sleep, sys.argv[1], nprocs=2)"
-    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
-                                cwd=os.path.dirname(__file__))
+def test_ranks_exit_when_the_launcher_dies():
+    """The ranks say they started on the launcher's stdout; once it is killed, they exit (all
+    holders of that pipe gone: it reads as end of file)."""
+    code = "import shardfx, test_launch as t; shardfx.launch(t.print_pid_and_sleep, nprocs=2)"
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(__file__),
+                                stdout=subprocess.PIPE, text=True)
+    pids = []
     try:
-        pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
-        end = time.monotonic() + 30
-        while not all(p.exists() and p.read_text() for p in pid_files):
-            assert time.monotonic() < end and launcher.poll() is None, "ranks did not start"
-            time.sleep(0.05)
-        pids = [int(p.read_text()) for p in pid_files]
+        for line in launcher.stdout:  # however long a busy machine takes (a failed start: EOF)
+            pids += [int(line.split()[1])] if line.startswith("started ") else []
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2, "ranks did not start"
     finally:
         launcher.kill()
         launcher.wait()
-    end = time.monotonic() + 5
-    while any(running(pid) for pid in pids):
-        assert time.monotonic() < end, f"ranks {pids} outlived their launcher"
-        time.sleep(0.05)
+    ended = threading.Thread(target=launcher.stdout.read, daemon=True)
+    ended.start()
+    ended.join(60)  # only a failure waits this long
+    assert not any(running(pid) for pid in pids), f"ranks {pids} outlived their launcher"
 
 
 # ---- under torchrun: run in process -------------------------------------------------------------
@@ -208,13 +309,15 @@ def test_under_torchrun_runs_in_process_without_spawning(monkeypatch):
 # ---- device mesh --------------------------------------------------------------------------------
 
 
-def test_device_mesh_2x2_coordinates_and_wrong_size():
-    results = launch(mesh_2x2, nprocs=4)
-    coords = [c for c, _, _ in results]
+def test_device_mesh_2x2_coordinates_and_wrong_size_and_timeouts():
+    results = launch(mesh_2x2, nprocs=4, timeout=7)
+    coords = [c for c, _, _, _ in results]
     assert coords == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1},
                       {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
     assert results[0][1] == ("dp", "tp")
     assert "mesh dp=2 needs 2 processes, this run has 4" in results[0][2]
+    # the dp and tp groups wait as long as the default group, not torch's 30 minutes
+    assert all(timeouts == [7.0, 7.0] for *_, timeouts in results)
 
 
 def test_device_mesh_too_big_for_the_run():

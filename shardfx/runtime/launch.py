@@ -8,25 +8,38 @@ each rank can have its own GPU), runs ``fn(*args)`` (``fn`` defined at module le
 pickled) and sends its pickled result back on its own pipe. The parent waits on every rank's
 pipe and exit sentinel at once, so nothing can hang:
 
-- the first rank to fail (raise, or exit without a result) is reported in a ``LaunchError`` with
-  its traceback or exit code; the others get ``GRACE_S`` seconds to finish and are then killed;
-- ``timeout`` bounds every collective, and ``deadline`` (default ``2 * timeout``) bounds the
-  whole run: past it every rank is killed and ``LaunchError("timed out ...")`` is raised;
+- ``timeout`` bounds every collective, of the default group and of every group shardfx creates
+  (the mesh's dp, tp and pp groups inherit it, see ``runtime.mesh``): a rank that crashes or
+  stops outside a collective fails its peers' collectives within ``timeout``;
+- the first rank to fail, by the time it failed, is reported in a ``LaunchError`` with its
+  traceback or exit code (a communication error gives way to a failure of another kind just
+  after it: it is that failure seen from a peer, see ``_first_failure``); the others get
+  ``GRACE_S`` seconds to finish; those still running then are named, with their Python stacks,
+  and killed;
+- ``deadline`` (default: none) bounds the whole run: past it every rank is killed and
+  ``LaunchError("timed out ...")`` is raised;
 - a rank whose parent dies exits too, so no process is left behind.
+
+Each rank runs ``max(1, cores // nprocs)`` intra-op threads, so the ranks do not oversubscribe
+the machine, unless the user chose a count (``_set_threads``).
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set, or the process group already initialized),
 ``launch`` spawns nothing: it runs ``fn(*args)`` once in this process, initializing the process
-group from the environment if needed (and destroying it after), and returns every rank's result
-gathered with ``all_gather_object``. An exception in ``fn`` propagates unchanged; torchrun stops
-the other ranks.
+group from the environment with ``timeout`` if needed (and destroying it after), and returns
+every rank's result gathered with ``all_gather_object``. An exception in ``fn`` propagates
+unchanged; torchrun stops the other ranks.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import itertools
+import math
 import os
 import pickle
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -34,6 +47,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -44,17 +58,31 @@ from shardfx.errors import ShardfxError
 
 GRACE_S = 2.0  # how long the other ranks may run on after the first one fails
 KILL_WAIT_S = 1.0  # between SIGTERM and SIGKILL
+CONSEQUENCE_S = 1.0  # a communication error this long before another failure is its consequence
+STACK_SIGNAL = signal.SIGUSR1  # asks a rank still running for its Python stack
+STACK_WAIT_S = 0.5  # how long a rank gets to write its stack
 
 
 class LaunchError(ShardfxError):
-    """A rank failed (``rank``: the first; its ``exitcode`` or ``traceback``), or time ran out."""
+    """A rank failed (``rank``: the first; its ``exitcode`` or ``traceback``), or time ran out.
+
+    ``stacks``: the Python stack of each rank still running when the launcher stopped it,
+    by rank (``running``: those ranks).
+    """
 
     def __init__(self, cause: str, *, where: str | None = None, fix: str | None = None,
-                 rank: int | None = None, exitcode: int | None = None, tb: str | None = None):
+                 rank: int | None = None, exitcode: int | None = None, tb: str | None = None,
+                 stacks: dict[int, str] | None = None):
         super().__init__(cause, where=where, fix=fix)
         self.rank, self.exitcode, self.traceback = rank, exitcode, tb
+        self.stacks = stacks or {}
+        self.running = sorted(self.stacks)
+        parts = [self.args[0]]
         if tb:
-            self.args = (f"{self.args[0]}\n\ntraceback of rank {rank}:\n{tb.rstrip()}",)
+            parts.append(f"traceback of rank {rank}:\n{tb.rstrip()}")
+        parts += [f"stack of rank {r}, still running when it was stopped (most recent call "
+                  f"first):\n{s.rstrip()}" for r, s in sorted(self.stacks.items())]
+        self.args = ("\n\n".join(parts),)
 
 
 def rank() -> int:
@@ -76,7 +104,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
     """Run ``fn(*args)`` on ``nprocs`` ranks; return their results in rank order.
 
     ``backend``: None picks NCCL when CUDA has a GPU per rank, else gloo. ``timeout``: seconds any
-    collective may wait. ``deadline``: seconds the whole run may take (``math.inf``: no limit).
+    collective may wait, in every group. ``deadline``: seconds the whole run may take, start-up
+    included (None: no limit; a hang inside a collective already ends after ``timeout``).
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive int, got {nprocs!r}",
@@ -85,39 +114,50 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
         return _run_in_process(fn, args, nprocs, backend, timeout)  # under torchrun
     where = f"shardfx.launch({getattr(fn, '__qualname__', fn)!r}, nprocs={nprocs})"
     backend = backend or _default_backend(nprocs)
-    deadline = 2 * timeout if deadline is None else deadline
+    deadline = math.inf if deadline is None else deadline
     ctx = _context()
     port = _free_port()
-    procs, pipes, outcomes = [], [], []
-    try:
-        for r in range(nprocs):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, name=f"shardfx-rank{r}", args=(
-                r, nprocs, port, backend, timeout, fn, args, writer, dict(os.environ)))
-            try:
-                proc.start()
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
-                raise LaunchError(f"cannot send fn and its args to the ranks: {e}", where=where,
-                                  fix="define fn at module level; pass picklable args") from e
-            finally:
-                writer.close()  # the rank holds the only write end: its exit reads as EOF here
-            procs.append(proc)
-            pipes.append(reader)
-        outcomes = _collect(procs, pipes, time.monotonic() + deadline)
-    finally:
-        _stop(procs, [r for r, o in enumerate(outcomes) if o is not None])
-    return _results(outcomes, where, deadline, timeout)
+    procs, pipes, outcomes, stacks = [], [], [], {}
+    with tempfile.TemporaryDirectory(prefix="shardfx-launch-") as folder:
+        try:
+            for r in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, name=f"shardfx-rank{r}", args=(
+                    r, nprocs, port, backend, timeout, torch.get_num_threads(), fn, args,
+                    writer, _stack_file(folder, r), dict(os.environ)))
+                try:
+                    proc.start()
+                except (pickle.PicklingError, AttributeError, TypeError) as e:
+                    raise LaunchError(f"cannot send fn and its args to the ranks: {e}",
+                                      where=where,
+                                      fix="define fn at module level; pass picklable args") from e
+                finally:
+                    writer.close()  # the rank holds the only write end: its exit reads as EOF
+                procs.append(proc)
+                pipes.append(reader)
+            outcomes = _collect(procs, pipes, time.monotonic() + deadline)
+            stacks = _stacks(procs, outcomes, folder)
+        finally:
+            _stop(procs, [r for r, o in enumerate(outcomes) if o is not None])
+    return _results(outcomes, stacks, where, deadline, timeout)
 
 
 @dataclass(frozen=True)
 class _Outcome:
-    """How one rank ended: "ok" (value), "raised" (summary, tb) or "exited" (exitcode)."""
+    """How one rank ended: "ok" (value), "raised" (summary, tb) or "exited" (exitcode).
+
+    ``at``: when it failed (``time.time()``: the rank's clock as it caught the exception, or the
+    launcher's as it saw the rank exit); ``communication``: the failure is a collective's or a
+    connection's (see ``_communication_error``).
+    """
 
     kind: str
     value: Any = None
     summary: str = ""
     tb: str = ""
     exitcode: int | None = None
+    at: float = 0.0
+    communication: bool = False
 
     def __str__(self) -> str:  # "returned", "raised ValueError: ...", "exited with code 3"
         if self.kind != "exited":
@@ -137,31 +177,53 @@ def _collect(procs: list, pipes: list[Connection], end: float) -> list[_Outcome 
         for r, outcome in enumerate(outcomes):
             if outcome is None:
                 waiting[pipes[r]] = waiting[procs[r].sentinel] = r
-        for ready in wait(list(waiting), timeout=min(left, 60.0)):  # deadline may be inf
-            r = waiting[ready]
-            if outcomes[r] is None:
-                outcomes[r] = _read_outcome(pipes[r], procs[r])
-                if outcomes[r].kind != "ok" and stop_at == end:
-                    stop_at = min(end, time.monotonic() + GRACE_S)
+        ready = wait(list(waiting), timeout=min(left, 60.0))  # deadline may be inf
+        seen_at = time.time()
+        for r in sorted({waiting[x] for x in ready}):
+            outcomes[r] = _read_outcome(pipes[r], procs[r], seen_at)
+            if outcomes[r].kind != "ok" and stop_at == end:
+                stop_at = min(end, time.monotonic() + GRACE_S)
     return outcomes
 
 
-def _read_outcome(pipe: Connection, proc) -> _Outcome:
-    """The message a rank sent, or how it exited when it sent none."""
+def _read_outcome(pipe: Connection, proc, seen_at: float) -> _Outcome:
+    """The message a rank sent, or how it exited (seen at ``seen_at``) when it sent none."""
     try:
         if pipe.poll():
             kind, *rest = pickle.loads(pipe.recv_bytes())
-            return _Outcome("ok", value=rest[0]) if kind == "ok" else _Outcome(kind, None, *rest)
+            if kind == "ok":
+                return _Outcome("ok", value=rest[0])
+            summary, tb, at, communication = rest
+            return _Outcome("raised", summary=summary, tb=tb, at=at, communication=communication)
     except EOFError:
         pass  # died without a message: fall through to the exit code
     except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be unpickled here
         return _Outcome("raised", summary=f"its result cannot be unpickled: {e!r}",
-                        tb=traceback.format_exc())
+                        tb=traceback.format_exc(), at=seen_at)
     proc.join(KILL_WAIT_S)
-    return _Outcome("exited", exitcode=proc.exitcode)
+    return _Outcome("exited", exitcode=proc.exitcode, at=seen_at)
 
 
-def _results(outcomes: list[_Outcome | None], where: str, deadline: float, timeout: float):
+def _first_failure(outcomes: list[_Outcome | None]) -> int:
+    """The rank that failed first, by the time it failed.
+
+    A rank's crash or exception reaches its peers as communication errors (connection closed,
+    collective timed out), and those can be stamped first: before the launcher sees a crashed
+    rank exit, or before an exception that unwinds through code using collectives reaches its
+    rank's handler. So a first failure that is a communication error gives way to another
+    rank's failure of another kind up to CONSEQUENCE_S later.
+    """
+    failed = sorted((o.at, r) for r, o in enumerate(outcomes) if o is not None and o.kind != "ok")
+    first_at, first = failed[0]
+    if outcomes[first].communication:
+        for at, r in failed:
+            if at - first_at <= CONSEQUENCE_S and not outcomes[r].communication:
+                return r
+    return first
+
+
+def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str,
+             deadline: float, timeout: float):
     """The ranks' values in order, or the LaunchError for the first rank that failed."""
     failed = [r for r, o in enumerate(outcomes) if o is not None and o.kind != "ok"]
     if not failed and None not in outcomes:
@@ -171,19 +233,61 @@ def _results(outcomes: list[_Outcome | None], where: str, deadline: float, timeo
         done = [f"rank {r} {o}" for r, o in enumerate(outcomes) if o is not None]
         raise LaunchError(
             f"timed out: ranks {running} still running after the {deadline:g} s deadline; "
-            "they were killed", where="; ".join([where, *done]),
+            "they were killed", where="; ".join([where, *done]), stacks=stacks,
             fix=f"look for a rank stuck outside a collective (collectives fail after "
-            f"timeout={timeout:g} s); for long runs pass a larger deadline=")
-    r, o = failed[0], outcomes[failed[0]]
-    where = "; ".join([where, *(f"rank {i} {other or 'was killed'}"
+            f"timeout={timeout:g} s; their stacks are below); for long runs pass a larger "
+            "deadline=")
+    r = _first_failure(outcomes)
+    o = outcomes[r]
+    where = "; ".join([where, *(f"rank {i} {other or 'was killed while still running'}"
                                 for i, other in enumerate(outcomes) if i != r)])
+    fix = f"see rank {r}'s traceback below" if o.kind == "raised" else (
+        f"see rank {r}'s output above: os._exit, a native crash or the out-of-memory killer "
+        "end a process without a Python traceback")
+    if stacks and o.communication:
+        running = ", ".join(map(str, sorted(stacks)))
+        fix = (f"rank(s) {running} still ran {GRACE_S:g} s after rank {r}'s collective failed: "
+               "a rank that stops outside a collective makes its peers' collectives time out; "
+               "see the stacks below")
     if o.kind == "raised":
-        raise LaunchError(f"rank {r} {o}", where=where, rank=r, tb=o.tb,
-                          fix=f"see rank {r}'s traceback below")
-    raise LaunchError(f"rank {r} {o} without returning a result",
-                      where=where, rank=r, exitcode=o.exitcode,
-                      fix=f"see rank {r}'s output above: os._exit, a native crash or the "
-                      "out-of-memory killer end a process without a Python traceback")
+        raise LaunchError(f"rank {r} {o}", where=where, fix=fix, rank=r, tb=o.tb, stacks=stacks)
+    raise LaunchError(f"rank {r} {o} without returning a result", where=where, fix=fix, rank=r,
+                      exitcode=o.exitcode, stacks=stacks)
+
+
+def _stacks(procs: list, outcomes: list[_Outcome | None], folder: str) -> dict[int, str]:
+    """The Python stacks of the ranks still running (no outcome yet), which each writes to its
+    stack file when sent STACK_SIGNAL; the launcher's own watch thread is left out."""
+    running = [r for r, o in enumerate(outcomes) if o is None and procs[r].is_alive()]
+    for r in running:
+        os.kill(procs[r].pid, STACK_SIGNAL)
+    end = time.monotonic() + STACK_WAIT_S
+    stacks = {}
+    for r in running:
+        path = Path(_stack_file(folder, r))
+        while _read(path).count("\n") < 2 and time.monotonic() < end:  # the id line, no dump
+            time.sleep(0.01)
+        time.sleep(0.05)  # let the rank finish writing
+        stacks[r] = _main_stack(_read(path))
+    return stacks
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _main_stack(dump: str) -> str:
+    """The main thread's frames, fn's down, from a stack file: its main thread's id, then
+    faulthandler's dump of every thread (most recent call first)."""
+    ident, _, threads = dump.partition("\n")
+    ident = ident.removeprefix("main thread ")
+    for thread in threads.split("\n\n"):
+        header, _, frames = thread.partition("\n")
+        if ident and ident in header:
+            return "\n".join(itertools.takewhile(lambda line: not line.endswith(" in _worker"),
+                                                 frames.splitlines()))
+    return "(none: the rank did not write its stack)"
+
 
 
 def _stop(procs: list, answered: list[int]) -> None:
@@ -199,15 +303,21 @@ def _stop(procs: list, answered: list[int]) -> None:
             proc.join(KILL_WAIT_S)
 
 
-def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float,
-            fn: Callable[..., Any], args: tuple, pipe: Connection, env: dict[str, str]) -> None:
+def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launcher_threads: int,
+            fn: Callable[..., Any], args: tuple, pipe: Connection, stack_file: str,
+            env: dict[str, str]) -> None:
     """One rank: join the process group, run fn, send ("ok", value) or ("raised", ...) back."""
     threading.Thread(target=_exit_with_parent, daemon=True).start()
+    stacks = open(stack_file, "w")  # noqa: SIM115 - open for the life of the rank
+    stacks.write(f"main thread 0x{threading.get_ident():016x}\n")  # as faulthandler writes ids
+    stacks.flush()
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     os.environ.clear()
     os.environ.update(env)  # the launcher's environment now, not the fork server's at its start
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs))
     try:
+        _set_threads(nprocs, launcher_threads)
         if backend == "nccl":
             torch.cuda.set_device(r)
         dist.init_process_group(backend, init_method="env://", rank=r, world_size=nprocs,
@@ -219,12 +329,55 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float,
             raise LaunchError(f"rank {r}'s result cannot be pickled: {e}",
                               fix="return plain data, tensors or picklable objects") from e
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt included
+        at = time.time()  # first: peers may fail from this rank's failure any moment now
         tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # from fn down
-        message = pickle.dumps(("raised", f"{type(e).__name__}: {e}", "".join(tb)))
+        message = pickle.dumps(("raised", f"{type(e).__name__}: {e}", "".join(tb), at,
+                                _communication_error(e)))
     pipe.send_bytes(message)
     pipe.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _communication_error(e: BaseException | None) -> bool:
+    """Whether ``e``, or an exception it was raised from, is a collective's or a connection's
+    failure: torch.distributed's own errors (NCCL, the store), or gloo's (RuntimeErrors whose
+    message names gloo's source, e.g. "[.../gloo/transport/tcp/pair.cc:553] Connection closed
+    by peer")."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, dist.DistError) or "gloo/" in str(e):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _set_threads(nprocs: int, launcher_threads: int) -> None:
+    """Share the cores: ``max(1, cores // nprocs)`` intra-op threads per rank, unless the user
+    chose a count, which every rank then gets: ``OMP_NUM_THREADS`` in the environment, or
+    ``torch.set_num_threads`` called in the launching process (this rank starts with torch's
+    default count for the machine, so a launcher whose count differs has set it). A call to
+    ``torch.set_num_threads`` in ``fn`` comes later and wins."""
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp is not None:
+        if omp.isdigit() and int(omp) > 0:  # the fork server may have started without it
+            torch.set_num_threads(int(omp))
+    elif launcher_threads != torch.get_num_threads():
+        torch.set_num_threads(launcher_threads)
+    else:
+        torch.set_num_threads(max(1, _cores() // nprocs))
+
+
+def _cores() -> int:
+    """The CPUs this process may run on (its affinity mask, where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _stack_file(folder: str, r: int) -> str:
+    return os.path.join(folder, f"rank{r}.stack")
 
 
 def _context():

@@ -6,13 +6,21 @@
 The mesh's dimensions are the spec's axes, in the spec's order (dp, pp, tp, ep) and with its
 names, so ``mesh["tp"]`` is this rank's tensor-parallel group. Ranks are laid out row-major:
 the last axis varies fastest, as in ``torch.arange(world).view(sizes)``.
+
+Every group of the mesh waits as long as the default group: its timeout, set by
+``init_process_group(timeout=...)`` (``shardfx.launch(timeout=...)`` passes it there), is
+read back from the default group and given to each group the mesh creates. A rank that
+stops before a tp all-reduce then fails its peers after that timeout, not torch's default
+30 minutes for new groups.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardfx.errors import MeshError
 from shardfx.mesh import MeshSpec
@@ -21,8 +29,10 @@ from shardfx.mesh import MeshSpec
 def device_mesh(spec: MeshSpec | dict[str, int] | str) -> DeviceMesh:
     """Build the DeviceMesh of ``spec`` over the current (default) process group.
 
+    Every rank must call it (each creates every group of the mesh, in the same order).
     Raises MeshError when torch.distributed is not initialized or its world size is not the
     number of devices the spec asks for.
+    Ensures: each axis's group has the default group's timeout (``collective_timeout``).
     """
     spec = MeshSpec.parse(spec)
     run_with = (f"launch with torchrun --nproc-per-node {spec.size} "
@@ -36,7 +46,38 @@ def device_mesh(spec: MeshSpec | dict[str, int] | str) -> DeviceMesh:
                         where="shardfx.runtime.mesh.device_mesh", fix=run_with)
     # A one-device spec has no axes, but a DeviceMesh needs one dimension: give it dp=1.
     names, sizes = zip(*(spec.axes or (("dp", 1),)))
-    return init_device_mesh(_device_type(), sizes, mesh_dim_names=names)
+    grid = torch.arange(world).view(sizes)
+    timeout = collective_timeout()
+    groups = [_axis_group(grid, dim, name, timeout) for dim, name in enumerate(names)]
+    return DeviceMesh.from_group(groups, _device_type(), grid, mesh_dim_names=names)
+
+
+def collective_timeout() -> timedelta | None:
+    """How long a collective of the default process group may wait (None: the backend has
+    no timeout to read back, and new groups get torch's default)."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device(_device_type()))
+    except RuntimeError:  # a process group with no backend of its own for this device
+        return None
+    return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+def _axis_group(grid: torch.Tensor, dim: int, name: str,
+                timeout: timedelta | None) -> dist.ProcessGroup:
+    """This rank's group along ``dim`` of the rank ``grid``, created with ``timeout``.
+
+    ``new_group`` must be called by every rank for every group, in the same order: each rank
+    creates all the groups of the axis and keeps the one it belongs to. An axis spanning the
+    whole world is the default group itself.
+    """
+    if grid.size(dim) == grid.numel():
+        return dist.group.WORLD
+    mine = None
+    for ranks in grid.movedim(dim, -1).reshape(-1, grid.size(dim)).tolist():
+        group = dist.new_group(ranks, timeout=timeout, group_desc=f"mesh_{name}")
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def coordinate(mesh: DeviceMesh) -> dict[str, int]:
