@@ -3,31 +3,77 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import re
 from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
-from shardfx.errors import InputError
+from shardfx.errors import InputError, LossError, PassError, PipelineError, ShardfxError
+from shardfx.hints import check_hint_axes
+from shardfx.ir.text import ir_to_text
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import capture, capture_leaves, microbatch
-from shardfx.partitioner.microbatching import loss_reduction
-from shardfx.passes.manager import Options
+from shardfx.partitioner.capture import Captured, capture, capture_leaves, microbatch
+from shardfx.partitioner.microbatching import check_slices, loss_reduction, one_row_error
+from shardfx.passes.manager import Options, PassRecord, dump_failure
 from shardfx.plan import Plan
+from shardfx.schedule import GENERATORS, Schedule
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*")
+_SCHEDULE_TEXT = re.compile(r"\s*rank\s+0\b")  # the first line of either text form
 
 
-def parse_bytes(size: int | str | None) -> int | None:
-    """``"8GiB"``, ``"512MB"``, ``1 << 30`` -> bytes."""
-    if size is None or isinstance(size, int):
-        return size
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", size)
-    if not m or m[2].upper() not in units:
-        raise InputError(f"cannot read memory size {size!r}", where="partition(..., memory_budget=...)",
-                         fix='write bytes as an int or like "8GiB", "512MB"')
-    return int(float(m[1]) * units[m[2].upper()])
+def parse_bytes(size: int | float | str | None) -> int | None:
+    """``"8GiB"``, ``"512MB"``, ``1 << 30``, ``1.5e9`` -> a positive number of bytes; None: no
+    budget."""
+    if size is None:
+        return None
+    where = "partition(..., memory_budget=...)"
+    fix = 'give bytes per device as a positive number, or a size like "8GiB" or "512MB"'
+    if isinstance(size, str):
+        m = _SIZE.fullmatch(size)
+        if not m or m[2].upper() not in _UNITS:
+            raise InputError(f"cannot read memory size {size!r}", where=where,
+                             fix=f"{fix} (units: {', '.join(u for u in _UNITS if u)})")
+        value = float(m[1]) * _UNITS[m[2].upper()]
+    elif isinstance(size, numbers.Real) and not isinstance(size, bool):
+        value = size
+    else:
+        raise InputError(f"memory_budget must be bytes or a size string, got "
+                         f"{type(size).__name__} {size!r}", where=where, fix=fix)
+    if not math.isfinite(value) or value < 1:
+        raise InputError(f"memory_budget must be a positive number of bytes, got {size!r}",
+                         where=where, fix=f"{fix}; None for no budget")
+    return int(value)
+
+
+def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stages) -> None:
+    """``microbatches``, ``schedule`` and ``virtual_stages`` are valid, whatever the mesh: a
+    setting the plan would ignore or misread is an error, not a surprise later."""
+    for name, value in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise PipelineError(f"{name} must be a positive int, got {value!r}",
+                                where=f"partition(..., {name}=...)",
+                                fix=f"e.g. {name}=2, or leave it out")
+    if microbatches > 1 and spec.axis("pp") == 1:
+        raise PipelineError(
+            f"microbatches={microbatches} without a pp axis: only a pipeline runs the batch in "
+            "microbatches; this plan would run each step on the whole batch",
+            where=f"partition(..., microbatches={microbatches}) on mesh {spec}",
+            fix="add a pp axis to the mesh, or drop microbatches")
+    if isinstance(schedule, Schedule) or (isinstance(schedule, str) and (
+            schedule in GENERATORS or _SCHEDULE_TEXT.match(schedule))):
+        return
+    raise PipelineError(
+        f"unknown schedule {schedule!r}", where="partition(..., schedule=...)",
+        fix=f"use one of {', '.join(GENERATORS)}, or a Schedule (or its text form: one "
+            "'rank r: 0F0 0B0 ...' line per pp rank)")
 
 
 def partition(
@@ -40,7 +86,7 @@ def partition(
     microbatches: int = 1,
     schedule: str = "1f1b",
     virtual_stages: int | None = None,
-    memory_budget: int | str | None = None,
+    memory_budget: int | float | str | None = None,
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -51,12 +97,18 @@ def partition(
     ``shard`` says how parameters are split over them: ``"auto"``, ``"megatron"``,
     ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
     model is cut into stages that run ``schedule`` (gpipe | 1f1b | interleaved-1f1b |
-    zero-bubble) over ``microbatches`` slices of the batch; ``virtual_stages`` per rank for the
-    interleaved one (default 2). ``memory_budget`` (bytes or "8GiB", per device) bounds how many
-    microbatches' activations a schedule may keep: one that would hold more is rejected. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the
-    IR after every pass; ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``.
+    zero-bubble, or a ``Schedule`` or its text form) over ``microbatches`` slices of the batch
+    (each dp replica's rows in as many); ``virtual_stages`` per rank for the interleaved one
+    (default 2). ``memory_budget`` (bytes, as an int, a float or "8GiB", per device) bounds the
+    plan's memory, and how many microbatches' activations a schedule may keep: one that would
+    hold more is rejected. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
+    pass, and the runners compare every step's batch across ranks (else the first step's);
+    ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
+    the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
+    (microbatches without a pp axis, an unknown schedule name) is an error.
     """
     spec = MeshSpec.parse(mesh)
+    _check_pipeline_request(spec, microbatches, schedule, virtual_stages)
     types = {name: type(m).__name__ for name, m in model.named_modules()} \
         if isinstance(model, torch.nn.Module) else {}
     if virtual_stages is None:
@@ -68,14 +120,48 @@ def partition(
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.
     slices = options.slices
+    check_slices(example_args, example_targets, microbatches, slices // microbatches)
     mb_args, mb_targets = microbatch(example_args, example_targets, slices)
-    captured = capture(model, mb_args, loss_fn, mb_targets)
+    captured = _capture(model, mb_args, loss_fn, mb_targets, options)
     if slices > 1:  # steps take the whole batch: check them against its shapes
         captured.leaves = capture_leaves(example_args, example_targets)
         if loss_fn is not None:  # and the slices' losses must make the batch's
             reduction = loss_reduction(loss_fn, captured.output, example_targets, slices)
             options = dataclasses.replace(options, loss_reduction=reduction)
-    plan = Plan(model, example_args, captured, spec, options)
-    if dump := os.environ.get("SHARDFX_DUMP"):
+    # hints name mesh axes: check them while the user's line of each is known
+    sharded = spec.only("tp") if options.stages > 1 else spec
+    if sharded.size > 1:
+        check_hint_axes(captured.gm, [a for a, _ in sharded.axes], [a for a, _ in spec.axes])
+    dump = os.environ.get("SHARDFX_DUMP")
+    captured_ir = [PassRecord("capture", ir_to_text(captured.gm))] if dump else []
+    try:
+        plan = Plan(model, example_args, captured, spec, options)
+    except PassError as e:  # shardfx's fault: write what exists for the report
+        dump_failure(e, captured_ir, captured.gm)
+        raise
+    if dump:
         plan.dump(dump)
     return plan
+
+
+def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targets: tuple,
+             options: Options) -> Captured:
+    """``capture`` on one slice of the batch; a failure that the slicing or missing targets
+    explain better is said in those terms."""
+    try:
+        return capture(model, args, loss_fn, targets)
+    except ShardfxError as e:
+        rows = next((t.shape[0] for t in pytree.tree_leaves(args)
+                     if isinstance(t, torch.Tensor) and t.dim()), 0)
+        dp = options.slices // options.microbatches
+        if better := one_row_error(e, rows, options.microbatches, dp):
+            raise better from e.__cause__
+        if isinstance(e, LossError) and targets == () and \
+                re.search(r"missing \d+ required positional argument", str(e.__cause__)):
+            raise LossError(
+                f"example_targets missing: loss_fn was called on the model output alone and "
+                f"raised {type(e.__cause__).__name__}: {e.__cause__}",
+                where="partition(..., example_targets=...)",
+                fix="pass the targets loss_fn takes as a tuple: "
+                    "partition(model, example_args, loss_fn, (targets,))") from e.__cause__
+        raise

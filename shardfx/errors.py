@@ -6,6 +6,9 @@ pass), and what the user can do about it. Catch ``ShardfxError`` to catch them a
 
 from __future__ import annotations
 
+import os
+import re
+
 
 class ShardfxError(Exception):
     """Base class of every error shardfx raises on purpose."""
@@ -56,3 +59,20 @@ class ShardingError(ShardfxError, ValueError):
 class PipelineError(ShardfxError, ValueError):
     """A pipeline request that cannot be met: more stages than cut points, markers that do
     not match the stage count, a schedule that deadlocks."""
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n?[ \t]*([^\n]*)')
+
+
+def user_line(stack_trace: str | None) -> str | None:
+    """Where in the user's code a traced node comes from: the innermost frame of its
+    ``stack_trace`` (the node meta torch.export records) outside torch and shardfx, as
+    ``file:line in fn: code``; None when there is none."""
+    import torch  # not at the top: this module is imported before anything else of shardfx
+
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    frames = [f for f in _FRAME.findall(stack_trace or "") if not f[0].startswith(skip)]
+    if not frames:
+        return None
+    file, line, fn, code = frames[-1]
+    return f"{file}:{line} in {fn}: {code.strip()}"

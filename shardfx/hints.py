@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from shardfx.errors import ShardingError
+from shardfx.errors import ShardingError, user_line
 
 
 @torch.library.custom_op("shardfx::shard_hint", mutates_args=())
@@ -82,14 +82,34 @@ def encode(placements: dict[str, Placement]) -> str:
 def decode(text: str, axes: list[str], where: str) -> dict[int, Placement]:
     """``"tp=S(1)"`` -> {index of tp in the mesh: Shard(1)}; unknown axes are an error."""
     out = {}
-    for part in filter(None, text.split(",")):
-        axis, _, p = part.partition("=")
+    for axis, p in _parts(text):
         if axis not in axes:
             raise ShardingError(f"shard_hint names mesh axis {axis!r}, which the mesh lacks",
                                 where=where, fix=f"use one of {', '.join(axes)}, or drop the hint")
         m = re.fullmatch(r"S\((-?\d+)\)", p)
         out[axes.index(axis)] = Shard(int(m[1])) if m else Replicate()
     return out
+
+
+def _parts(text: str) -> list[tuple[str, str]]:
+    """``"dp=R,tp=S(1)"`` -> [("dp", "R"), ("tp", "S(1)")]."""
+    return [(axis, p) for axis, _, p in (part.partition("=") for part in text.split(",") if part)]
+
+
+def check_hint_axes(gm: fx.GraphModule, sharded: list[str], mesh: list[str]) -> None:
+    """Every hint in ``gm`` names axes that tensors are sharded over (``sharded``: the whole
+    mesh, or tp alone inside a pipeline's stages); else a ShardingError at the user's line (the
+    node's ``stack_trace``). Run before planning, where that line is still known."""
+    for node in gm.graph.find_nodes(op="call_function", target=HINT):
+        for axis, _ in _parts(node.args[1]):
+            if axis in sharded:
+                continue
+            why = "which the mesh lacks" if axis not in mesh else \
+                "but a pipeline's stages are sharded over tp only"
+            line = user_line(node.meta.get("stack_trace"))
+            raise ShardingError(f"shard_hint names mesh axis {axis!r}, {why}",
+                                where=f"shard_hint at {line or node.name}",
+                                fix=f"hint one of {', '.join(sharded)}, or drop the hint")
 
 
 def strip_hints(graph: fx.Graph) -> None:

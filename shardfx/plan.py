@@ -18,7 +18,8 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import Captured, canonical_names, capture, microbatch
+from shardfx.partitioner.capture import (Captured, _describe, canonical_names, capture,
+                                        microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options
 from shardfx.passes.stage_cut import stage_report, weight_stages
@@ -52,7 +53,12 @@ class Plan:
                                   _in_flight_budget(self.ir, options.memory_budget))
         if options.memory_budget is not None and self.stage_program is None:
             self._check_budget(options.memory_budget)
-        self.state_names = tuple(model.state_dict().keys())
+        state = model.state_dict()
+        self.state_names = tuple(state)
+        self.state_shapes = {fqn: tuple(t.shape) for fqn, t in state.items()}  # full, unsharded
+        tensors = (*state.values(), *pytree.tree_leaves(example_args))
+        self.device = next((t.device for t in tensors if isinstance(t, torch.Tensor)),
+                           torch.device("cpu"))  # where the weights are: a step's inputs too
         self._canonical = canonical_names(model)
         self._inference: tuple[Program, pytree.TreeSpec] | None = None
         self._inference_stages: tuple | None = None
@@ -92,24 +98,27 @@ class Plan:
             self._inference_stages = (split, ir, spec)
         return self._inference_stages
 
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """A step's flat inputs by name: ``args[0]``, ..., ``targets[0]``, ..."""
+        return tuple(s.name for s in self._captured.leaves)
+
     def check_inputs(self, args: Any, targets: Any, inference: bool = False) -> list[torch.Tensor]:
-        """Flatten a step's inputs, checking them against what the plan was captured with (and
-        that a training step has a training plan)."""
+        """Flatten a step's inputs, checking them against what the plan was captured with:
+        structure, then each tensor's shape, dtype and device (and that a training step has a
+        training plan)."""
+        where = "runner.forward" if inference else "runner.step"
         if not inference and self.mode is not M.Mode.TRAIN:
             raise InputError("this plan was built for inference (no loss_fn)",
-                             where="runner.step", fix="call partition(..., loss_fn=...) to "
+                             where=where, fix="call partition(..., loss_fn=...) to "
                              "train, or use runner.forward(args)")
+        want_args, want_targets = self._captured.in_spec.children()
+        self._check_structure("args", args, want_args, where)
+        if not inference:
+            self._check_structure("targets", targets, want_targets, where)
         leaves = [s for s in self._captured.leaves
                   if not (inference and s.name.startswith("targets"))]
-        flat, spec = pytree.tree_flatten((args, () if inference else targets))
-        want = self._captured.in_spec
-        if inference:
-            want = pytree.tree_flatten((self._example_args, ()))[1]
-        if spec != want:
-            raise InputError(
-                "the inputs are not structured like the example inputs the plan was built with",
-                where=f"got {spec}, expected {want}",
-                fix="pass args (and targets) as the same tuples/lists/dicts of tensors")
+        flat = pytree.tree_leaves((args, () if inference else targets))
         for t, s in zip(flat, leaves):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != s.shape or t.dtype != s.dtype:
                 got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -118,7 +127,35 @@ class Plan:
                     where=s.name,
                     fix="shapes are static: call partition() again with example inputs of this "
                     "shape (or pad/batch your data to the planned shape)")
+            if t.device != self.device:
+                raise InputError(
+                    f"{s.name} is on {t.device}; the plan's weights are on {self.device}",
+                    where=f"{where}, {s.name}",
+                    fix=f"move the inputs to the weights' device: x.to({str(self.device)!r})")
         return flat
+
+    @staticmethod
+    def _check_structure(what: str, value: Any, want: pytree.TreeSpec, where: str) -> None:
+        """``value`` (a step's args or targets) is structured as the example was, or an
+        InputError says how, in plain words."""
+        example = f"{where}((x,))" if where == "runner.forward" else f"{where}((x,), (y,))"
+        if not isinstance(value, tuple):
+            raise InputError(f"{what} must be a tuple, got {_describe(value)}",
+                             where=f"{where}, {what}",
+                             fix=f"wrap a single tensor in a tuple: {example}")
+        spec = pytree.tree_flatten(value)[1]
+        if spec == want:
+            return
+        if what == "targets" and value == ():
+            n = want.num_leaves
+            raise InputError(
+                f"targets missing: the plan was built with {n} example target{'s' * (n > 1)} "
+                f"{_structure(want)}", where=f"{where}, targets",
+                fix=f"pass the targets loss_fn takes, as partition's example_targets: {example}")
+        raise InputError(
+            f"{what} are structured as {_structure(spec)}; the plan was built with "
+            f"{_structure(want)}", where=f"{where}, {what}",
+            fix=f"pass {what} as the same tuples/lists/dicts of tensors as the example {what}")
 
     # --- inspecting -------------------------------------------------------------------------
 
@@ -192,6 +229,20 @@ class Plan:
 
     def canonical(self, fqn: str) -> str:
         return self._canonical.get(fqn, fqn)
+
+
+def _structure(spec: pytree.TreeSpec) -> str:
+    """A pytree structure in Python's own notation: ``(Tensor, [Tensor], {'mask': Tensor})``."""
+    if spec.is_leaf():
+        return "Tensor"
+    kids = [_structure(c) for c in spec.children()]
+    if spec.type is tuple:
+        return f"({', '.join(kids)}{',' if len(kids) == 1 else ''})"
+    if spec.type is list:
+        return f"[{', '.join(kids)}]"
+    if spec.type is dict:
+        return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, kids)) + "}"
+    return f"{getattr(spec.type, '__name__', spec.type)}({', '.join(kids)})"
 
 
 def _in_flight_budget(ir, budget: int | None) -> int | None:

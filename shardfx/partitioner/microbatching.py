@@ -12,18 +12,23 @@ the one-device step only if
   running ``loss_fn`` on random outputs of the model's output shapes, one row per slice, with
   the example targets' first rows: whole vs sliced. A loss that is neither (a mean over the
   tokens not ignored, when slices ignore different numbers of tokens) is rejected.
+
+Before tracing, ``check_slices`` checks the batch divides into the slices (naming what the user
+passed: microbatches and dp), and ``one_row_error`` explains a trace that failed because a slice
+has a single row.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from shardfx.errors import LossError, PipelineError
+from shardfx.errors import InputError, LossError, PipelineError, ShardfxError
 from shardfx.ir import meta as M
 
 log = logging.getLogger("shardfx.microbatching")
@@ -56,6 +61,56 @@ def check_rows_independent(gm: fx.GraphModule, slices: int) -> None:
             "its own rows, which differs from one device", where=f"{node.name} ({module})",
             fix="use microbatches=1 without dp, put the norm in eval mode, or use a per-row "
                 "norm (LayerNorm, RMSNorm, GroupNorm)")
+
+
+def _slices_str(microbatches: int, dp: int) -> str:
+    """How the batch is sliced, as the user asked: ``microbatches=2 x dp=2 = 4 slices``."""
+    if dp == 1:
+        return f"microbatches={microbatches}"
+    return f"microbatches={microbatches} x dp={dp} = {microbatches * dp} slices"
+
+
+def check_slices(args: tuple, targets: tuple, microbatches: int, dp: int) -> None:
+    """Every tensor of the batch splits along dim 0 into ``microbatches`` x ``dp`` equal slices
+    (``dp``: the replicas of a pipeline, each its own rows; 1 without a pipeline). Other leaves
+    are left to ``capture``'s checks."""
+    n = microbatches * dp
+    if n == 1:
+        return
+    n_args = len(pytree.tree_leaves(args))
+    for i, t in enumerate(pytree.tree_leaves((args, targets))):
+        if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % n):
+            name = f"args[{i}]" if i < n_args else f"targets[{i - n_args}]"
+            size = f"batch size {t.shape[0]}" if t.dim() else "no batch dimension (0-dim)"
+            raise InputError(
+                f"{name} has {size}, which does not split into {_slices_str(microbatches, dp)}",
+                where=f"partition(..., microbatches={microbatches}"
+                      f"{f', mesh dp={dp}' if dp > 1 else ''})",
+                fix=f"use a batch that is a multiple of {n}, or fewer microbatches"
+                    f"{' (or dp replicas)' if dp > 1 else ''}")
+
+
+def one_row_error(error: ShardfxError, rows: int, microbatches: int,
+                  dp: int) -> ShardfxError | None:
+    """When tracing failed in BatchNorm's own check that training sees more than one value per
+    channel and the traced slice of the batch has one row: the error that says so (with a
+    pipeline, a ``PipelineError``: batch statistics per microbatch differ from one device in any
+    case). None for any other failure."""
+    frames = [f.name for f in traceback.extract_tb(getattr(error.__cause__, "__traceback__", None))]
+    if rows != 1 or frames[-2:] != ["batch_norm", "_verify_batch_size"]:
+        return None
+    if microbatches * dp == 1:
+        return InputError(
+            "the example batch has one row; BatchNorm in training mode needs more than one value "
+            "per channel", where=error.where,
+            fix="plan with a batch of at least 2 rows, or put the norm in eval mode")
+    return PipelineError(
+        f"each microbatch has one row (a batch of {microbatches * dp} rows in "
+        f"{_slices_str(microbatches, dp)}); BatchNorm in training mode needs more than one "
+        "value per channel, and computes its statistics over a microbatch's rows, not the "
+        "batch's", where=error.where,
+        fix="put the norm in eval mode or use a per-row norm (LayerNorm, RMSNorm, GroupNorm); or "
+            "use microbatches=1 without dp")
 
 
 def loss_reduction(loss_fn: Callable, output: tuple[list, pytree.TreeSpec] | None,

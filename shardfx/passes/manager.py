@@ -5,13 +5,19 @@ lines naming the meta keys it reads and writes. When a pass fails or breaks the 
 ``PassError`` names the pass, the passes that ran before it, and the cause; a ``ShardfxError``
 about the user's request (a dimension not divisible by its mesh axis) passes through as is. ``verify`` runs after each pass when
 ``options.debug`` is set or ``SHARDFX_DEBUG=1`` (the test suite sets it).
+
+With ``SHARDFX_DUMP=dir`` a failure writes what exists to ``dir`` (``dump_failure``): the IR after
+capture and after each pass that ran, as ``plan.dump`` names them, and the error in ``error.txt``;
+without it, the error's fix says to set it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.fx as fx
@@ -72,17 +78,23 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             gm = p(gm, options)
             if options.debug:
                 verify(gm)
-        except (PassError, VerifyError) as e:  # a pass broke the IR: shardfx's fault
-            if isinstance(e, PassError):
-                raise
-            raise PassError(f"{type(e).__name__}: {e.cause}", where=_where(name, before, e.where),
-                            fix=e.fix) from e
+        except PassError as e:
+            dump_failure(e, history)
+            raise
+        except VerifyError as e:  # a pass broke the IR: shardfx's fault
+            error = PassError(f"{type(e).__name__}: {e.cause}",
+                              where=_where(name, before, e.where), fix=f"{e.fix}; {report_fix()}")
+            error.__cause__ = e
+            dump_failure(error, history)
+            raise error from e
         except ShardfxError:  # the user's request cannot be met: its own message says why
             raise
         except Exception as e:
-            raise PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
-                            fix="this is a shardfx bug; please report it with the IR dump "
-                            "(SHARDFX_DUMP=dir)") from e
+            error = PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
+                              fix=report_fix())
+            error.__cause__ = e
+            dump_failure(error, history)
+            raise error from e
         history.append(PassRecord(name, ir_to_text(gm)))
         log.debug("ran %s", name)
     return gm
@@ -91,3 +103,36 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
 def _where(name: str, before: list[str], inner: str | None) -> str:
     s = f"pass {name} (after {', '.join(before) or 'capture'})"
     return f"{s}; {inner}" if inner else s
+
+
+def report_fix() -> str:
+    """What to do about a failure that is shardfx's fault: report it, with the IR dump."""
+    if directory := os.environ.get("SHARDFX_DUMP"):
+        return (f"this is a shardfx bug; please report it with the IR dump written to "
+                f"{directory} (the IR after capture and after each pass that ran, the error)")
+    return ("this is a shardfx bug; set SHARDFX_DUMP=dir and run again to write the IR after "
+            "capture and after each pass that ran, then report it with that directory")
+
+
+def dump_failure(error: BaseException, history: list[PassRecord],
+                 gm: fx.GraphModule | None = None) -> None:
+    """With ``SHARDFX_DUMP=dir``, write what exists when planning fails: the IR text of each
+    record in ``history`` (``00-capture.txt``, then one file per pass that ran), ``gm`` as it
+    stood when given (``ir-at-failure.txt``), and the error with its traceback (``error.txt``).
+    Once per error: the first place that catches it knows the most."""
+    directory = os.environ.get("SHARDFX_DUMP")
+    if not directory or getattr(error, "dumped", False):
+        return
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, record in enumerate(history):
+        (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
+    if gm is not None:
+        try:
+            text = ir_to_text(gm)
+        except Exception as e:  # a broken IR may not print: say so instead
+            text = f"the IR could not be printed: {e!r}\n"
+        (out / "ir-at-failure.txt").write_text(text)
+    (out / "error.txt").write_text("".join(traceback.format_exception(error)))
+    error.dumped = True
+    log.warning("planning failed; wrote the IR and the error to %s", out)

@@ -1,0 +1,121 @@
+"""Checks a runner makes on what the user hands it at run time.
+
+- ``make_optimizer``: the ``optimizer`` argument of ``plan.runner`` is a factory that, given the
+  parameters this rank trains (its own shards on a mesh), returns an optimizer that steps them.
+  An optimizer instance, a factory that raises, returns ``None`` or an optimizer of other
+  tensors (``model.parameters()`` instead of the ones given: on a mesh the program never reads
+  those) is an ``InputError``, not parameters that silently never change.
+- ``SameBatch``: every rank passes the same global batch to ``runner.step`` and takes its own
+  slice of it. Ranks that load or shuffle data differently would train on a batch no single
+  device ever saw. Each rank sums each input three ways (plainly, weighted by row and by
+  column, so reordered rows count too) and the ranks gather those few float64s: on the first
+  step, and on every step in debug mode (``SHARDFX_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shardfx.errors import InputError, ShardfxError
+
+if TYPE_CHECKING:
+    from shardfx.plan import Plan
+
+WHERE = "plan.runner(optimizer=...)"
+EXAMPLE = "plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))"
+RTOL = 1e-9  # of a checksum's scale: far above float64 summation-order noise, far below data
+
+
+def make_optimizer(factory: Callable | None, params: list[torch.nn.Parameter]) -> Any:
+    """``factory(params)``, checked; None without a factory or without parameters to train."""
+    if factory is None:
+        return None
+    if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+        instance = " (an optimizer instance)" if isinstance(factory, torch.optim.Optimizer) else ""
+        raise InputError(
+            f"optimizer must be a function from parameters to an optimizer, got "
+            f"{type(factory).__name__}{instance}",
+            where=WHERE, fix=f"pass a factory: the runner calls it with the parameters it "
+            f"trains (on a mesh, this rank's shards), e.g. {EXAMPLE}")
+    if not params:
+        return None
+    try:
+        optimizer = factory(params)
+    except ShardfxError:
+        raise
+    except Exception as e:
+        raise InputError(f"the optimizer factory raised {type(e).__name__}: {e}",
+                         where=f"{WHERE}, called with a list of {len(params)} parameters",
+                         fix=f"make it build an optimizer of the parameters it is given, e.g. "
+                             f"{EXAMPLE}") from e
+    if not callable(getattr(optimizer, "step", None)):
+        got = "None" if optimizer is None else type(optimizer).__name__
+        raise InputError(
+            f"the optimizer factory returned {got}, not an optimizer: the parameters would "
+            "never change", where=WHERE,
+            fix=f"return the optimizer (a def needs a return statement), e.g. {EXAMPLE}")
+    held = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
+    if held and not held & {id(p) for p in params}:
+        raise InputError(
+            "the optimizer steps none of the parameters it was given; on a mesh the runner "
+            "trains its own shards, so the tensors it steps would never be read",
+            where=WHERE, fix=f"build the optimizer from the factory's argument, e.g. {EXAMPLE}")
+    return optimizer
+
+
+class SameBatch:
+    """Called with a step's flat inputs on every rank: raises the same InputError on every rank
+    when ranks passed different global batches (see the module docstring)."""
+
+    def __init__(self, plan: "Plan"):
+        self.names = plan.input_names
+        self.debug = plan.options.debug
+        self.spans_ranks = plan.mesh.size > 1
+        self.checked = False
+
+    def __call__(self, flat: list[torch.Tensor]) -> None:
+        if not self.spans_ranks or (self.checked and not self.debug):
+            return
+        self.checked = True
+        mine = torch.stack([_checksum(t) for t in flat])  # (inputs, 4), on the CPU
+        if dist.get_backend() == "nccl":
+            mine = mine.cuda()
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        for i, name in enumerate(self.names):
+            first = every[0][i].cpu()
+            others = [r for r, sums in enumerate(every) if not _same(first, sums[i].cpu())]
+            if others:
+                raise InputError(
+                    f"ranks passed different global batches: {name} on rank"
+                    f"{'s' * (len(others) > 1)} {', '.join(map(str, others))} differs from "
+                    "rank 0's", where=f"runner.step, {name}",
+                    fix="pass the same global batch on every rank (each takes its own slice): "
+                        "load and shuffle data with the same seed everywhere, or build the "
+                        "batch on one rank and broadcast it")
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Sum, row-weighted sum, column-weighted sum and sum of magnitudes (the scale), float64."""
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    x = x.reshape(x.shape[0] if x.dim() else 1, -1)
+    f64 = torch.float64
+    rows, cols = x.sum(1, dtype=f64), x.sum(0, dtype=f64)
+    return torch.stack([
+        rows.sum(),
+        rows @ torch.arange(1, rows.numel() + 1, dtype=f64, device=x.device),
+        cols @ torch.arange(1, cols.numel() + 1, dtype=f64, device=x.device),
+        x.abs().sum(dtype=f64) * max(x.shape)]).cpu()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    tol = RTOL * max(float(a[-1]), float(b[-1]))
+    close = ((a - b).abs() <= tol) | (a == b) | (a.isnan() & b.isnan())
+    return bool(close.all())
