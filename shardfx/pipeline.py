@@ -21,6 +21,7 @@ from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
 from shardfx.passes.manager import Options, PassRecord, run_passes
+from shardfx.passes.rng import rng_dropout
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
 from shardfx.passes.stage_cut import stage_cut
@@ -34,6 +35,7 @@ def compile_ir(gm: fx.GraphModule, options: Options
         return _compile_pipeline(gm, options, history)
     sharded = options.mesh.size > 1
     gm = run_passes(gm, [
+        rng_dropout,      # dropout masks from each element's global place: the same on any mesh
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
         estimate_cost,    # FLOPs and bytes per op: the summary now, the stage cutter and solver later
         *([shard_annotate,   # the user's request -> placements of parameters and batch inputs
@@ -55,6 +57,7 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=inner.axes)
     sharded = inner.size > 1
     gm = run_passes(gm, [
+        rng_dropout,     # dropout masks from each element's global place, per slice
         assign_phase,    # forward vs backward
         estimate_cost,   # what the stage cutter balances
         *([shard_annotate, shard_propagate] if sharded else []),  # tensor parallel in a stage
@@ -63,6 +66,6 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is
     ], options, history)
     if not sharded:
-        return gm, split_stages(gm), history, []  # per-stage F, B, W programs
+        return gm, split_stages(generate(gm).module), history, []  # the program, cut: F, B, W
     program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
     return gm, split_stages(inherit_stages(program.module)), history, collectives  # ... cut

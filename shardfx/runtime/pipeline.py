@@ -44,6 +44,8 @@ from torch.distributed.tensor import Shard
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
+from shardfx.passes.rng import draw_seed, reads_rng, rng_value
+from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.mesh import coordinate, device_mesh
 from shardfx.runtime.runner import load_state
@@ -86,7 +88,11 @@ class PipelineRunner:
         self._owned = {fqn for fqn in self._params
                        if self._program.producer(M.OutputKind.GRAD, fqn) == self.rank}
         owned = [self._params[fqn] for fqn in sorted(self._owned)]
-        self.optimizer = optimizer(owned) if optimizer and owned else None
+        self.optimizer = make_optimizer(optimizer, owned)
+        self._same_batch = SameBatch(plan)
+        # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
+        self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
+        self._step_count = 0
         self._tied = self._tied_parameters()
         self._grads: dict[str, torch.Tensor] = {}
         self._spans: list[tuple[str, float, float]] = []
@@ -118,9 +124,11 @@ class PipelineRunner:
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
         flat = self._plan.check_inputs(args, targets)
+        self._same_batch(flat)
         self._grads = {}
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
         loss = self._execute(self._program, self._steps, flat, weights)
+        self._step_count += 1
         if self._dp is not None:  # replicas combine their gradients: average (as DDP) or sum
             for bucket in _buckets([self._grads[f] for f in sorted(self._grads)]):
                 flat = torch.cat([g.reshape(-1) for g in bucket])
@@ -171,11 +179,10 @@ class PipelineRunner:
              weights: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = [self._input(program, src, mb, flat, weights) for src in call.inputs]
         with torch.no_grad():
-            out = call.module(*inputs)
-        outs = out if isinstance(out, tuple) else (out,)
+            outs = call.module(*inputs)  # a tuple, even of one output
         loss = torch.zeros(())
         for o in call.outputs:
-            value = outs[o.index if o.index is not None else 0]
+            value = outs[o.index]
             for role in o.roles:
                 if role.kind is M.OutputKind.GRAD:
                     g = self._grads.get(role.name)
@@ -209,6 +216,10 @@ class PipelineRunner:
                               dtype=program.input_val(name).dtype)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)
+        if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
+            return program.constants[name]
+        if role.kind is M.InputKind.RNG:  # slice: this replica's microbatch mb, in batch order
+            return rng_value(self._seed, self._step_count, self._dp_index * self.m + mb)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
         return mine.chunk(self.m)[mb]
 

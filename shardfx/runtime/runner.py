@@ -11,6 +11,7 @@ the step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
@@ -19,6 +20,8 @@ import torch.utils._pytree as pytree
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.passes.rng import draw_seed, reads_rng, rng_value
+from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.shards import Shards
 
 if TYPE_CHECKING:
@@ -47,14 +50,20 @@ class Runner:
             self._params = {name: torch.nn.Parameter(
                 self._shards.local(p.detach(), self._placements.get(name, ())).clone(),
                 requires_grad=p.requires_grad) for name, p in self._params.items()}
-        self.optimizer = optimizer(list(self._params.values())) if optimizer else None
+        self.optimizer = make_optimizer(optimizer, list(self._params.values()))
+        self._same_batch = SameBatch(plan)
+        # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
+        self._seed = draw_seed() if reads_rng(plan.program.module) else 0
+        self._steps = 0
 
     # --- training and inference -------------------------------------------------------------
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
         """One training step on the global batch; returns the loss."""
         flat = self._plan.check_inputs(args, targets)
+        self._same_batch(flat)
         outs = self._run(self._plan.program, flat)
+        self._steps += 1
         loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
         grads = {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD}
         for name, p in self._params.items():
@@ -94,6 +103,10 @@ class Runner:
             return torch.ones((), dtype=node.meta[M.VAL].dtype)
         if role.kind is M.InputKind.MESH:
             return self._shards.mesh_input(role)
+        if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
+            return node.meta[M.CONSTANT].value
+        if role.kind is M.InputKind.RNG:  # the same on every device: masks follow global places
+            return rng_value(self._seed, self._steps)
         if self._shards is not None:
             return self._shards.local(flat[role.index], node.meta[M.ANNOTATION])
         return flat[role.index]
@@ -130,25 +143,34 @@ def load_state(plan: "Plan", state: dict[str, torch.Tensor], tensors: dict[str, 
                local: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
     """Copy a full state dict (the model's FQNs) into a runner's ``tensors`` (canonical FQN ->
     this rank's tensor; names it lacks are another rank's), ``local`` cutting this rank's
-    shard; a state dict of another model is an error naming the difference."""
+    shard. The whole state dict is checked against the model's full shapes before anything is
+    cut or copied: a state dict of another model is an error naming the difference, and
+    nothing is loaded."""
+    where = "runner.load_state_dict"
+    fix = "load a state dict of the same model configuration (runner.state_dict() or " \
+          "model.state_dict())"
+    if not isinstance(state, Mapping):
+        raise InputError(f"a state dict maps names to tensors, got {type(state).__name__}",
+                         where=where, fix=fix)
     names = set(plan.state_names)
     missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
     if missing or unexpected:
         raise InputError(
             f"state dict does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}", where="runner.load_state_dict",
-            fix="save it with runner.state_dict() or model.state_dict() of the same model")
+            f"unexpected {unexpected[:5]}", where=where, fix=fix)
+    for fqn in plan.state_names:
+        src, full = state[fqn], plan.state_shapes[fqn]
+        if not isinstance(src, torch.Tensor):
+            raise InputError(f"{fqn} is {type(src).__name__} {src!r:.40} in the state dict, not "
+                             "a tensor", where=f"{where}, {fqn}", fix=fix)
+        if tuple(src.shape) != full:
+            raise InputError(f"{fqn} has shape {list(src.shape)} in the state dict, "
+                             f"{list(full)} in the model", where=f"{where}, {fqn}", fix=fix)
     for fqn in plan.state_names:
         name = plan.canonical(fqn)
-        if name not in tensors:
-            continue
-        dst, src = tensors[name], local(name, state[fqn])
-        if dst.shape != src.shape:
-            raise InputError(f"{fqn} has shape {list(src.shape)} in the state dict, "
-                             f"{list(dst.shape)} in the model", where=fqn,
-                             fix="load a checkpoint of the same model configuration")
-        with torch.no_grad():
-            dst.copy_(src)
+        if name in tensors:
+            with torch.no_grad():
+                tensors[name].copy_(local(name, state[fqn]))
 
 
 def _placements(program: Program) -> dict[str, M.Placements]:
