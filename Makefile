@@ -3,15 +3,22 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Every install takes the exact versions in constraints.txt (torch's is in pyproject.toml),
+# so a new release of a dependency cannot turn `make test` red; a changed pin reinstalls.
+# To raise the pins on purpose: `make pins` resolves the newest versions pyproject.toml
+# allows in a scratch venv and rewrites constraints.txt; then `make clean test`, and commit
+# constraints.txt with whatever the new versions needed.
+PIN := -c constraints.txt
+PINS_VENV := build/pins-venv
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean pins
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` would pull several GB of CUDA packages.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q $(PIN) torch==2.13.0
+	$(BIN)/pip install -q $(PIN) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,5 +31,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/capture.py
 
+pins:
+	rm -rf $(PINS_VENV)
+	$(PY) -m venv $(PINS_VENV)
+	$(PINS_VENV)/bin/pip install -q --upgrade pip
+	$(PINS_VENV)/bin/pip install -q torch==2.13.0
+	$(PINS_VENV)/bin/pip install -q -e '.[test]'
+	{ sed -n '/^#/p' constraints.txt; \
+	  $(PINS_VENV)/bin/pip freeze --exclude-editable | grep -iv '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(PINS_VENV)
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(PINS_VENV) *.egg-info
