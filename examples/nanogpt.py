@@ -30,7 +30,7 @@ class GPTConfig:
     n_layer: int = 4  # transformer blocks (GPT-2 small: 12)
     n_head: int = 4  # attention heads per block; must divide n_embd (GPT-2 small: 12)
     n_embd: int = 128  # width C of the residual stream (GPT-2 small: 768)
-    dropout: float = 0.0  # dropout probability; 0.0 keeps steps deterministic and comparable
+    dropout: float = 0.0  # dropout probability; 0.0 lets the demo compare steps with eager PyTorch
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2 has them
 
 

@@ -217,6 +217,29 @@ def test_hint_on_an_axis_tensors_are_not_sharded_over_names_the_line(axis, mesh,
     assert "tp" in info.value.fix
 
 
+class OddHinted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 15), torch.nn.Linear(15, 8)
+
+    def forward(self, x):
+        h = shardfx.shard_hint(torch.relu(self.up(x)), {"tp": Shard(1)})
+        return self.down(h)
+
+
+def test_hint_on_a_dimension_the_axis_does_not_divide_names_the_line():
+    with pytest.raises(ShardingError) as info:
+        shardfx.partition(OddHinted(), (X,), F.mse_loss, (Y,), mesh={"tp": 2})
+    assert_explained(info.value, cause=("S(1)", "15"), where=f"{__file__}:")
+    assert "h = shardfx.shard_hint(" in info.value.where
+
+
+def test_placements_written_as_a_string_ask_for_a_list():
+    with pytest.raises(ShardingError) as info:
+        plan(mesh={"tp": 2}, shard={"0.weight": "S(0)"})
+    assert_explained(info.value, cause=("'S(0)'", "list of placements"), where="0.weight")
+
+
 class Normed(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -112,6 +112,12 @@ def _from_globs(spec: dict, shapes: dict, axes: list[str]) -> dict[str, M.Placem
 def _check_placements(glob: str, placements, axes: list[str]) -> M.Placements:
     if isinstance(placements, Placement):
         placements = [placements]
+    if isinstance(placements, str) or not isinstance(placements, (list, tuple)):
+        raise ShardingError(
+            f"shard[{glob!r}] is {placements!r}: a list of placements is expected, one per "
+            f"mesh axis ({', '.join(axes) or 'none'})", where=f"shard[{glob!r}]",
+            fix="e.g. [Replicate(), Shard(0)] with Shard and Replicate from "
+            "torch.distributed.tensor")
     placements = tuple(placements)
     if len(placements) != len(axes):
         raise ShardingError(

@@ -32,7 +32,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
-from shardfx.errors import ShardingError
+from shardfx.errors import ShardingError, user_line
 from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
@@ -97,7 +97,8 @@ def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):
     """A user's shard_hint: the value takes the placements asked on the axes named."""
     src, text = node.args
     have = spec[src]
-    asked = decode(text, list(mesh.mesh_dim_names), where=f"shard_hint at {node.name}")
+    where = f"shard_hint at {user_line(node.meta.get('stack_trace')) or node.name}"
+    asked = decode(text, list(mesh.mesh_dim_names), where=where)
     want = tuple(asked.get(i, p) for i, p in enumerate(have.placements))
     val = node.meta[M.VAL]
     for (i, p), n in zip(enumerate(want), mesh.shape):
@@ -105,7 +106,7 @@ def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):
             raise ShardingError(
                 f"shard_hint asks {M.placements_str((p,))} on {mesh.mesh_dim_names[i]}={n}, "
                 f"but dim {p.dim} has size {val.shape[p.dim]}",
-                where=f"shard_hint at {node.name} (shape {list(val.shape)})",
+                where=f"{where} (shape {list(val.shape)})",
                 fix="hint a dimension divisible by the axis size")
     sharding = M.NodeSharding(out=want, inputs=(want,))
     return sharding, _spec(mesh, want, val)
