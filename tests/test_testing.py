@@ -134,9 +134,9 @@ def test_unbroken_run_passes_and_reports_each_kind():
 @pytest.mark.parametrize("rounding", ["split", "rows"])
 def test_rounding_in_another_order_passes(monkeypatch, rounding):
     """Only the summation order differs. The key bias's true gradient is zero, so what both
-    fp32 runs compute for it is rounding noise, 1e8 times fp64's (relative error > 1e6), which
-    AdamW turns into steps of up to lr: within the rule, since every step starts from shardfx's
-    weights and the update is replayed with shardfx's gradients."""
+    fp32 runs compute for it is rounding noise, 1e8 times fp64's (relative error > 1e6 of its
+    own norm), which AdamW turns into steps of up to lr: within the rule, since every step
+    starts from shardfx's weights and the update is replayed with shardfx's gradients."""
     def use(m):
         m.rounding = rounding
 
