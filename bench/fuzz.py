@@ -1,7 +1,7 @@
 """Fuzzing: random small models through every mesh, each checked against one device.
 
 Model ``k`` of a run with ``--seed S`` is ``random_spec(S * 1000 + k)`` of
-``tests/fuzz_models.py`` (Linear, activations, residuals, LayerNorm / RMSNorm, softmax,
+``tests/fuzz_draw.py`` (Linear, activations, residuals, LayerNorm / RMSNorm, softmax,
 transposes, reshapes; 2-3 blocks, the cut points of a pipeline), the same on every machine. Every
 mesh gets the same models; each is trained 3 AdamW steps eagerly and through shardfx and
 compared by ``shardfx.testing.compare_training``. Meshes: ``one`` (one device, this process),
@@ -34,13 +34,14 @@ from pathlib import Path
 
 os.environ.setdefault("SHARDFX_DEBUG", "1")  # verify the IR after every pass, as the tests do
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # bench.common; fuzz_models (the ranks' too)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # bench.common; the fuzz_* modules (the ranks' too)
 
 import torch  # noqa: E402
 
 from bench.common import append_results, machine  # noqa: E402
-from fuzz_models import (DIMS, MESHES, SEQS, ModelSpec, Op, Result, build, out_shape,  # noqa: E402
-                         random_spec, run)
+from fuzz_check import MESHES, Result, run  # noqa: E402
+from fuzz_draw import random_spec  # noqa: E402
+from fuzz_models import DIMS, SEQS, ModelSpec, Op, build, out_shape  # noqa: E402
 
 DEFAULT_MESHES = "one,dp2,tp2,tp2-globs,pp2"
 

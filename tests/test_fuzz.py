@@ -2,8 +2,8 @@
 pp=2, each trained 3 AdamW steps and compared with eager PyTorch by
 ``shardfx.testing.compare_training``.
 
-The models are drawn by ``tests/fuzz_models.py`` from Linear (with and without bias, under
-names Megatron's plan shards), activations, residual blocks, LayerNorm / RMSNorm, softmax,
+The models (``tests/fuzz_models.py``) are drawn by ``tests/fuzz_draw.py`` from Linear (with and
+without bias, under names Megatron's plan shards), activations, residual blocks, LayerNorm / RMSNorm, softmax,
 transposes (and Linears over the other axis) and reshapes. A failure prints the model's one-line
 description, which ``ModelSpec.parse`` reads back::
 
@@ -22,8 +22,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 
-from fuzz_models import MESHES, ModelSpec, batches, build, check, model_specs, out_shape, \
-    random_spec, run
+from fuzz_check import MESHES, check, run
+from fuzz_draw import model_specs, random_spec
+from fuzz_models import ModelSpec, batches, build, out_shape
 
 # Models of issue 9: a LayerNorm over a transposed activation between Linears over the other
 # axis (a program assuming contiguous strides failed on it), and a pipeline whose stage 0 ends
