@@ -17,7 +17,7 @@ from shardfx.hints import check_hint_axes
 from shardfx.ir.text import ir_to_text
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import Captured, capture, capture_leaves, microbatch
-from shardfx.partitioner.microbatching import check_slices, loss_reduction, one_row_error
+from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
 from shardfx.passes.manager import Options, PassRecord, dump_failure
 from shardfx.plan import Plan
 from shardfx.schedule import GENERATORS, Schedule
@@ -146,16 +146,14 @@ def partition(
 
 def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targets: tuple,
              options: Options) -> Captured:
-    """``capture`` on one slice of the batch; a failure that the slicing or missing targets
-    explain better is said in those terms."""
+    """``capture`` on one slice of the batch; a slice too small for the model, or a failure
+    that missing targets explain, is said in those terms."""
+    rows = next((t.shape[0] for t in pytree.tree_leaves(args)
+                 if isinstance(t, torch.Tensor) and t.dim()), 0)
+    check_one_row(model, rows, options.microbatches, options.slices // options.microbatches)
     try:
         return capture(model, args, loss_fn, targets)
     except ShardfxError as e:
-        rows = next((t.shape[0] for t in pytree.tree_leaves(args)
-                     if isinstance(t, torch.Tensor) and t.dim()), 0)
-        dp = options.slices // options.microbatches
-        if better := one_row_error(e, rows, options.microbatches, dp):
-            raise better from e.__cause__
         if isinstance(e, LossError) and targets == () and \
                 re.search(r"missing \d+ required positional argument", str(e.__cause__)):
             raise LossError(

@@ -3,7 +3,8 @@ pp=2, each trained 3 AdamW steps and compared with eager PyTorch by
 ``shardfx.testing.compare_training``.
 
 The models (``tests/fuzz_models.py``) are drawn by ``tests/fuzz_draw.py`` from Linear (with and
-without bias, under names Megatron's plan shards), activations, residual blocks, LayerNorm / RMSNorm, softmax,
+without bias, under names Megatron's plan shards), activations, residual blocks, LayerNorm /
+RMSNorm, softmax,
 transposes (and Linears over the other axis) and reshapes. A failure prints the model's one-line
 description, which ``ModelSpec.parse`` reads back::
 

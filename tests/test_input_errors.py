@@ -256,11 +256,11 @@ def test_one_row_microbatch_under_batchnorm_says_so():
         shardfx.partition(Normed(), (x,), F.mse_loss, (y,), mesh={"pp": 2, "dp": 2},
                           microbatches=2)
     assert_explained(info.value, cause=("one row", "4 rows in microbatches=2 x dp=2", "BatchNorm"),
-                     where=f"{__file__}:")
+                     where="Normed.norm (BatchNorm1d)")
     assert "traceable" not in info.value.fix and "eval" in info.value.fix
     with pytest.raises(InputError) as info:  # one device: the example batch itself
         shardfx.partition(Normed(), (x[:1],), F.mse_loss, (y[:1],))
-    assert_explained(info.value, cause=("batch has one row", "BatchNorm"), where=f"{__file__}:")
+    assert_explained(info.value, cause=("batch has one row", "BatchNorm"), where="Normed.norm")
 
 
 # --- shardfx's own failures -------------------------------------------------------------------

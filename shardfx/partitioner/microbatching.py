@@ -14,21 +14,20 @@ the one-device step only if
   tokens not ignored, when slices ignore different numbers of tokens) is rejected.
 
 Before tracing, ``check_slices`` checks the batch divides into the slices (naming what the user
-passed: microbatches and dp), and ``one_row_error`` explains a trace that failed because a slice
-has a single row.
+passed: microbatches and dp), and ``check_one_row`` that a BatchNorm in training mode does not
+get a slice of a single row.
 """
 
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from shardfx.errors import InputError, LossError, PipelineError, ShardfxError
+from shardfx.errors import InputError, LossError, PipelineError
 from shardfx.ir import meta as M
 
 log = logging.getLogger("shardfx.microbatching")
@@ -90,25 +89,27 @@ def check_slices(args: tuple, targets: tuple, microbatches: int, dp: int) -> Non
                     f"{' (or dp replicas)' if dp > 1 else ''}")
 
 
-def one_row_error(error: ShardfxError, rows: int, microbatches: int,
-                  dp: int) -> ShardfxError | None:
-    """When tracing failed in BatchNorm's own check that training sees more than one value per
-    channel and the traced slice of the batch has one row: the error that says so (with a
-    pipeline, a ``PipelineError``: batch statistics per microbatch differ from one device in any
-    case). None for any other failure."""
-    frames = [f.name for f in traceback.extract_tb(getattr(error.__cause__, "__traceback__", None))]
-    if rows != 1 or frames[-2:] != ["batch_norm", "_verify_batch_size"]:
-        return None
+def check_one_row(model: torch.nn.Module, rows: int, microbatches: int, dp: int) -> None:
+    """A BatchNorm in training mode needs more than one value per channel: when the slice the
+    plan traces has one row, say so before tracing, naming the module (with a pipeline, a
+    ``PipelineError``: batch statistics per microbatch differ from one device in any case)."""
+    if rows != 1 or not isinstance(model, torch.nn.Module):
+        return
+    norms = [(name, type(m).__name__) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if not norms:
+        return
+    where = f"{type(model).__name__}.{norms[0][0]} ({norms[0][1]})"
     if microbatches * dp == 1:
-        return InputError(
+        raise InputError(
             "the example batch has one row; BatchNorm in training mode needs more than one value "
-            "per channel", where=error.where,
+            "per channel", where=where,
             fix="plan with a batch of at least 2 rows, or put the norm in eval mode")
-    return PipelineError(
+    raise PipelineError(
         f"each microbatch has one row (a batch of {microbatches * dp} rows in "
         f"{_slices_str(microbatches, dp)}); BatchNorm in training mode needs more than one "
         "value per channel, and computes its statistics over a microbatch's rows, not the "
-        "batch's", where=error.where,
+        "batch's", where=where,
         fix="put the norm in eval mode or use a per-row norm (LayerNorm, RMSNorm, GroupNorm); or "
             "use microbatches=1 without dp")
 
