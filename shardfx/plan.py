@@ -18,7 +18,7 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError, PipelineError
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import (Captured, _describe, canonical_names, capture,
+from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options
@@ -140,7 +140,7 @@ class Plan:
         InputError says how, in plain words."""
         example = f"{where}((x,))" if where == "runner.forward" else f"{where}((x,), (y,))"
         if not isinstance(value, tuple):
-            raise InputError(f"{what} must be a tuple, got {_describe(value)}",
+            raise InputError(f"{what} must be a tuple, got {describe(value)}",
                              where=f"{where}, {what}",
                              fix=f"wrap a single tensor in a tuple: {example}")
         spec = pytree.tree_flatten(value)[1]

@@ -140,13 +140,13 @@ class _LossOf(torch.nn.Module):
         except Exception as e:
             raise LossError(
                 f"loss_fn failed on the model's output and the targets: {type(e).__name__}: {e}",
-                where=f"loss_fn({_describe(out)}, {', '.join(_describe(t) for t in targets)})",
+                where=f"loss_fn({describe(out)}, {', '.join(describe(t) for t in targets)})",
                 fix="make loss_fn accept what model(*example_args) returns (for Hugging Face "
                 "models a ModelOutput: use out.logits) together with example_targets as given",
             ) from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise LossError(
-                f"loss_fn must return a scalar tensor, got {_describe(loss)}",
+                f"loss_fn must return a scalar tensor, got {describe(loss)}",
                 where="the value returned by loss_fn",
                 fix="reduce the loss to one number, e.g. return loss.mean() or use "
                 "reduction='mean'",
@@ -160,7 +160,7 @@ class _LossOf(torch.nn.Module):
         return loss.reshape(())
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"Tensor{list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
     return type(x).__name__
@@ -411,7 +411,7 @@ def _check_inputs(model: Any, args: Any, loss_fn: Any, targets: Any) -> None:
     for what, value in (("example_args", args), ("example_targets", targets)):
         if not isinstance(value, tuple):
             raise InputError(
-                f"{what} must be a tuple of inputs, got {_describe(value)}",
+                f"{what} must be a tuple of inputs, got {describe(value)}",
                 where=f"partition(..., {what}=...)",
                 fix=f"wrap a single input in a tuple: ({what.split('_')[1][:-1]},)",
             )
