@@ -4,8 +4,8 @@ pp=2, each trained 3 AdamW steps and compared with eager PyTorch by
 
 The models (``tests/fuzz_models.py``) are drawn by ``tests/fuzz_draw.py`` from Linear (with and
 without bias, under names Megatron's plan shards), activations, residual blocks, LayerNorm /
-RMSNorm, softmax, transposes (and Linears over the other axis) and reshapes. A failure prints the model's one-line
-description, which ``ModelSpec.parse`` reads back::
+RMSNorm, softmax, transposes (and Linears over the other axis) and reshapes. A failure prints
+the model's one-line description, which ``ModelSpec.parse`` reads back::
 
     .venv/bin/python -m bench.fuzz --repro "x(4,24) seed 0: transpose ..." --meshes pp2
 
