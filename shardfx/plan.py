@@ -56,14 +56,21 @@ class Plan:
         state = model.state_dict()
         self.state_names = tuple(state)
         self.state_shapes = {fqn: tuple(t.shape) for fqn, t in state.items()}  # full, unsharded
-        tensors = (*state.values(), *pytree.tree_leaves(example_args))
-        self.device = next((t.device for t in tensors if isinstance(t, torch.Tensor)),
-                           torch.device("cpu"))  # where the weights are: a step's inputs too
         self._canonical = canonical_names(model)
         self._inference: tuple[Program, pytree.TreeSpec] | None = None
         self._inference_stages: tuple | None = None
         if self.mode is M.Mode.INFER:
             self._inference = (self.program, captured.out_spec)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are, so a step's inputs too: the model's device (a model planned
+        on meta, once materialized: where it was put); while it is still on meta, the example
+        inputs' device, else CPU (what a meta model is traced as)."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers(),
+                                  pytree.tree_leaves(self._example_args))
+        return next((t.device for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta),
+                    torch.device("cpu"))
 
     # --- running ----------------------------------------------------------------------------
 

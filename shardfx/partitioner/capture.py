@@ -33,6 +33,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, insert_op
+from shardfx.partitioner.fake import run_device, traced_as
+from shardfx.partitioner.gradients import check_gradients, no_silent_backward
 from shardfx.partitioner.microbatching import output_of
 
 log = logging.getLogger("shardfx.capture")
@@ -77,7 +79,9 @@ def capture(
     # would fuse them into one graph input and a later step with different ones would be wrong.
     args, targets = pytree.tree_map_only(torch.Tensor, torch.empty_like, (args, targets))
     example = args if mode is M.Mode.INFER else (args, targets)
-    with _hf_cache_off(model):
+    device = run_device(model, example)  # on meta: trace as on the device it will run on
+    fakes = traced_as(model, example, device) if device else contextlib.nullcontext(example)
+    with _hf_cache_off(model), fakes as example, no_silent_backward(model):
         ep = _export(traced, example, model)
         _check_static(ep, model)
         with contextlib.ExitStack() as stack:
@@ -88,6 +92,8 @@ def capture(
     prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX
     _to_ir(gm, mode, type(model).__name__, prefix, n_args)
     _merge_tied_parameters(gm, model)
+    if mode is M.Mode.TRAIN:
+        check_gradients(gm, ep, model, prefix)
     gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
     out_spec = ep.call_spec.out_spec if mode is M.Mode.INFER else None
     return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None))

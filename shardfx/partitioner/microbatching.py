@@ -10,8 +10,9 @@ the one-device step only if
 - the batch loss is the mean of the slices' losses (``reduction="mean"``: the runner averages)
   or their sum (``reduction="sum"``: the runner adds). ``loss_reduction`` finds which by
   running ``loss_fn`` on random outputs of the model's output shapes, one row per slice, with
-  the example targets' first rows: whole vs sliced. A loss that is neither (a mean over the
-  tokens not ignored, when slices ignore different numbers of tokens) is rejected.
+  the example targets' first rows (stand-ins of their shapes when they are on the meta
+  device): whole vs sliced. A loss that is neither (a mean over the tokens not ignored, when
+  slices ignore different numbers of tokens) is rejected.
 
 Before tracing, ``check_slices`` checks the batch divides into the slices (naming what the user
 passed: microbatches and dp), and ``check_one_row`` that a BatchNorm in training mode does not
@@ -135,8 +136,9 @@ def loss_reduction(loss_fn: Callable, output: tuple[list, pytree.TreeSpec] | Non
         log.warning("%s: assuming loss_fn is a mean over the %d slices of the batch", why, slices)
         return "mean"
     g = torch.Generator().manual_seed(0)
-    samples = [[_random((1, *x[0][1:]), x[1], g) if isinstance(x, tuple) else x for x in leaves]
-               for _ in range(ROWS)]
+    targets, device = _real(targets, g)
+    samples = [[_random((1, *x[0][1:]), x[1], g).to(device) if isinstance(x, tuple) else x
+                for x in leaves] for _ in range(ROWS)]
     whole = _loss(loss_fn, [torch.cat(ls) if isinstance(ls[0], torch.Tensor) else ls[0]
                             for ls in zip(*samples)], spec, targets, slice(0, ROWS))
     parts = [_loss(loss_fn, r, spec, targets, slice(i, i + 1)) for i, r in enumerate(samples)]
@@ -157,6 +159,20 @@ def _loss(loss_fn: Callable, leaves: list, spec: pytree.TreeSpec, targets: tuple
     sliced = pytree.tree_map_only(torch.Tensor, lambda t: t[rows], targets)
     with torch.no_grad():
         return loss_fn(pytree.tree_unflatten(leaves, spec), *sliced).detach().double()
+
+
+def _real(targets: tuple, g: torch.Generator) -> tuple[tuple, torch.device]:
+    """The targets the check runs on, and the device of the outputs it makes: targets on the
+    meta device (a model planned without memory) have no values, so stand-ins of their shapes
+    take their place on CPU: zeros for integer targets (a valid class index of any loss),
+    random values for floating ones."""
+    leaves = [t for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    if not any(t.is_meta for t in leaves):
+        return targets, next((t.device for t in leaves), torch.device("cpu"))
+    log.info("targets on the meta device: the loss reduction is checked on stand-in targets")
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: _random(tuple(t.shape), t.dtype, g) if t.is_meta else t.cpu(),
+        targets), torch.device("cpu")
 
 
 def _random(shape: tuple, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

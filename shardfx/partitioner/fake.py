@@ -1,0 +1,79 @@
+"""Tracing a model that lives on the meta device as if it lived on the device it will run on.
+
+Users plan big models without memory: ``with torch.device("meta"): model = Llama(config)``.
+Tracing meta tensors as they are goes wrong in two ways on torch 2.13:
+
+- the joint trace loses gradients. torch registers its Python reference of some composite ops
+  (``nll_loss``, hence ``F.cross_entropy``) as their *Meta* kernel; under the Python dispatcher
+  that aot_autograd traces with, a Meta kernel makes the op look like a backend op, its
+  composite autograd is skipped and autograd's "not implemented" fallback records no backward:
+  a training graph with no gradients at all.
+- the graph is the meta device's: factory ops inside ``forward`` (``arange`` for positions, the
+  causal mask) are recorded with ``device=meta``, and the plan could not run once the model is
+  materialized.
+
+So when any parameter, buffer or example input is on meta, every one of them is swapped for a
+``FakeTensor`` that reports the run device (the first non-meta device among them; else CPU),
+all in one ``FakeTensorMode`` that ``torch.export`` and aot_autograd then trace with. The trace
+is the run device's own, the very graph a materialized model gives, and no memory is touched.
+The model is restored on exit: the user's module keeps its meta tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+log = logging.getLogger("shardfx.capture")
+
+
+def run_device(model: torch.nn.Module, example: tuple) -> torch.device | None:
+    """The device a trace of ``model`` on ``example`` stands for when something is on meta:
+    the first non-meta device of the model's tensors and the example's; CPU when all are meta.
+    None when nothing is on meta (trace the tensors as they are)."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor))]
+    if not any(t.is_meta for t in tensors):
+        return None
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def traced_as(model: torch.nn.Module, example: tuple, device: torch.device) -> Iterator[tuple]:
+    """Within: ``model``'s parameters and buffers are fake tensors on ``device`` (shapes,
+    dtypes and ``requires_grad`` kept; one fake per distinct tensor, so tied weights stay tied);
+    yields ``example`` made of fakes of the same mode. Restores the model's tensors on exit."""
+    mode = FakeTensorMode()
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            meta = t.detach() if t.is_meta else torch.empty_like(t, device="meta")
+            fakes[id(t)] = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+        return fakes[id(t)]
+
+    params: dict[int, torch.nn.Parameter] = {}  # one per parameter: tied ones stay one
+
+    def fake_param(p: torch.Tensor) -> torch.nn.Parameter:
+        if id(p) not in params:
+            params[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+        return params[id(p)]
+
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for slots, swap in ((module._parameters, fake_param), (module._buffers, fake)):
+                for name, t in list(slots.items()):
+                    if t is not None:
+                        saved.append((slots, name, t))
+                        slots[name] = swap(t)
+        log.info("%s: tracing the meta model as on %s", type(model).__name__, device)
+        yield pytree.tree_map_only(torch.Tensor, fake, example)
+    finally:
+        for slots, name, t in reversed(saved):
+            slots[name] = t
