@@ -19,6 +19,7 @@ from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import Captured, capture, capture_leaves, microbatch
 from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
 from shardfx.passes.manager import Options, PassRecord, dump_failure
+from shardfx.pipeline import deferred_codegen
 from shardfx.plan import Plan
 from shardfx.schedule import GENERATORS, Schedule
 
@@ -122,6 +123,14 @@ def partition(
     slices = options.slices
     check_slices(example_args, example_targets, microbatches, slices // microbatches)
     mb_args, mb_targets = microbatch(example_args, example_targets, slices)
+    with deferred_codegen():
+        return _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec,
+                     options)
+
+
+def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec: MeshSpec,
+          options: Options) -> Plan:
+    slices = options.slices
     captured = _capture(model, mb_args, loss_fn, mb_targets, options)
     if slices > 1:  # steps take the whole batch: check them against its shapes
         captured.leaves = capture_leaves(example_args, example_targets)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program, generate
@@ -25,6 +26,15 @@ from shardfx.passes.rng import rng_dropout
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
 from shardfx.passes.stage_cut import stage_cut
+
+
+def deferred_codegen():
+    """Within: every GraphModule built (the IR, the programs, a pipeline's parts) writes and
+    compiles its Python code when it is first called or its ``code`` read, not each time its
+    graph changes. Planning an 80-layer model would otherwise spend half its time generating
+    the same code again and again (fx regenerates every submodule's with its parent's); a
+    program's first step pays for its own once."""
+    return _use_lazy_graph_module(True)
 
 
 def compile_ir(gm: fx.GraphModule, options: Options

@@ -23,7 +23,7 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options
 from shardfx.passes.stage_cut import stage_report, weight_stages
-from shardfx.pipeline import compile_ir
+from shardfx.pipeline import compile_ir, deferred_codegen
 from shardfx.report import render
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
@@ -83,8 +83,9 @@ class Plan:
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
         """The forward-only program (captured on first use for a training plan)."""
         if self._inference is None:
-            captured = capture(self.model, self._example_args)
-            _, program, _, _ = compile_ir(captured.gm, self.options)
+            with deferred_codegen():
+                captured = capture(self.model, self._example_args)
+                _, program, _, _ = compile_ir(captured.gm, self.options)
             self._inference = (program, captured.out_spec)
         return self._inference
 
@@ -97,10 +98,11 @@ class Plan:
             if self.mode is M.Mode.INFER:
                 split, ir, spec = self.stage_program, self.ir, self._captured.out_spec
             else:
-                captured = capture(self.model,
-                                   microbatch(self._example_args, (), self.options.slices)[0])
                 options = dataclasses.replace(self.options, follow_stages=weight_stages(self.ir))
-                ir, split, _, _ = compile_ir(captured.gm, options)
+                with deferred_codegen():
+                    captured = capture(self.model, microbatch(self._example_args, (),
+                                                              self.options.slices)[0])
+                    ir, split, _, _ = compile_ir(captured.gm, options)
                 spec = captured.out_spec
             self._inference_stages = (split, ir, spec)
         return self._inference_stages

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective
@@ -82,7 +83,7 @@ def bucket_gradients(program: Program, collectives: Sequence[Collective] = (), *
     for i, b in enumerate(buckets):
         _emit_bucket(graph, f"bucket{i}", b, output)
     graph.lint()
-    module = fx.GraphModule(program.module, graph, class_name=type(program.module).__name__)
+    module = _make_graph_module(program.module, graph, class_name=type(program.module).__name__)
     return Program(module, program.inputs, program.outputs), _account(collectives, buckets)
 
 

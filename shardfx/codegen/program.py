@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from shardfx.hints import strip_hints
 from shardfx.ir import meta as M
@@ -71,7 +72,7 @@ def generate(gm: fx.GraphModule) -> Program:
     graph = copy.deepcopy(gm.graph)
     strip_hints(graph)
     layout_free(graph)
-    module = fx.GraphModule(gm, graph, class_name="ShardfxProgram")
+    module = _make_graph_module(gm, graph, class_name="ShardfxProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     outputs = tuple(graph.output_node().meta[M.OUTPUTS])
     return Program(module, inputs, outputs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
@@ -27,7 +28,7 @@ from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
 from shardfx.errors import PassError
 from shardfx.hints import MARKERS
 from shardfx.ir import meta as M
-from shardfx.ir.graph import op_nodes
+from shardfx.ir.graph import fake_value, map_nodes, op_nodes, operands
 
 
 def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
@@ -49,9 +50,7 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
 
     def emit(op, *args, **kwargs) -> fx.Node:
         node = graph.call_function(op, args, kwargs)
-        vals = pytree.tree_map_only(fx.Node, lambda n: n.meta[M.VAL], (args, kwargs))
-        with fake:
-            node.meta[M.VAL] = op(*vals[0], **vals[1])
+        node.meta[M.VAL] = fake_value(fake, op, args, kwargs)
         return node
 
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -81,7 +80,7 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
             if not p.users:
                 graph.erase_node(p)
     layout_free(graph)  # values independent of the layouts kernels give (codegen.program)
-    module = fx.GraphModule(gm, graph, class_name="ShardfxSpmdProgram")
+    module = _make_graph_module(gm, graph, class_name="ShardfxSpmdProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     return Program(module, inputs, tuple(out.meta[M.OUTPUTS])), log
 
@@ -89,14 +88,14 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
 def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
     """Redistribute ``node``'s operands as its rule asks, then emit it with local arguments."""
     sharding: M.NodeSharding = node.meta[M.SHARDING]
-    operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
-    local_operands = iter([to(a, want, node.name) for a, want in zip(operands, sharding.inputs)])
+    local_operands = iter([to(a, want, node.name)
+                           for a, want in zip(operands(node), sharding.inputs)])
     if node.target in MARKERS:  # the redistribution was the point; the op itself is identity
         env[node], have[node] = next(local_operands), sharding.out
         return
     args = sharding.local_args if sharding.local_args is not None else node.args
     kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(local_operands), (args, kwargs))
+    args, kwargs = map_nodes((args, kwargs), lambda _: next(local_operands))
     target = sharding.local_op or node.target
     # A local operand may be laid out unlike the global one (redistributed, a batch slice):
     # a view becomes a reshape here, so the fake value is computed as the program will run.

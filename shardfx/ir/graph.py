@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import weakref
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from shardfx.ir import meta as M
 
@@ -24,12 +26,70 @@ def fake_mode_of(graph: fx.Graph):
 def insert_op(graph: fx.Graph, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> fx.Node:
     """Insert ``op(*args)`` at the graph's current insertion point, with its FakeTensor value."""
     node = graph.call_function(op, args, kwargs)
-    vals = pytree.tree_map_only(fx.Node, lambda n: n.meta[M.VAL], (args, kwargs))
-    with fake_mode_of(graph):
-        node.meta[M.VAL] = op(*vals[0], **vals[1])
+    node.meta[M.VAL] = fake_value(fake_mode_of(graph), op, args, kwargs)
     return node
+
+
+_VALUES: "weakref.WeakKeyDictionary[FakeTensorMode, dict]" = weakref.WeakKeyDictionary()
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
+def fake_value(mode: FakeTensorMode, op: Any, args: tuple, kwargs: dict) -> Any:
+    """``op``'s FakeTensor value on the values of the nodes in ``args``/``kwargs``, under
+    ``mode``. Remembered per mode by what determines it (the op, each operand's shape, strides,
+    offset, dtype and device, the other arguments): a graph of 80 identical layers runs each
+    distinct op through fake dispatch once, not 80 times. Values are shared between nodes and
+    must not be mutated."""
+    vals = map_nodes((args, kwargs), lambda n: n.meta[M.VAL])
+    try:
+        key = (op, _key(vals))
+    except TypeError:  # an argument we cannot key: compute it
+        key = None
+    memo = _VALUES.setdefault(mode, {})
+    if key is None or key not in memo:
+        with mode:
+            value = op(*vals[0], **vals[1])
+        if key is None:
+            return value
+        memo[key] = value
+    return memo[key]
+
+
+def _key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("t", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_key(v) for v in x))
+    if isinstance(x, dict):
+        return ("d", *((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, _PLAIN):
+        return (type(x).__name__, x)
+    raise TypeError(type(x).__name__)
+
+
+def operands(node: fx.Node) -> list[fx.Node]:
+    """The nodes among ``node``'s arguments, in argument order (positional, then keyword), one
+    entry per use: the order a rule's per-operand answers come in."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def map_nodes(x: Any, fn) -> Any:
+    """``x`` (nested tuples, lists, dicts) with every node ``n`` in it replaced by ``fn(n)``;
+    fx's own walk, many times faster than pytree's on big graphs."""
+    return fx.node.map_arg(x, fn)
 
 
 def op_nodes(graph: fx.Graph) -> list[fx.Node]:
     """The call_function nodes, in program order."""
     return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def placeholder_name(role: M.InputRole) -> str:
+    """A placeholder's name: its role's name as an identifier (``model.layers.0.mlp.weight`` ->
+    ``model_layers_0_mlp_weight``, ``args[0]`` -> ``args_0``)."""
+    if role.kind is M.InputKind.TANGENT:
+        return "tangent_loss"
+    return re.sub(r"\W", "_", role.name.replace("[", "_").replace("]", "")).strip("_")

@@ -18,6 +18,7 @@ exists — the op runs replicated: correct, costlier, and listed in the dump.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from functools import lru_cache
@@ -35,7 +36,7 @@ import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagat
 from shardfx.errors import ShardingError, user_line
 from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
-from shardfx.ir.graph import op_nodes
+from shardfx.ir.graph import map_nodes, op_nodes, operands
 
 log = logging.getLogger("shardfx.passes.shard_propagate")
 
@@ -43,6 +44,7 @@ log = logging.getLogger("shardfx.passes.shard_propagate")
 def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = planning_mesh(options.mesh.axes)
     spec: dict[fx.Node, object] = {}  # node -> DTensorSpec, or tuple of them for multi-output ops
+    memo: dict = {}  # what _propagate answered, by what determines the answer
     for node in gm.graph.find_nodes(op="placeholder"):
         if M.ANNOTATION in node.meta:
             spec[node] = _spec(mesh, node.meta[M.ANNOTATION], node.meta[M.VAL])
@@ -62,7 +64,7 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
                                                    inputs=(None,))
             spec[node] = out
             continue
-        sharding, out = _propagate(node, spec, mesh)
+        sharding, out = _remembered(node, spec, mesh, memo)
         node.meta[M.SHARDING] = sharding
         spec[node] = out
     _require_outputs(gm, mesh)
@@ -110,6 +112,35 @@ def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):
                 fix="hint a dimension divisible by the axis size")
     sharding = M.NodeSharding(out=want, inputs=(want,))
     return sharding, _spec(mesh, want, val)
+
+
+def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
+    """``_propagate``'s answer, asked once per distinct (op, arguments, operand specs): the
+    answer depends on nothing else, so the 80 layers of a deep model ask the rules as often as
+    one does. The remembered answer's local arguments name the first node's operands; they are
+    rebound to this node's, in the same order."""
+    try:
+        key = (node.target, _frozen(map_nodes((node.args, node.kwargs), spec.__getitem__)))
+        hash(key)
+    except TypeError:
+        return _propagate(node, spec, mesh)
+    if key not in memo:
+        memo[key] = _propagate(node, spec, mesh)
+    sharding, out = memo[key]
+    if sharding.local_args is None and sharding.local_kwargs is None:
+        return sharding, out
+    rebound = iter(operands(node))
+    local_args, local_kwargs = map_nodes((sharding.local_args, sharding.local_kwargs),
+                                         lambda _: next(rebound))
+    return dataclasses.replace(sharding, local_args=local_args, local_kwargs=local_kwargs), out
+
+
+def _frozen(x):
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_frozen(v) for v in x))
+    if isinstance(x, dict):
+        return ("d", *((k, _frozen(v)) for k, v in x.items()))
+    return (type(x).__name__, x)
 
 
 def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
