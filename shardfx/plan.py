@@ -168,6 +168,13 @@ class Plan:
 
     # --- inspecting -------------------------------------------------------------------------
 
+    @property
+    def capture_path(self) -> str:
+        """How the model was traced: ``"full trace"`` (with why, when repeated blocks were
+        found but could not be stamped), or ``"stamped model.layers x80 from 2"``: two blocks
+        traced, the others copied (``partitioner.stamp``)."""
+        return self._captured.path
+
     @cached_property
     def summary(self) -> Summary:
         return summarize(self.ir)
@@ -205,7 +212,8 @@ class Plan:
 
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
-                      stage_report(self.ir) if self.options.stages > 1 else ())
+                      stage_report(self.ir) if self.options.stages > 1 else (),
+                      traced=self.capture_path)
 
     def replicated_ops(self) -> list[str]:
         """Ops no sharding rule covered: they run on full tensors (correct, costlier)."""

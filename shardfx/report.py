@@ -12,7 +12,7 @@ from shardfx.codegen.redistribute import Collective
 
 
 def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
-           replicated: list[str] = (), stages: list[dict] = ()) -> str:
+           replicated: list[str] = (), stages: list[dict] = (), traced: str = "") -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     s = summary
@@ -47,6 +47,8 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
         ops.add_row(op, str(n))
 
     console.print(title)
+    if traced:
+        console.print(f"Traced: {traced}")
     for table in (nodes, state, cost, ops):
         console.print(table)
     if stages:

@@ -42,6 +42,38 @@ def tiny(name: str, layers: int = 2) -> torch.nn.Module:
     raise ValueError(name)
 
 
+def hf(name: str, layers: int = 2) -> torch.nn.Module:
+    """A seeded tiny Hugging Face model: hidden 32, ``layers`` layers, 4 heads (2 kv heads where
+    the architecture has them), vocabulary 64, few experts: ``qwen3_moe`` | ``gemma3`` |
+    ``olmo2`` | ``deepseek_v3`` | ``gpt_neox`` | ``bert``."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
+                  vocab_size=VOCAB, intermediate_size=2 * HIDDEN)
+    experts = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    if name == "qwen3_moe":  # per-head q_norm / k_norm: their gradients all-reduced over tp
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **common, **experts, num_key_value_heads=2, num_experts=4, head_dim=8))
+    if name == "gemma3":
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, num_key_value_heads=2,
+                                                      head_dim=8))
+    if name == "olmo2":  # q_norm over all heads: its gradient gathered over tp
+        return T.Olmo2ForCausalLM(T.Olmo2Config(**common, num_key_value_heads=2))
+    if name == "deepseek_v3":  # multi-head latent attention: as many kv heads as heads
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **common, **experts, num_key_value_heads=4, n_routed_experts=4, n_group=1,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
+    if name == "gpt_neox":
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common, max_position_embeddings=64))
+    if name == "bert":
+        return T.BertForMaskedLM(T.BertConfig(**common, max_position_embeddings=64,
+                                              hidden_dropout_prob=0,
+                                              attention_probs_dropout_prob=0))
+    raise ValueError(name)
+
+
 def lm_loss(out, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, (B, T, V) vs (B, T); a Hugging Face output or plain logits."""
     logits = out.logits if hasattr(out, "logits") else out

@@ -15,10 +15,10 @@ from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.partitioner import capture as capture_module
 from shardfx.partitioner.capture import capture
-from tests.models import lm_loss, tiny, token_batches
+from models import lm_loss, tiny, token_batches
 
 
-def on_meta(name: str, layers: int = 2) -> torch.nn.Module:
+def on_meta(name: str, layers: int = 3) -> torch.nn.Module:
     with torch.device("meta"):
         return tiny(name, layers)
 
@@ -31,17 +31,18 @@ def grads(gm) -> list[str]:
 def test_meta_traces_the_cpu_training_graph(name):
     """F.cross_entropy on meta: torch 2.13's joint trace alone gives no gradients at all."""
     (x,), (y,) = token_batches(1)[0]
-    cpu = capture(tiny(name), (x,), lm_loss, (y,)).gm
-    meta = capture(on_meta(name), (x.to("meta"),), lm_loss, (y.to("meta"),)).gm
-    assert len(grads(meta)) == len(list(tiny(name).parameters())) > 0
-    assert ir_to_text(meta) == ir_to_text(cpu)
+    cpu = capture(tiny(name, 3), (x,), lm_loss, (y,)).gm
+    meta = capture(on_meta(name), (x.to("meta"),), lm_loss, (y.to("meta"),))
+    assert meta.path.startswith("stamped ")  # block 2 copied from block 1, on meta as on CPU
+    assert len(grads(meta.gm)) == len(list(tiny(name, 3).parameters())) > 0
+    assert ir_to_text(meta.gm) == ir_to_text(cpu)
 
 
 def test_meta_model_with_cpu_inputs_plans_like_cpu():
     (x,), (y,) = token_batches(1)[0]
     model = on_meta("llama")
     plan = shardfx.partition(model, (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2})
-    want = shardfx.partition(tiny("llama"), (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2})
+    want = shardfx.partition(tiny("llama", 3), (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2})
     assert ir_to_text(plan.program.module) == ir_to_text(want.program.module)
     assert all(p.is_meta for p in model.parameters())  # the user's model is left as it was
 
@@ -51,7 +52,7 @@ def test_meta_inputs_on_a_pipeline():
     (x,), (y,) = token_batches(1)[0]
     kw = dict(mesh={"pp": 2}, microbatches=2)
     plan = shardfx.partition(on_meta("llama"), (x.to("meta"),), lm_loss, (y.to("meta"),), **kw)
-    want = shardfx.partition(tiny("llama"), (x,), lm_loss, (y,), **kw)
+    want = shardfx.partition(tiny("llama", 3), (x,), lm_loss, (y,), **kw)
     assert plan.options.loss_reduction == want.options.loss_reduction == "mean"
     assert [(n, p.code) for n, p in plan.stage_program.named_children()] == \
         [(n, p.code) for n, p in want.stage_program.named_children()]
@@ -63,7 +64,7 @@ def test_plan_on_meta_then_train_the_materialized_model():
     (x,), (y,) = batches[0]
     model = on_meta("nanogpt")
     plan = shardfx.partition(model, (x.to("meta"),), lm_loss, (y.to("meta"),))
-    reference = tiny("nanogpt")
+    reference = tiny("nanogpt", 3)
     model.to_empty(device="cpu")
     model.load_state_dict(reference.state_dict())
     want = shardfx.partition(reference, (x,), lm_loss, (y,))

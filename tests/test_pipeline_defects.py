@@ -20,7 +20,7 @@ from shardfx.ir import meta as M
 from shardfx.runtime.compiled import source
 from shardfx.testing import compare_inference, compare_training
 
-from models import VOCAB, lm_loss, token_batches
+from models import VOCAB, hf, lm_loss, token_batches
 
 # --- multi-output ops between parts ---------------------------------------------------------
 
@@ -122,35 +122,6 @@ def test_multi_output_ops_across_parts_train_as_on_one_device():
 # --- pp x tp: collectives that only feed the outputs ----------------------------------------
 
 
-def hf(name: str) -> nn.Module:
-    """A seeded tiny Hugging Face model: hidden 32, 2 layers, 4 heads (2 kv heads where the
-    architecture has them), vocabulary 64, few experts."""
-    import transformers as T
-
-    torch.manual_seed(0)
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-                  intermediate_size=64)
-    experts = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-    if name == "qwen3_moe":  # per-head q_norm / k_norm: their gradients all-reduced over tp
-        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
-            **common, **experts, num_key_value_heads=2, num_experts=4, head_dim=8))
-    if name == "gemma3":
-        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, num_key_value_heads=2,
-                                                      head_dim=8))
-    if name == "olmo2":  # q_norm over all heads: its gradient gathered over tp
-        return T.Olmo2ForCausalLM(T.Olmo2Config(**common, num_key_value_heads=2))
-    if name == "deepseek_v3":  # multi-head latent attention: as many kv heads as heads
-        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-            **common, **experts, num_key_value_heads=4, n_routed_experts=4, n_group=1,
-            topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
-    if name == "gpt_neox":
-        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common, max_position_embeddings=64))
-    if name == "bert":
-        return T.BertForMaskedLM(T.BertConfig(**common, max_position_embeddings=64,
-                                              hidden_dropout_prob=0,
-                                              attention_probs_dropout_prob=0))
-    raise ValueError(name)
 
 
 COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
+import os
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,10 +32,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
 from shardfx.ir import meta as M
-from shardfx.ir.graph import fake_mode_of, insert_op
+from shardfx.ir.graph import fake_mode_of, insert_op, placeholder_name
 from shardfx.partitioner.fake import run_device, traced_as
 from shardfx.partitioner.gradients import check_gradients, no_silent_backward
 from shardfx.partitioner.microbatching import output_of
+from shardfx.partitioner.repeats import (TRACED, Reads, Repeat, cut_to_traced, differing_reads,
+                                         find_repeats)
+from shardfx.partitioner.stamp import NotRepeatable, NotStampable, rename_in_order, stamp
 
 log = logging.getLogger("shardfx.capture")
 
@@ -58,6 +61,7 @@ class Captured:
     leaves: tuple[LeafSpec, ...]  # one per flattened leaf of (args, targets)
     out_spec: pytree.TreeSpec | None  # the model output's structure (inference)
     output: tuple | None = None  # training: the model output as traced (microbatching.output_of)
+    path: str = "full trace"  # how: "full trace", or which repeated blocks were stamped
 
 
 def capture(
@@ -65,9 +69,13 @@ def capture(
     args: tuple,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     targets: tuple = (),
+    *,
+    blocks: bool | None = None,
 ) -> Captured:
     """Trace ``model`` (and ``loss_fn``) into the IR. Raises ``CaptureError``/``LossError``/
-    ``InputError`` naming the cause, the place, and what to do."""
+    ``InputError`` naming the cause, the place, and what to do. ``blocks``: trace two blocks of
+    each repeated list and stamp the rest (``stamp``), falling back to the full trace when they
+    are not interchangeable; False: always the full trace; None: unless ``SHARDFX_BLOCKS=0``."""
     _check_inputs(model, args, loss_fn, targets)
     mode = M.Mode.TRAIN if loss_fn is not None else M.Mode.INFER
     in_spec = pytree.tree_flatten((args, targets))[1]
@@ -79,24 +87,57 @@ def capture(
     # would fuse them into one graph input and a later step with different ones would be wrong.
     args, targets = pytree.tree_map_only(torch.Tensor, torch.empty_like, (args, targets))
     example = args if mode is M.Mode.INFER else (args, targets)
-    device = run_device(model, example)  # on meta: trace as on the device it will run on
-    fakes = traced_as(model, example, device) if device else contextlib.nullcontext(example)
-    with _hf_cache_off(model), fakes as example, no_silent_backward(model):
-        ep = _export(traced, example, model)
-        _check_static(ep, model)
-        with contextlib.ExitStack() as stack:
-            grad_mode = torch.enable_grad() if mode is M.Mode.TRAIN else torch.no_grad()
-            with grad_mode:
-                joint = aot_export_joint_with_descriptors(stack, ep.module(), example)
-            gm = joint.graph_module
+    if blocks is None:
+        blocks = os.environ.get("SHARDFX_BLOCKS", "1") != "0"
+    repeats, why_not = find_repeats(model) if blocks else ([], [])
+    for reason in why_not:
+        log.info("%s: not stamped, traced in full: %s", type(model).__name__, reason)
+    gm, path = None, "full trace"
+    while repeats:
+        gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats)
+        try:
+            for r in repeats:
+                if why := differing_reads(model, r, reads):
+                    raise NotRepeatable(why)
+                stamp(gm, r)
+            path = "stamped " + ", ".join(map(str, repeats))
+            break
+        except NotStampable as e:
+            gm, path = None, f"full trace ({e})"
+            # a first block unlike the others (its input needs no gradient): try the next two
+            later = [r.later() for r in repeats]
+            repeats = later if all(later) and not isinstance(e, NotRepeatable) else []
+    if gm is None:
+        gm, _, out_spec = _trace(model, traced, example, mode, n_args, [])
+    log.info("%s: %s", type(model).__name__, path)
+    rename_in_order(gm.graph)
+    gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
+    out_spec = out_spec if mode is M.Mode.INFER else None
+    return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None), path)
+
+
+def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode: M.Mode,
+           n_args: int, repeats: list[Repeat]) -> tuple[fx.GraphModule, Reads, Any]:
+    """export, then the joint trace, then our IR: of the model with each of ``repeats`` cut to
+    its first blocks (and the attributes they read)."""
+    cut = cut_to_traced(model, repeats)
+    with cut as reads:
+        device = run_device(model, example)  # on meta: trace as on the device it will run on
+        fakes = traced_as(model, example, device) if device else contextlib.nullcontext(example)
+        with _hf_cache_off(model), fakes as fake_example, no_silent_backward(model):
+            ep = _export(traced, fake_example, model)
+            _check_static(ep, model)
+            with contextlib.ExitStack() as stack:
+                grad_mode = torch.enable_grad() if mode is M.Mode.TRAIN else torch.no_grad()
+                with grad_mode:
+                    joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_example)
+                gm = joint.graph_module
     prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX
     _to_ir(gm, mode, type(model).__name__, prefix, n_args)
     _merge_tied_parameters(gm, model)
     if mode is M.Mode.TRAIN:
         check_gradients(gm, ep, model, prefix)
-    gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
-    out_spec = ep.call_spec.out_spec if mode is M.Mode.INFER else None
-    return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None))
+    return gm, reads, ep.call_spec.out_spec
 
 
 def capture_leaves(args: tuple, targets: tuple) -> tuple[LeafSpec, ...]:
@@ -243,7 +284,7 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
     for node in graph.find_nodes(op="placeholder"):
         role = _input_role(node.meta["desc"], prefix, n_args)
         node.meta[M.ROLE] = role
-        node._rename(_identifier(role))
+        node._rename(placeholder_name(role))
     out_node = graph.output_node()
     values, roles = [], []
     for value, desc in zip(out_node.args[0], out_node.meta["desc"]):
@@ -258,10 +299,11 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
     _drop_asserts(graph)
     if prefix:  # module paths as the user's model names them, like the parameters
         for node in graph.nodes:
-            if stack := node.meta.get("nn_module_stack"):
-                node.meta["nn_module_stack"] = {
-                    k: (path.removeprefix(prefix) if path != prefix.rstrip(".") else "", cls)
-                    for k, (path, cls) in stack.items()}
+            for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                if stack := node.meta.get(key):
+                    node.meta[key] = {
+                        k: (path.removeprefix(prefix) if path != prefix.rstrip(".") else "", cls)
+                        for k, (path, cls) in stack.items()}
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a tuple out: no pytree specs
     gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=model_name)
 
@@ -282,7 +324,7 @@ def _lift_constants(gm: fx.GraphModule) -> None:
             continue
         role = M.InputRole(M.InputKind.CONSTANT, node.target)
         with graph.inserting_after(last):
-            lifted = graph.placeholder(_identifier(role))
+            lifted = graph.placeholder(placeholder_name(role))
         lifted.meta.update(node.meta)
         lifted.meta[M.ROLE] = role
         lifted.meta[M.CONSTANT] = M.Constant(value.detach())
@@ -347,12 +389,6 @@ def _output_role(desc: d.AOTOutput | None, prefix: str, mode: M.Mode) -> M.Outpu
 
 def _leaf_name(i: int, n_args: int) -> str:
     return f"args[{i}]" if i < n_args else f"targets[{i - n_args}]"
-
-
-def _identifier(role: M.InputRole) -> str:
-    if role.kind is M.InputKind.TANGENT:
-        return "tangent_loss"
-    return re.sub(r"\W", "_", role.name.replace("[", "_").replace("]", "")).strip("_")
 
 
 # --- tied parameters -----------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""Repeated blocks: the ``nn.ModuleList`` of identical layers that makes a model deep.
+
+A Llama's 80 decoder layers are one block written 80 times. Tracing all 80 costs 80 times one,
+and every pass after would pay the same again. Instead ``capture`` traces the model with each
+such list cut to its first ``TRACED`` (two) instances and ``stamp`` copies the second one's
+part of the graph for the rest. That is the full trace only if every instance computes what
+the second one does, given its own parameters. Two checks before tracing and one during:
+
+- ``find_repeats``: a list is a candidate when it has more than ``TRACED`` children, all of one
+  class, with the same module tree, the same parameter and buffer names, shapes, dtypes and
+  ``requires_grad``, the same ``training`` flags, no tensor shared between two instances (a
+  shared layer is one parameter, not many) and no hooks.
+- ``reading_attributes``: while the cut model is traced, every read of a plain attribute of an
+  instance's modules (``self.attention_type``, ``self.sliding_window``, a config object) is
+  recorded, from the instance itself or from code around it. ``differing_reads`` then
+  compares what the second instance read with what every untraced instance holds under the
+  same names: a layer that behaves differently (Gemma 3's sliding and full attention layers)
+  differs there, and the model is traced whole. Attributes ``forward`` never reads (the
+  ``layer_idx`` a KV cache uses) do not matter.
+- ``stamp`` checks that the two traced instances are the same graph, wired the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger("shardfx.capture")
+
+TRACED = 2  # instances of each repeated list that are traced: the first, and the template
+_INTERNALS = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping attributes
+_HOOKS = tuple(a for a in _INTERNALS if "hook" in a)
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """Blocks ``first`` .. ``count``-1 of the list at module path ``path`` (``model.layers``) are
+    interchangeable. Blocks ``first`` and ``first + 1`` are traced as the pair ``stamp``
+    compares (``instance(0)`` and ``instance(1)``, the template), with every block before them;
+    the others are stamped."""
+
+    path: str
+    count: int  # blocks in the list
+    first: int = 0
+
+    def instance(self, i: int) -> str:
+        """The module path of the i-th block of the repeat (0: the first of the pair)."""
+        return f"{self.path}.{self.first + i}"
+
+    @property
+    def blocks(self) -> int:
+        return self.count - self.first
+
+    @property
+    def traced(self) -> int:
+        return self.first + TRACED
+
+    def later(self) -> "Repeat | None":
+        """The pair one block further on, when blocks are left to stamp: for a first block
+        unlike the rest (its input needs no gradient, so its backward has fewer ops)."""
+        return Repeat(self.path, self.count, self.first + 1) if self.blocks > TRACED + 1 else None
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.traced} of {self.count} blocks traced, " \
+               f"{self.count - self.traced} stamped"
+
+
+def find_repeats(model: torch.nn.Module) -> tuple[list[Repeat], list[str]]:
+    """The candidate lists (outermost only: a list inside a candidate's block is left to the
+    block), each from the first block from which all are interchangeable (a first dense layer
+    before many mixture-of-experts ones is traced as it is), and for each other list of more
+    than TRACED modules why it is not one."""
+    repeats: list[Repeat] = []
+    why_not: list[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) <= TRACED:
+            continue
+        if any(path.startswith(r.path + ".") for r in repeats):
+            continue
+        blocks = list(module)
+        signatures = [(type(b), _signature(b)) for b in blocks]
+        start = len(blocks) - 1
+        while start > 0 and signatures[start - 1] == signatures[-1]:
+            start -= 1
+        reason = _not_interchangeable(blocks, start) if len(blocks) - start > TRACED else \
+            _unlike(blocks, start - 1)
+        if reason:
+            why_not.append(f"{path}: {reason}")
+        else:
+            repeats.append(Repeat(path, len(blocks), start))
+    return repeats, why_not
+
+
+def _unlike(blocks: list[torch.nn.Module], i: int) -> str:
+    if type(blocks[i]) is not type(blocks[-1]):
+        return f"[{i}] is a {type(blocks[i]).__name__}, [{len(blocks) - 1}] a " \
+               f"{type(blocks[-1]).__name__}"
+    return f"[{i}] differs from [{len(blocks) - 1}] in its modules, parameters or buffers"
+
+
+def _not_interchangeable(blocks: list[torch.nn.Module], start: int) -> str | None:
+    seen: set[int] = set()
+    for i in range(start, len(blocks)):
+        for name, m in blocks[i].named_modules():
+            if any(getattr(m, h, None) for h in _HOOKS):
+                return f"[{i}]{'.' + name if name else ''} has hooks"
+        ids = {id(t) for t in [*blocks[i].parameters(), *blocks[i].buffers()]}
+        if ids & seen:
+            return f"[{i}] shares a parameter or buffer with an earlier block"
+        seen |= ids
+    return None
+
+
+def _signature(block: torch.nn.Module) -> tuple:
+    return (tuple((name, type(m), m.training) for name, m in block.named_modules()),
+            tuple((name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
+                  for name, t in [*block.named_parameters(), *block.named_buffers()]))
+
+
+# --- tracing the cut model ---------------------------------------------------------------
+
+
+Reads = dict[str, set[tuple[str, str]]]  # list path -> {(module path in a block, attribute)}
+
+
+@contextlib.contextmanager
+def cut_to_traced(model: torch.nn.Module, repeats: list[Repeat]) -> Iterator[Reads]:
+    """Within: each repeated list holds only its first TRACED blocks, and the plain attributes
+    their modules are read are recorded (the returned dict fills in as the model is traced)."""
+    reads: Reads = {r.path: set() for r in repeats}
+    swapped: list[tuple[torch.nn.Module, type]] = []
+    restore: list[tuple[dict, str, torch.nn.Module]] = []
+    try:
+        for r in repeats:
+            parent_path, _, name = r.path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            full = parent._modules[name]
+            restore.append((parent._modules, name, full))
+            parent._modules[name] = torch.nn.ModuleList(list(full)[:r.traced])
+            for block in list(full)[:r.traced]:
+                for sub, m in block.named_modules():
+                    swapped.append((m, type(m)))
+                    m.__class__ = _recording(type(m))
+                    object.__setattr__(m, "_shardfx_reads", (reads[r.path], sub))
+        yield reads
+    finally:
+        for m, cls in reversed(swapped):
+            m.__class__ = cls
+            object.__delattr__(m, "_shardfx_reads")
+        for modules, name, full in restore:
+            modules[name] = full
+
+
+_RECORDING: dict[type, type] = {}
+
+
+def _recording(cls: type) -> type:
+    """``cls`` with every read of a plain instance attribute recorded: same name, module and
+    qualified name, so traces and messages name the user's class."""
+    if cls not in _RECORDING:
+        get = cls.__getattribute__
+
+        def __getattribute__(self, name: str) -> Any:
+            value = get(self, name)
+            if name not in _INTERNALS and name in object.__getattribute__(self, "__dict__"):
+                record = object.__getattribute__(self, "__dict__").get("_shardfx_reads")
+                if record is not None and name != "_shardfx_reads":
+                    record[0].add((record[1], name))
+            return value
+
+        _RECORDING[cls] = type(cls.__name__, (cls,), {
+            "__getattribute__": __getattribute__, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
+    return _RECORDING[cls]
+
+
+def differing_reads(model: torch.nn.Module, repeat: Repeat, reads: Reads) -> str | None:
+    """Why the blocks past the traced ones may compute something else: the first attribute
+    the template block read whose value differs in another block; None when none does."""
+    template = model.get_submodule(repeat.instance(TRACED - 1))
+    for i in range(TRACED, repeat.blocks):
+        block = model.get_submodule(repeat.instance(i))
+        for sub, name in sorted(reads[repeat.path]):
+            a = getattr(template.get_submodule(sub), name)
+            b = getattr(block.get_submodule(sub), name)
+            if not _same(a, b):
+                where = f"{repeat.instance(i)}{'.' + sub if sub else ''}.{name}"
+                return f"{where} is {_short(b)}, {repeat.instance(TRACED - 1)}'s is {_short(a)}"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, functools.partial) and type(a) is type(b):  # e.g. a configured activation
+        return a.func is b.func and _same(a.args, b.args) and \
+            _same(tuple(sorted(a.keywords.items())), tuple(sorted(b.keywords.items())))
+    return type(a) is type(b) and isinstance(a, _PLAIN) and a == b
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else f"a {type(x).__name__}"

@@ -1,0 +1,169 @@
+"""Repeated blocks traced once and stamped: the same IR and programs as the full trace, and the
+full trace whenever the blocks are not interchangeable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardfx
+from shardfx.ir import meta as M
+from shardfx.ir.text import ir_to_text
+from shardfx.partitioner.capture import capture
+from shardfx.testing import compare_training
+
+from models import hf, lm_loss, tiny, token_batches
+
+LAYERS = 4  # blocks 2 and 3 are stamped
+
+
+def both(model, args, loss_fn=None, targets=()):
+    """The stamped capture and the full trace of ``model``."""
+    return (capture(model, args, loss_fn, targets),
+            capture(model, args, loss_fn, targets, blocks=False))
+
+
+def pairing(gm) -> dict[str, str]:
+    """Each backward op -> the forward op it differentiates (by torch's seq_nr, as stage_cut
+    pairs them), by name."""
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    forward = {}
+    for n in ops:
+        if not n.meta.get("autograd_backward") and "seq_nr" in n.meta:
+            forward.setdefault(n.meta["seq_nr"], n.name)
+    return {n.name: forward.get(n.meta.get("seq_nr")) for n in ops
+            if n.meta.get("autograd_backward")}
+
+
+def modules(gm) -> dict[str, str]:
+    """Each op -> the innermost module it was traced in."""
+    def inner(n):
+        stack = n.meta.get("fwd_nn_module_stack" if n.meta.get("autograd_backward")
+                           else "nn_module_stack")
+        return list(stack.values())[-1][0] if stack else ""
+    return {n.name: inner(n) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+MODELS = ["llama", "gpt2", "mixtral", "nanogpt", "qwen3_moe", "gemma3", "olmo2", "gpt_neox",
+          "bert", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_stamped_training_graph_is_the_full_trace(name):
+    model = tiny(name, LAYERS) if name in ("llama", "gpt2", "mixtral", "nanogpt") else \
+        hf(name, LAYERS)
+    (x,), (y,) = token_batches(1)[0]
+    stamped, full = both(model, (x,), lm_loss, (y,))
+    # DeepSeek-V3's first layer is dense, the others mixtures of experts: 1, 2 are the pair
+    traced = 3 if name == "deepseek_v3" else 2
+    assert stamped.path.endswith(f": {traced} of 4 blocks traced, {4 - traced} stamped"), \
+        stamped.path
+    assert full.path == "full trace"
+    assert ir_to_text(stamped.gm) == ir_to_text(full.gm)
+    assert pairing(stamped.gm) == pairing(full.gm)  # each copy's backward pairs with its forward
+    assert modules(stamped.gm) == modules(full.gm)  # and is named for its own block
+
+
+def test_stamped_inference_graph_is_the_full_trace():
+    (x,), _ = token_batches(1)[0]
+    stamped, full = both(tiny("llama", LAYERS), (x,))
+    assert stamped.path.startswith("stamped ")
+    assert ir_to_text(stamped.gm) == ir_to_text(full.gm)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"pp": 2, "tp": 2}])
+def test_plans_from_the_stamped_graph_are_the_full_traces(mesh, monkeypatch):
+    (x,), (y,) = token_batches(1)[0]
+    kw = dict(mesh=mesh, shard="megatron", microbatches=2 if "pp" in mesh else 1)
+    stamped = shardfx.partition(tiny("llama", LAYERS), (x,), lm_loss, (y,), **kw)
+    monkeypatch.setenv("SHARDFX_BLOCKS", "0")
+    full = shardfx.partition(tiny("llama", LAYERS), (x,), lm_loss, (y,), **kw)
+    assert stamped.capture_path.startswith("stamped ") and full.capture_path == "full trace"
+    assert f"Traced: {stamped.capture_path}" in str(stamped)
+    if stamped.program is not None:
+        assert stamped.program.module.code == full.program.module.code
+    else:
+        assert [(n, p.code) for n, p in stamped.stage_program.named_children()] == \
+            [(n, p.code) for n, p in full.stage_program.named_children()]
+
+
+def test_a_stamped_plan_trains_as_eager():
+    compare_training(tiny("llama", LAYERS), token_batches(2), lm_loss)
+
+
+# --- when the blocks are not interchangeable -------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, scale: float = 1.0, tag: int = 0):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale, self.tag = scale, tag  # forward reads scale, never tag
+
+    def forward(self, x):
+        return x + self.scale * torch.tanh(self.lin(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module], embed: bool = True, skip: bool = False):
+        super().__init__()
+        self.embed = nn.Linear(8, 8) if embed else nn.Identity()  # the blocks' input needs grad
+        self.layers = nn.ModuleList(blocks)
+        self.skip = skip
+
+    def forward(self, x):
+        outs = [self.embed(x)]
+        for layer in self.layers:
+            outs.append(layer(outs[-1]))
+        return outs[-1] + outs[-2] if self.skip else outs[-1]  # skip: reads the last two blocks
+
+
+def paths(model) -> tuple[str, bool]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    stamped, full = both(model, (x,), F.mse_loss, (x,))
+    return stamped.path, ir_to_text(stamped.gm) == ir_to_text(full.gm)
+
+
+def test_a_first_block_unlike_the_others_is_traced_as_it_is():
+    """Block 0 reads the input, which needs no gradient: its backward has fewer ops than the
+    others'. Blocks 1 and 2 are the pair then."""
+    path, same = paths(Stack([Block() for _ in range(5)], embed=False))
+    assert path == "stamped layers: 3 of 5 blocks traced, 2 stamped" and same
+
+
+def test_an_attribute_forward_never_reads_may_differ():
+    path, same = paths(Stack([Block(tag=i) for i in range(4)]))
+    assert path == "stamped layers: 2 of 4 blocks traced, 2 stamped" and same
+
+
+def test_an_attribute_forward_reads_that_differs_is_traced_in_full():
+    path, same = paths(Stack([Block(), Block(), Block(), Block(scale=2.0)]))
+    assert path == "full trace (layers.3.scale is 2.0, layers.1's is 1.0)" and same
+
+
+def test_glue_reading_a_block_before_the_last_is_traced_in_full():
+    path, same = paths(Stack([Block() for _ in range(4)], skip=True))
+    assert path.startswith("full trace (") and "depends on how many blocks" in path and same
+
+
+@pytest.mark.parametrize("blocks, why", [
+    (lambda: [Block(), Block(), nn.Sequential(nn.Linear(8, 8)), Block()], "Sequential"),
+    (lambda: [Block()] * 4, "shares a parameter"),
+])
+def test_lists_that_are_not_repeats_are_traced_in_full(blocks, why, caplog):
+    model = Stack(blocks())
+    with caplog.at_level("INFO", logger="shardfx.capture"):
+        path, same = paths(model)
+    assert path == "full trace" and same
+    assert why in caplog.text
+
+
+def test_hooks_keep_blocks_from_being_stamped(caplog):
+    model = Stack([Block() for _ in range(4)])
+    model.layers[2].register_forward_hook(lambda m, i, o: o * 2)
+    with caplog.at_level("INFO", logger="shardfx.capture"):
+        path, same = paths(model)
+    assert path == "full trace" and same and "[2] has hooks" in caplog.text
