@@ -1,14 +1,19 @@
-"""Shared by the benchmarks: what machine this is, and appending a table to RESULTS.md."""
+"""Shared by the benchmarks: what machine this is, appending a table to RESULTS.md, racing
+step functions, and checking that a training graph really has its backward."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import time
 from pathlib import Path
 
 import torch
+import torch.fx as fx
+
+from shardfx.ir import meta as M
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -32,6 +37,14 @@ def append_results(name: str, table: str, where: str) -> None:
         f.write(f"\n## {name} — {date}\n\nMachine: {where}\n\n{table}\n")
 
 
+def timed(fn) -> float:
+    """Seconds ``fn()`` takes, garbage collected first (the previous run's graphs are large)."""
+    gc.collect()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def alternate(contestants: dict, warmup: int, steps: int) -> tuple[dict, dict]:
     """On every rank: each contestant's step in turn, ``warmup`` untimed rounds then ``steps``
     timed, barriers around each step. Returns the step times (seconds) and the last results."""
@@ -48,3 +61,45 @@ def alternate(contestants: dict, warmup: int, steps: int) -> tuple[dict, dict]:
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return times, results
+
+
+def count(params: int) -> str:
+    """A parameter count as people say it: 13.0 B, 52.4 M."""
+    return f"{params / 1e9:.1f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+
+
+def mesh_label(mesh: dict[str, int]) -> str:
+    """``{"dp": 8, "tp": 8}`` -> ``dp=8×tp=8``."""
+    return "×".join(f"{name}={size}" for name, size in mesh.items())
+
+
+def gradients(gm: fx.GraphModule) -> int:
+    """How many parameter gradients a captured or planned graph returns (its ``OUTPUTS`` roles
+    of kind ``GRAD``)."""
+    roles = gm.graph.output_node().meta[M.OUTPUTS]
+    return len({r.name for r in roles if r.kind is M.OutputKind.GRAD})
+
+
+def check_backward(gm: fx.GraphModule, model: torch.nn.Module, what: str) -> int:
+    """The number of gradients ``gm`` returns; fails the benchmark loudly unless it is one per
+    trainable parameter of ``model`` (a forward-only graph would time the wrong thing)."""
+    want = sum(p.requires_grad for p in model.parameters())  # tied parameters counted once
+    got = gradients(gm)
+    if got != want:
+        raise SystemExit(f"{what}: {got} gradient outputs for {want} trainable parameters; "
+                         "the backward is missing, so this would time a forward-only graph")
+    return got
+
+
+def program_nodes(plan) -> int:
+    """Nodes of a plan's per-device program: the one SPMD program, or the sum over the stage
+    parts (F, B, W of every stage) of a pipelined one."""
+    if plan.program is not None:
+        return len(plan.program.module.graph.nodes)
+    return sum(len(part.graph.nodes) for part in plan.stage_program.children())
+
+
+def capture_path(plan) -> str:
+    """How the plan traced the model: each repeated block once and stamped, or the whole
+    model (``plan.capture_path``)."""
+    return plan.capture_path

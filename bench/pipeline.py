@@ -16,16 +16,21 @@ PyTorch's own pipelining (torch.distributed.pipelining).
    ``pipe_split`` between equal groups, one thread per process. On this machine's two shared
    cores the stages' speeds drift apart, which the formulas do not model: the per-stage
    medians show how far.
-3. Step time against the peer, same schedule, model, weights, data, cuts and microbatches: each
-   rank wraps each of its stages' layers (an ``nn.Sequential``) in a manual ``PipelineStage``
-   and runs ``Schedule1F1B`` / ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B`` (2 stages per
-   rank; ``scale_grads=True``: gradients of the mean microbatch loss, as shardfx). One ``shardfx.launch`` per schedule, the two alternating step by step
-   (``--warmup``, then ``--steps`` timed, barriers around each): rank 0's median step time,
-   the ratio shardfx / peer (goal <= 1.0x), both losses after the last step (must agree).
+3. Step time against the peer, same schedule, model, weights, data, cuts and microbatches, on
+   two models: the small one of part 2 (``--steps`` timed steps) and a medium one, a scale then
+   ``--medium-layers`` Linear(``--medium-hidden``) + ReLU blocks (12 x 2048: 50.4 M
+   parameters) on ``--medium-rows`` rows (``--medium-steps`` timed steps, 0 to skip). Each
+   rank wraps each of its stages' layers (an ``nn.Sequential``, cut where the model's
+   ``pipe_split`` markers cut it) in a manual ``PipelineStage`` and runs ``Schedule1F1B`` /
+   ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B`` (2 stages per rank; ``scale_grads=True``:
+   gradients of the mean microbatch loss, as shardfx). One ``shardfx.launch`` per model and
+   schedule, the two alternating step by step (``--warmup``, then the timed steps, barriers
+   around each): rank 0's min and median step time, the ratio shardfx / peer (goal <= 1.0x),
+   both losses after the last step (must agree).
 4. ``bench/pipeline_trace.json``: ``runner.trace`` of the last measured 1f1b step of part 1
-   at 100 ms.
+   at 100 ms (not written with ``--no-append``).
 
-    python -m bench.pipeline [--repeats 5] [--steps 12] [--no-append]
+    python -m bench.pipeline [--repeats 5] [--steps 30] [--medium-steps 10] [--no-append]
 
 Prints the tables and appends them to bench/RESULTS.md with the machine and date.
 """
@@ -42,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardfx
-from bench.common import alternate, append_results, machine
+from bench.common import alternate, append_results, count, machine
 from bench.timed import Timed
 from shardfx.schedule import Action, Kind, formula_bubble
 
@@ -157,7 +162,8 @@ def bubble_tables(a) -> str:
             f"steps after 2 warm-up", "", *HEADER]
     for ms in (10, 100):
         size = dict(ms=ms, hidden=16, rows=64)
-        res = shardfx.launch(bubbles, "timed", size, a.repeats, ms == 100, nprocs=P,
+        trace = ms == 100 and not a.no_append  # a recorded run's trace only
+        res = shardfx.launch(bubbles, "timed", size, a.repeats, trace, nprocs=P,
                              timeout=300, deadline=1200)[0]
         rows += bubble_rows(res, f"timed, {ms} ms per F, B, W")
     size = dict(layers=a.layers, hidden=a.hidden, rows=a.rows)
@@ -173,12 +179,13 @@ def bubble_tables(a) -> str:
              "(ranks x actions per rank). F / B / W: median compute time of each stage's "
              "actions (B: the whole backward unless there is W). timed: `bench/timed.py`, "
              "each action sleeps its time exactly; interleaved's actions are half as long "
-             f"(two virtual stages per rank). Trace of the last 1f1b step at 100 ms: "
-             f"bench/{TRACE.name}."]
+             "(two virtual stages per rank)."]
+    if not a.no_append:
+        rows[-1] += f" Trace of the last 1f1b step at 100 ms: bench/{TRACE.name}."
     return "\n".join(rows)
 
 
-# --- 2. step time against torch.distributed.pipelining ----------------------------------------
+# --- 3. step time against torch.distributed.pipelining ----------------------------------------
 
 
 PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
@@ -219,25 +226,39 @@ def race(name: str, layers: int, hidden: int, rows: int, warmup: int, steps: int
 
 
 def race_table(a) -> str:
-    rows = [f"step time: same model, weights and batch, p={P}, m={M}, AdamW, {P} gloo "
-            f"processes, 1 thread each, {a.steps} steps after {a.warmup} warm-up, alternating",
-            "", f"| schedule | variant | min (ms) | median (ms) | vs peer | loss after step "
-            f"{a.warmup + a.steps} |", "|---|---|---:|---:|---:|---:|"]
-    verdicts = []
-    for name, peer in PEERS.items():
-        res = shardfx.launch(race, name, a.layers, a.hidden, a.rows, a.warmup, a.steps,
-                             nprocs=P, timeout=300, deadline=900)[0]
-        times, losses = res["times"], res["losses"]
-        med = {k: statistics.median(ts) for k, ts in times.items()}
-        labels = {"peer": f"torch.distributed.pipelining {peer} (peer)",
-                  "shardfx": "shardfx runner.step"}
-        for k in ("peer", "shardfx"):
-            rows.append(f"| {name} | {labels[k]} | {min(times[k]) * 1e3:.1f} | "
-                        f"{med[k] * 1e3:.1f} | {med[k] / med['peer']:.2f}x | {losses[k]:.6f} |")
-        diff = abs(losses["shardfx"] - losses["peer"]) / abs(losses["peer"])
-        verdicts.append(f"{name}: shardfx / peer {med['shardfx'] / med['peer']:.2f}x "
-                        f"(goal <= 1.0x); losses differ by {diff:.1e} (relative)")
-    return "\n".join(rows + [""] + verdicts)
+    sizes = {"small": dict(layers=a.layers, hidden=a.hidden, rows=a.rows, steps=a.steps),
+             "medium": dict(layers=a.medium_layers, hidden=a.medium_hidden, rows=a.medium_rows,
+                            steps=a.medium_steps)}
+    sizes = {k: v for k, v in sizes.items() if v["steps"]}
+    rows = [f"step time: same model, weights, batch and cuts for both, p={P}, m={M}, AdamW, {P} "
+            f"gloo processes, 1 thread each, {a.warmup} warm-up steps then the timed ones, "
+            "alternating", "",
+            "| model | schedule | variant | min (ms) | median (ms) | vs peer | loss after the "
+            "last step |", "|---|---|---|---:|---:|---:|---:|"]
+    verdicts, models = [], []
+    for size_name, size in sizes.items():
+        with torch.device("meta"):
+            params = sum(p.numel() for p in Stack(size["layers"], size["hidden"], P).parameters())
+        models.append(f"- {size_name}: Scale + {size['layers']} x (Linear({size['hidden']}, "
+                      f"{size['hidden']}) + ReLU), {count(params)} params, batch {size['rows']} "
+                      f"rows, {size['steps']} timed steps")
+        for name, peer in PEERS.items():
+            res = shardfx.launch(race, name, size["layers"], size["hidden"], size["rows"],
+                                 a.warmup, size["steps"], nprocs=P, timeout=300,
+                                 deadline=1800)[0]
+            times, losses = res["times"], res["losses"]
+            med = {k: statistics.median(ts) for k, ts in times.items()}
+            labels = {"peer": f"torch.distributed.pipelining {peer} (peer)",
+                      "shardfx": "shardfx runner.step"}
+            for k in ("peer", "shardfx"):
+                rows.append(f"| {size_name} | {name} | {labels[k]} | {min(times[k]) * 1e3:.1f} | "
+                            f"{med[k] * 1e3:.1f} | {med[k] / med['peer']:.2f}x | "
+                            f"{losses[k]:.6f} |")
+            diff = abs(losses["shardfx"] - losses["peer"]) / abs(losses["peer"])
+            verdicts.append(f"{size_name}, {name}: shardfx / peer "
+                            f"{med['shardfx'] / med['peer']:.2f}x (goal <= 1.0x); losses differ "
+                            f"by {diff:.1e} (relative)")
+    return "\n".join(rows + ["", *models, "", *verdicts])
 
 
 def main() -> None:
@@ -247,7 +268,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2048, help="global batch rows")
     parser.add_argument("--repeats", type=int, default=5, help="measured steps per schedule")
     parser.add_argument("--warmup", type=int, default=2, help="step race: untimed steps")
-    parser.add_argument("--steps", type=int, default=12, help="step race: timed steps")
+    parser.add_argument("--steps", type=int, default=30, help="step race: timed steps, small")
+    parser.add_argument("--medium-layers", type=int, default=12, help="a multiple of 2 p")
+    parser.add_argument("--medium-hidden", type=int, default=2048)
+    parser.add_argument("--medium-rows", type=int, default=256, help="global batch rows")
+    parser.add_argument("--medium-steps", type=int, default=10,
+                        help="step race: timed steps, medium (0: skip it)")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
 

@@ -1,15 +1,24 @@
-"""SPMD: planning time as the mesh grows, and step time against PyTorch's own TP + DP.
+"""SPMD: planning time over dp, tp and pp, and step time against PyTorch's own TP + DP.
 
 1. Planning time. The same Hugging Face Llama (8 layers, hidden 1024, 16 heads, 8 KV heads,
-   intermediate 2816, vocab 32000; on the meta device) and the same global batch (64 x 128) are
-   planned with ``shard="megatron"`` for 8 devices (dp=2, tp=4) and for 64 (dp=16, tp=4). One
-   program serves every rank of a role, so planning should not grow with dp: we report the median
-   ``partition`` time of each (one warm-up each, then ``--repeats`` interleaved runs), their
-   ratio (goal <= 1.2x) and the node count of ``plan.program.module.graph`` (should be equal).
+   intermediate 2816, vocab 32000; on the meta device), the same global batch (64 x 128) and
+   the same loss (``F.cross_entropy``) are planned for training with ``shard="megatron"`` on
+   dp=2×tp=4 (8 devices), dp=16×tp=4 (64), dp=8×tp=8 (64), pp=4×tp=2 (8, 4 microbatches) and
+   dp=2×pp=4×tp=8 (64, 4 microbatches). Every plan traces the backward: after the warm-up the
+   bench fails unless each returns one gradient per trainable parameter. One program serves
+   every rank of a role, so planning should not grow with dp: we report each mesh's min and
+   median ``partition`` time (one warm-up each, then ``--repeats`` interleaved runs), the
+   ratio to dp=2×tp=4, the gradient outputs, the per-device program's node count (summed over
+   the stage parts under pp), and the ratio dp=16×tp=4 / dp=2×tp=4 (64 vs 8 devices, goal
+   <= 1.2x, program nodes equal).
 
-2. Step time. One ``shardfx.launch`` run of 4 gloo processes (mesh dp=2, tp=2), one intra-op
-   thread each (4 ranks share 2 cores), trains a small seeded Llama (2 layers, hidden 256,
-   8 heads, 4 KV heads, intermediate 512, vocab 1024) with AdamW on one global batch (8 x 64):
+2. Step time. One ``shardfx.launch`` run of 4 gloo processes (mesh dp=2, tp=2) per model, one
+   intra-op thread each (4 ranks share 2 cores), trains a seeded Llama with AdamW on one
+   global batch (8 x 64): the tiny model (2 layers, hidden 256, 8 heads, 4 KV heads,
+   intermediate 512, vocab 1024; ``--steps`` timed steps) and the medium one (8 layers, hidden
+   768, 12 heads, 4 KV heads, intermediate 2048, vocab 32000: 99.5 M parameters, 50.3 M in the
+   blocks; ``--medium-steps``, 0 to skip). Both contestants start from the same weights (same
+   seed) and train on the same data:
    - shardfx: ``partition(..., shard="megatron")`` then ``runner.step`` on the global batch (the
      runner cuts each rank's slice);
    - peer: PyTorch's own 2-D parallelism on ``init_device_mesh("cpu", (2, 2), ("dp", "tp"))``:
@@ -21,14 +30,14 @@
      TP + DDP path, and matches one-device training exactly. ``_composable.replicate`` runs but
      trains to different losses than one device on torch 2.13, so it is not the peer; FSDP2
      ``fully_shard`` also matches, but shards (gathers) parameters, which DDP does not.
-   The two alternate step by step (``--warmup`` steps, then ``--steps`` timed, barriers around
-   each); the table gives rank 0's min and median per-step wall time, the ratio shardfx / peer
+   The two alternate step by step (``--warmup`` steps, then the timed ones, barriers around
+   each); each table gives rank 0's min and median per-step wall time, the ratio shardfx / peer
    (goal <= 1.0x) and both global losses after the last timed step (they must agree: same
    function, same weights, same data). One more step of each is profiled on rank 0 with
    torch.profiler: the notes split it into collectives, matmuls, other ATen ops, and time outside
    ATen ops (Python, autograd engine, DDP's bucket waits).
 
-    python -m bench.spmd [--repeats 5] [--steps 10] [--no-append]
+    python -m bench.spmd [--repeats 5] [--steps 20] [--medium-steps 8] [--no-append]
 
 Prints the tables and appends them to bench/RESULTS.md with the machine and date.
 """
@@ -36,7 +45,7 @@ Prints the tables and appends them to bench/RESULTS.md with the machine and date
 from __future__ import annotations
 
 import argparse
-import gc
+import math
 import statistics
 import time
 import warnings
@@ -46,13 +55,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardfx
-from bench.common import alternate, append_results, machine
+from bench.common import (alternate, append_results, check_backward, count, machine, mesh_label,
+                          program_nodes, timed)
 
 warnings.filterwarnings("ignore")
 
 BIG = dict(layers=8, hidden=1024, heads=16, kv=8, inter=2816, vocab=32000)
 SMALL = dict(layers=2, hidden=256, heads=8, kv=4, inter=512, vocab=1024)
-COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+MEDIUM = dict(layers=8, hidden=768, heads=12, kv=4, inter=2048, vocab=32000)  # 99.5 M params
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+          "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 
 
@@ -75,38 +87,55 @@ def batch(vocab: int, b: int, s: int, device="cpu") -> tuple[torch.Tensor, torch
     return x.to(device), y.to(device)
 
 
-# --- 1. planning time, 8 vs 64 devices ------------------------------------------------------
+# --- 1. planning time over dp, tp and pp ----------------------------------------------------
+
+PLAN_MESHES = [  # (mesh, microbatches); the first two differ in dp alone: the flatness check
+    ({"dp": 2, "tp": 4}, 1), ({"dp": 16, "tp": 4}, 1), ({"dp": 8, "tp": 8}, 1),
+    ({"pp": 4, "tp": 2}, 4), ({"dp": 2, "pp": 4, "tp": 8}, 4),
+]
 
 
 def planning(a) -> str:
     with torch.device("meta"):
         model = llama(**BIG)
     x, y = batch(BIG["vocab"], a.plan_batch, a.plan_seq, "meta")
-    meshes = {"8 (dp=2, tp=4)": {"dp": 2, "tp": 4}, "64 (dp=16, tp=4)": {"dp": 16, "tp": 4}}
 
-    def plan(mesh):
-        return shardfx.partition(model, (x,), loss_fn, (y,), mesh=mesh, shard="megatron")
+    def plan(mesh, microbatches):
+        extra = {"microbatches": microbatches} if microbatches > 1 else {}
+        return shardfx.partition(model, (x,), loss_fn, (y,), mesh=mesh, shard="megatron",
+                                 **extra)
 
-    nodes = {k: len(plan(m).program.module.graph.nodes) for k, m in meshes.items()}  # warm-up
+    meshes = {mesh_label(m): (m, mb) for m, mb in PLAN_MESHES}
+    grads, nodes = {}, {}
+    for k, (mesh, mb) in meshes.items():  # warm-up; every plan traces the backward
+        p = plan(mesh, mb)
+        grads[k] = check_backward(p.ir, model, f"planning {k}")
+        nodes[k] = program_nodes(p)
+        del p
     times: dict[str, list[float]] = {k: [] for k in meshes}
     for _ in range(a.repeats):
-        for k, mesh in meshes.items():
-            gc.collect()
-            start = time.perf_counter()
-            plan(mesh)
-            times[k].append(time.perf_counter() - start)
-    base = statistics.median(times[next(iter(meshes))])
+        for k, (mesh, mb) in meshes.items():
+            times[k].append(timed(lambda: plan(mesh, mb)))
+    first, dp_grown = list(meshes)[:2]
+    base = statistics.median(times[first])
     params = sum(p.numel() for p in model.parameters())
     rows = [f"planning: Llama {BIG['layers']} layers, hidden {BIG['hidden']} "
-            f"({params / 1e6:.0f} M params, meta device), global batch {a.plan_batch} x "
-            f"{a.plan_seq}, shard=megatron, {a.repeats} runs", "",
-            "| devices | min (s) | median (s) | vs 8 | program nodes |", "|---|---:|---:|---:|---:|"]
+            f"({count(params)} params, meta device), global batch {a.plan_batch} x "
+            f"{a.plan_seq}, F.cross_entropy, shard=megatron, training (backward traced), "
+            f"{a.repeats} runs after one warm-up, interleaved", "",
+            f"| mesh | devices | microbatches | min (s) | median (s) | vs {first} | gradients "
+            "| program nodes |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for k, ts in times.items():
-        med = statistics.median(ts)
-        rows.append(f"| {k} | {min(ts):.2f} | {med:.2f} | {med / base:.2f}x | {nodes[k]} |")
-    ratio = statistics.median(times[list(meshes)[1]]) / base
-    same = "equal" if len(set(nodes.values())) == 1 else "DIFFERENT"
-    rows += ["", f"64 / 8 devices: {ratio:.2f}x (goal <= 1.2x); program nodes {same}"]
+        med, (mesh, mb) = statistics.median(ts), meshes[k]
+        rows.append(f"| {k} | {math.prod(mesh.values())} | {mb} | {min(ts):.2f} | {med:.2f} | "
+                    f"{med / base:.2f}x | {grads[k]} | {nodes[k]} |")
+    ratio = statistics.median(times[dp_grown]) / base
+    same = "equal" if nodes[first] == nodes[dp_grown] else "DIFFERENT"
+    rows += ["", f"64 / 8 devices ({dp_grown} / {first}): {ratio:.2f}x (goal <= 1.2x); "
+             f"program nodes {same}", "",
+             "gradients: the plan's gradient outputs, checked to be one per trainable parameter. "
+             "program nodes: the per-device program's, summed over the stage parts (F, B, W "
+             "per stage) under pp."]
     return "\n".join(rows)
 
 
@@ -126,17 +155,18 @@ def peer(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return DistributedDataParallel(model, device_mesh=mesh["dp"])
 
 
-def race(b: int, s: int, warmup: int, steps: int) -> dict | None:
-    """On every rank: build both, alternate their steps; rank 0 returns times, losses, profile."""
+def race(size: dict, b: int, s: int, warmup: int, steps: int) -> dict | None:
+    """On every rank: build both from the same seed, alternate their steps on the same batch;
+    rank 0 returns times, losses, profile."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one intra-op thread each, for both
-    x, y = batch(SMALL["vocab"], b, s)
-    plan = shardfx.partition(llama(**SMALL), (x,), loss_fn, (y,), mesh={"dp": 2, "tp": 2},
+    x, y = batch(size["vocab"], b, s)
+    plan = shardfx.partition(llama(**size), (x,), loss_fn, (y,), mesh={"dp": 2, "tp": 2},
                              shard="megatron")
     runner = plan.runner(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = peer(llama(**SMALL), mesh)
+    model = peer(llama(**size), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dp = mesh["dp"].get_local_rank()
     xs, ys = x.chunk(2)[dp], y.chunk(2)[dp]
@@ -183,18 +213,21 @@ def profiled(step) -> str:
     return f"{wall * 1e3:.0f} ms profiled, {calls} ATen calls: {split}"
 
 
-def stepping(a) -> str:
-    res = shardfx.launch(race, a.batch, a.seq, a.warmup, a.steps, nprocs=4, timeout=300,
-                         deadline=900)[0]
+def stepping(a, name: str, size: dict, steps: int) -> str:
+    res = shardfx.launch(race, size, a.batch, a.seq, a.warmup, steps, nprocs=4, timeout=300,
+                         deadline=3600)[0]
     times, losses, notes = res["times"], res["losses"], res["notes"]
     med = {k: statistics.median(ts) for k, ts in times.items()}
     names = {"peer": "PyTorch TP (parallelize_module) + DDP (peer)",
              "shardfx": "shardfx partition + runner.step"}
-    rows = [f"step time: Llama {SMALL['layers']} layers, hidden {SMALL['hidden']}, vocab "
-            f"{SMALL['vocab']}, global batch {a.batch} x {a.seq}, AdamW, 4 gloo processes "
-            f"(dp=2, tp=2, shard=megatron), 1 thread each, {a.steps} steps after {a.warmup} "
-            "warm-up, alternating", "",
-            f"| variant | min (ms) | median (ms) | vs peer | loss after step {a.warmup + a.steps} |",
+    with torch.device("meta"):
+        params = sum(p.numel() for p in llama(**size).parameters())
+    rows = [f"step time, {name} model: Llama {size['layers']} layers, hidden {size['hidden']}, "
+            f"{size['heads']} heads, {size['kv']} KV heads, intermediate {size['inter']}, vocab "
+            f"{size['vocab']} ({count(params)} params), global batch {a.batch} x {a.seq}, AdamW, "
+            f"4 gloo processes (dp=2, tp=2, shard=megatron), 1 thread each, {steps} steps after "
+            f"{a.warmup} warm-up, alternating", "",
+            f"| variant | min (ms) | median (ms) | vs peer | loss after step {a.warmup + steps} |",
             "|---|---:|---:|---:|---:|"]
     for k in ("peer", "shardfx"):
         rows.append(f"| {names[k]} | {min(times[k]) * 1e3:.1f} | {med[k] * 1e3:.1f} | "
@@ -215,11 +248,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="global batch of the step race")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps, tiny model")
+    parser.add_argument("--medium-steps", type=int, default=8,
+                        help="timed steps, medium model (0: skip it)")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
 
-    table = "\n\n".join([planning(a), stepping(a)])
+    parts = [planning(a), stepping(a, "tiny", SMALL, a.steps)]
+    if a.medium_steps:
+        parts.append(stepping(a, "medium", MEDIUM, a.medium_steps))
+    table = "\n\n".join(parts)
     print(table)
     if not a.no_append:
         append_results("spmd", table, machine())
