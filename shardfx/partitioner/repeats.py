@@ -36,6 +36,7 @@ TRACED = 2  # instances of each repeated list that are traced: the first, and th
 _INTERNALS = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping attributes
 _HOOKS = tuple(a for a in _INTERNALS if "hook" in a)
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+_MISSING = object()  # an attribute another block does not have
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def differing_reads(model: torch.nn.Module, repeat: Repeat, reads: Reads) -> str
         block = model.get_submodule(repeat.instance(i))
         for sub, name in sorted(reads[repeat.path]):
             a = getattr(template.get_submodule(sub), name)
-            b = getattr(block.get_submodule(sub), name)
+            b = getattr(block.get_submodule(sub), name, _MISSING)
             if not _same(a, b):
                 where = f"{repeat.instance(i)}{'.' + sub if sub else ''}.{name}"
                 return f"{where} is {_short(b)}, {repeat.instance(TRACED - 1)}'s is {_short(a)}"
@@ -207,5 +208,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _short(x: Any) -> str:
+    if x is _MISSING:
+        return "missing"
     text = repr(x)
     return text if len(text) <= 40 else f"a {type(x).__name__}"
