@@ -104,7 +104,7 @@ def _random_op(pick, shape: tuple[int, ...]) -> Op:
     if kind == "split":
         return ("split", pick.choice(splits))
     if kind == "res":
-        return ("res", _random_body(pick, shape))
+        return ("res", random_body(pick, shape))
     return _random_simple(pick, kind)
 
 
@@ -122,7 +122,7 @@ def _random_linear(pick, out: int, names: Sequence[str] = LINEAR_NAMES) -> Op:
     return ("linear", pick.choice(names), out, pick.chance(0.5))
 
 
-def _random_body(pick, shape: tuple[int, ...]) -> tuple[Op, ...]:
+def random_body(pick, shape: tuple[int, ...]) -> tuple[Op, ...]:
     """1-3 units that keep ``shape``: pointwise ops, norms, a Linear back to the same width, an
     MLP (up, activation, down), or a Linear over the other axis (transpose, Linear, transpose)."""
     body: list[Op] = []

@@ -14,6 +14,8 @@ from shardfx.ir.text import ir_to_text
 from shardfx.partitioner.capture import capture
 from shardfx.testing import compare_training
 
+from fuzz_draw import RandomPicker, random_body
+from fuzz_models import DIMS, SEQS, ModelSpec, batches, build
 from models import hf, lm_loss, tiny, token_batches
 
 LAYERS = 4  # blocks 2 and 3 are stamped
@@ -167,3 +169,33 @@ def test_hooks_keep_blocks_from_being_stamped(caplog):
     with caplog.at_level("INFO", logger="shardfx.capture"):
         path, same = paths(model)
     assert path == "full trace" and same and "[2] has hooks" in caplog.text
+
+
+class Counted(Stack):
+    def forward(self, x):
+        if len(self.layers) != 4:  # a model that insists on all its blocks
+            raise ValueError("expected 4 layers")
+        return super().forward(x)
+
+
+def test_a_model_that_cannot_be_cut_is_traced_in_full():
+    path, same = paths(Counted([Block() for _ in range(4)]))
+    assert path.startswith("full trace (the model cut after 2 blocks of layers could not be "
+                           "traced: Counted could not be traced: ValueError: expected 4 layers")
+    assert same
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_repeated_blocks_stamp_to_the_full_trace(seed):
+    """Five copies of one random residual block (random ops, own weights), stamped from a pair
+    (blocks 1 and 2 when block 0's backward is shorter: its input needs no gradient) to the
+    graph the full trace gives."""
+    pick = RandomPicker(seed)
+    seq, dim = pick.choice(SEQS), pick.choice(DIMS)
+    block = (("res", random_body(pick, (seq, dim))),)
+    spec = ModelSpec(seq, dim, seed, (block,) * 5)
+    (args, targets), = batches(spec, 1)
+    stamped, full = both(build(spec), args, F.mse_loss, targets)
+    assert stamped.path.startswith("stamped layers: "), (spec, stamped.path)
+    assert ir_to_text(stamped.gm) == ir_to_text(full.gm), spec
+    assert pairing(stamped.gm) == pairing(full.gm), spec

@@ -8,10 +8,15 @@ Two torch steps, then our naming:
    the joint forward+backward graph. Every input and output carries a descriptor saying what it is
    (parameter FQN, user input index, gradient of which parameter, mutated buffer).
 3. We turn the descriptors into ``ROLE`` / ``OUTPUTS`` meta, give placeholders readable names,
-   drop the ``None`` outputs, make tensor constants inputs (``CONSTANT``), and merge tied
-   parameters into one input whose gradient is the sum.
+   drop the ``None`` outputs, make tensor constants inputs (``CONSTANT``), merge tied
+   parameters into one input whose gradient is the sum, and check that every trainable
+   parameter the loss depends on has its gradient (``gradients``).
 
 For training the traced callable is ``loss_fn(model(*args), *targets)``; for inference, the model.
+A model on the meta device is traced as on its run device (``fake``). A list of repeated blocks
+is traced cut after two of them and the others are stamped (``repeats``, ``stamp``), which
+gives the full trace's graph at the cost of two blocks; ``Captured.path`` says which ran. Ops
+are named in program order last (``rename_in_order``), so either way reads the same.
 """
 
 from __future__ import annotations
@@ -94,7 +99,12 @@ def capture(
         log.info("%s: not stamped, traced in full: %s", type(model).__name__, reason)
     gm, path = None, "full trace"
     while repeats:
-        gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats)
+        try:
+            gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats)
+        except CaptureError as e:  # the model insists on all its blocks: trace them all
+            gm, path = None, f"full trace (the model cut after {repeats[0].traced} blocks of " \
+                             f"{repeats[0].path} could not be traced: {e.cause})"
+            break
         try:
             for r in repeats:
                 if why := differing_reads(model, r, reads):
