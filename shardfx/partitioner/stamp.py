@@ -248,20 +248,21 @@ def _stamp(graph: fx.Graph, repeat: Repeat, units: _Units, where: dict,
         backward ops are paired the same way (a number from outside the block is kept)."""
         return lambda s: start + (j - 2) * span + (s - low) if s in seqs else s
 
+    stacks: dict = {}
     anchor = units.f1[-1]
     for j in range(2, n):
         copies[j] = {"f1": [], "b1": []}
         env = mapper(j)
         for node in units.f1:
             with graph.inserting_after(anchor):
-                anchor = _copy(graph, node, env, repeat, j, seq(j))
+                anchor = _copy(graph, node, env, repeat, j, seq(j), stacks)
             copies[j]["f1"].append(anchor)
     if units.b1:
         for j in range(n - 1, 1, -1):
             env = mapper(j)
             with graph.inserting_before(units.b1[0]):
                 for node in units.b1:
-                    copies[j]["b1"].append(_copy(graph, node, env, repeat, j, seq(j)))
+                    copies[j]["b1"].append(_copy(graph, node, env, repeat, j, seq(j), stacks))
     last = copies[n - 1]
     for node in units.b1:  # B1 now reads B2 where it read the glue's backward
         for x in list(node.all_input_nodes):
@@ -274,14 +275,23 @@ def _stamp(graph: fx.Graph, repeat: Repeat, units: _Units, where: dict,
 
 
 def _copy(graph: fx.Graph, node: fx.Node, env: Callable, repeat: Repeat, j: int,
-          seq: Callable[[int], int]) -> fx.Node:
+          seq: Callable[[int], int], stacks: dict) -> fx.Node:
     new = graph.node_copy(node, env)
     if "seq_nr" in node.meta:
         new.meta["seq_nr"] = seq(node.meta["seq_nr"])
     for key in ("nn_module_stack", "fwd_nn_module_stack"):
         if stack := node.meta.get(key):
-            new.meta[key] = {k: (_renamed(path, repeat, j), cls) for k, (path, cls) in stack.items()}
+            new.meta[key] = _renamed_stack(stack, repeat, j, stacks)
     return new
+
+
+def _renamed_stack(stack: dict, repeat: Repeat, j: int, stacks: dict) -> dict:
+    """``stack`` with block 1's module paths made block j's; one dict per distinct stack and
+    block, shared by the block's ops (a block has a few dozen modules and hundreds of ops)."""
+    key = (tuple(stack.items()), j)
+    if key not in stacks:
+        stacks[key] = {k: (_renamed(path, repeat, j), cls) for k, (path, cls) in stack.items()}
+    return stacks[key]
 
 
 def _renamed(name: str, repeat: Repeat, j: int) -> str:
