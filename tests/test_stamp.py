@@ -109,16 +109,18 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, blocks: list[nn.Module], embed: bool = True, skip: bool = False):
+    def __init__(self, blocks: list[nn.Module], embed: bool = True, skip: bool = False,
+                 split_at: int | None = None):
         super().__init__()
         self.embed = nn.Linear(8, 8) if embed else nn.Identity()  # the blocks' input needs grad
         self.layers = nn.ModuleList(blocks)
-        self.skip = skip
+        self.skip, self.split_at = skip, split_at
 
     def forward(self, x):
         outs = [self.embed(x)]
-        for layer in self.layers:
-            outs.append(layer(outs[-1]))
+        for i, layer in enumerate(self.layers):
+            h = shardfx.pipe_split(outs[-1]) if i == self.split_at else outs[-1]
+            outs.append(layer(h))
         return outs[-1] + outs[-2] if self.skip else outs[-1]  # skip: reads the last two blocks
 
 
@@ -149,6 +151,34 @@ def test_an_attribute_forward_reads_that_differs_is_traced_in_full():
 def test_glue_reading_a_block_before_the_last_is_traced_in_full():
     path, same = paths(Stack([Block() for _ in range(4)], skip=True))
     assert path.startswith("full trace (") and "depends on how many blocks" in path and same
+
+
+def test_code_between_untraced_blocks_is_traced_in_full():
+    """A pipeline marker before block 3: the model cut after two blocks never reaches it, the
+    run on fake tensors does."""
+    path, same = paths(Stack([Block() for _ in range(5)], split_at=3))
+    assert path == "full trace (shardfx.pipe_split.default runs between layers[2] and [3]: " \
+                   "code around the blocks does something between some of them)" and same
+
+
+class Pool(nn.Module):
+    """Halves the rows it gets, with the same parameters whatever it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)[::2]  # the same slice arguments whatever the rows
+
+
+def test_blocks_that_change_the_shape_are_traced_in_full():
+    """Each block maps rows n to n/2: in inference the same ops with the same arguments, but
+    block 2 gets other shapes than block 1, so block 1 is no template for it."""
+    torch.manual_seed(0)
+    stamped, full = both(Stack([Pool() for _ in range(4)]), (torch.randn(32, 8),))
+    assert stamped.path.startswith("full trace (") and "is (" in stamped.path, stamped.path
+    assert ir_to_text(stamped.gm) == ir_to_text(full.gm)
 
 
 @pytest.mark.parametrize("blocks, why", [

@@ -38,11 +38,11 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, insert_op, placeholder_name
-from shardfx.partitioner.fake import run_device, traced_as
+from shardfx.partitioner.fake import on_meta, run_device, traced_as
 from shardfx.partitioner.gradients import check_gradients, no_silent_backward
 from shardfx.partitioner.microbatching import output_of
-from shardfx.partitioner.repeats import (TRACED, Reads, Repeat, cut_to_traced, differing_reads,
-                                         find_repeats)
+from shardfx.partitioner.repeats import (Reads, Repeat, cut_to_traced, differing_reads,
+                                         find_repeats, glue_between)
 from shardfx.partitioner.stamp import NotRepeatable, NotStampable, rename_in_order, stamp
 
 log = logging.getLogger("shardfx.capture")
@@ -98,6 +98,8 @@ def capture(
     for reason in why_not:
         log.info("%s: not stamped, traced in full: %s", type(model).__name__, reason)
     gm, path = None, "full trace"
+    if repeats and (why := _glue_between(model, args, repeats, mode is M.Mode.TRAIN)):
+        path, repeats = f"full trace ({why})", []
     while repeats:
         try:
             gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats)
@@ -124,6 +126,14 @@ def capture(
     gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
     out_spec = out_spec if mode is M.Mode.INFER else None
     return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None), path)
+
+
+def _glue_between(model: torch.nn.Module, args: tuple, repeats: list[Repeat],
+                  train: bool) -> str | None:
+    """``repeats.glue_between`` on a run of the whole model on the meta device (no memory, no
+    arithmetic, no trace)."""
+    with _hf_cache_off(model), on_meta(model, args) as meta_args:
+        return glue_between(model, repeats, meta_args, train)
 
 
 def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode: M.Mode,

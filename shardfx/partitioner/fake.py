@@ -43,37 +43,51 @@ def run_device(model: torch.nn.Module, example: tuple) -> torch.device | None:
     return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
 
-@contextlib.contextmanager
-def traced_as(model: torch.nn.Module, example: tuple, device: torch.device) -> Iterator[tuple]:
+def traced_as(model: torch.nn.Module, example: tuple, device: torch.device):
     """Within: ``model``'s parameters and buffers are fake tensors on ``device`` (shapes,
     dtypes and ``requires_grad`` kept; one fake per distinct tensor, so tied weights stay tied);
     yields ``example`` made of fakes of the same mode. Restores the model's tensors on exit."""
     mode = FakeTensorMode()
-    fakes: dict[int, torch.Tensor] = {}
+    log.info("%s: tracing the meta model as on %s", type(model).__name__, device)
+    return swapped(model, example, lambda t: mode.fake_tensor_converter.from_meta_and_device(
+        mode, t.detach() if t.is_meta else torch.empty_like(t, device="meta"), device))
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in fakes:
-            meta = t.detach() if t.is_meta else torch.empty_like(t, device="meta")
-            fakes[id(t)] = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
-        return fakes[id(t)]
 
-    params: dict[int, torch.nn.Parameter] = {}  # one per parameter: tied ones stay one
+def on_meta(model: torch.nn.Module, example: tuple):
+    """Within: ``model``'s parameters and buffers are meta tensors, and so is the yielded
+    ``example``: the model runs forward for its shapes only, at the speed of meta kernels."""
+    return swapped(model, example, lambda t: t.detach() if t.is_meta else
+                   torch.empty_like(t, device="meta"))
 
-    def fake_param(p: torch.Tensor) -> torch.nn.Parameter:
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module, example: tuple, convert) -> Iterator[tuple]:
+    """Within: every parameter and buffer of ``model`` is ``convert(t)`` (one per distinct
+    tensor, so tied weights stay tied; a parameter stays a Parameter with its
+    ``requires_grad``); yields ``example`` converted. Restores the model's tensors on exit."""
+    converted: dict[int, torch.Tensor] = {}
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in converted:
+            converted[id(t)] = convert(t)
+        return converted[id(t)]
+
+    params: dict[int, torch.nn.Parameter] = {}
+
+    def param(p: torch.Tensor) -> torch.nn.Parameter:
         if id(p) not in params:
-            params[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+            params[id(p)] = torch.nn.Parameter(tensor(p), requires_grad=p.requires_grad)
         return params[id(p)]
 
     saved: list[tuple[dict, str, torch.Tensor]] = []
     try:
         for module in model.modules():
-            for slots, swap in ((module._parameters, fake_param), (module._buffers, fake)):
+            for slots, swap in ((module._parameters, param), (module._buffers, tensor)):
                 for name, t in list(slots.items()):
                     if t is not None:
                         saved.append((slots, name, t))
                         slots[name] = swap(t)
-        log.info("%s: tracing the meta model as on %s", type(model).__name__, device)
-        yield pytree.tree_map_only(torch.Tensor, fake, example)
+        yield pytree.tree_map_only(torch.Tensor, tensor, example)
     finally:
         for slots, name, t in reversed(saved):
             slots[name] = t

@@ -17,6 +17,11 @@ the second one does, given its own parameters. Two checks before tracing and one
   same names: a layer that behaves differently (Gemma 3's sliding and full attention layers)
   differs there, and the model is traced whole. Attributes ``forward`` never reads (the
   ``layer_idx`` a KV cache uses) do not matter.
+- ``glue_between``: the cut model cannot show what the code around the blocks does between
+  blocks it never reaches (``if i == 7: x = pipe_split(x)`` in the loop over them). So the
+  whole model first runs forward once on the meta device (no memory, no trace; the blocks past
+  the pair as stand-ins), its ops recorded with the block they ran in: every block must run
+  once, in order, and no op may run between two of them.
 - ``stamp`` checks that the two traced instances are the same graph, wired the same way.
 """
 
@@ -29,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.utils._python_dispatch
+from torch._export.utils import _compiling_state_context
 
 log = logging.getLogger("shardfx.capture")
 
@@ -212,3 +219,100 @@ def _short(x: Any) -> str:
         return "missing"
     text = repr(x)
     return text if len(text) <= 40 else f"a {type(x).__name__}"
+
+
+# --- the dry run -------------------------------------------------------------------------
+
+
+def glue_between(model: torch.nn.Module, repeats: list[Repeat], meta_args: tuple,
+                 train: bool) -> str | None:
+    """Why stamping would miss something the full trace has (see the module docstring); None
+    when nothing. ``meta_args``: the model's inputs on the meta device, as its own tensors are
+    (``fake.on_meta``); ``train``: run with grad on, as the trace will. The run tells code that
+    asks that it is being exported, as the trace does (Hugging Face's mixture-of-experts layers
+    take another path in eager). Blocks past the pair run as stand-ins returning the
+    template's output: the code around them is what the run is for, and it stays fast (meta
+    kernels are Python: a real 80-layer run takes about a second)."""
+    events: list = []
+    undo = []
+    for r in repeats:
+        blocks = list(model.get_submodule(r.path))
+        out: list = []
+        for i, block in enumerate(blocks):
+            tag = (r.path, i)
+            undo.append(block.register_forward_pre_hook(
+                lambda m, a, tag=tag: events.append(("enter", tag))).remove)
+            undo.append(block.register_forward_hook(
+                _on_exit(events, tag, out if i == r.traced - 1 else None)).remove)
+            if i >= r.traced:
+                undo.append(_stand_in(block, out))
+    try:
+        with torch.set_grad_enabled(train), _compiling_state_context(), _Recorder(events):
+            model(*meta_args)
+    except Exception as e:  # noqa: BLE001 (anything: then the full trace decides)
+        return f"the model did not run on the meta device to check its blocks: " \
+               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        for step in reversed(undo):
+            step()
+    for r in repeats:
+        if why := _calls(r, events):
+            return why
+    return None
+
+
+def _on_exit(events: list, tag: tuple, out: list | None):
+    """A forward hook noting the block's exit (and keeping the template's output in ``out``)."""
+    def hook(module, args, output) -> None:
+        events.append(("exit", tag))
+        if out is not None:
+            out.append(output)
+    return hook
+
+
+def _stand_in(block: torch.nn.Module, out: list):
+    """Make ``block.forward`` return ``out[0]`` (the template's output); returns the undo."""
+    own = block.__dict__.get("forward")
+    block.forward = lambda *args, **kwargs: out[0]
+
+    def undo():
+        del block.forward
+        if own is not None:
+            block.forward = own
+    return undo
+
+
+def _calls(repeat: Repeat, events: list) -> str | None:
+    """Blocks of ``repeat`` ran once each, in order, the pair the same ops, and nothing ran
+    between two of them."""
+    ops: dict[int, list] = {}
+    current, last, gap = None, -1, []
+    for kind, what in events:
+        if kind == "enter" and what[0] == repeat.path:
+            i = what[1]
+            if current is not None or i != last + 1:
+                return f"{repeat.path}[{i}] runs out of order (after [{last}])"
+            if i > repeat.first and gap:
+                return f"{gap[0]} runs between {repeat.path}[{i - 1}] and [{i}]: code around " \
+                       "the blocks does something between some of them"
+            current, ops[i], gap = i, [], []
+        elif kind == "exit" and what[0] == repeat.path:
+            current, last = None, what[1]
+        elif kind == "op":
+            (ops[current] if current is not None else gap).append(what)
+    if last != repeat.count - 1:
+        return f"{repeat.path}[{last + 1}] never runs"
+    return None
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends ("op", name) for every op run."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.events.append(("op", str(func)))
+        return func(*args, **(kwargs or {}))
+

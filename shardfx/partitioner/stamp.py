@@ -32,6 +32,7 @@ import re
 from typing import Any, Callable
 
 import torch
+import torch
 import torch.fx as fx
 
 from torch.fx.graph import _Namespace
@@ -143,10 +144,23 @@ def _relate(units: _Units, where: dict, repeat: Repeat) -> dict[fx.Node, Relatio
             if a.target != b.target or len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
                 raise NotStampable(f"{a.name} ({a.target}) of {repeat.instance(1)} does not "
                                    f"match {b.name} ({b.target}) of {repeat.instance(0)}")
+            if _layout(a.meta.get(M.VAL)) != _layout(b.meta.get(M.VAL)):  # a pair that maps
+                raise NotStampable(  # shape A to B, then B to C: block 2 would get C
+                    f"{a.name} of {repeat.instance(1)} is {_layout(a.meta.get(M.VAL))}, "
+                    f"{b.name} of {repeat.instance(0)} {_layout(b.meta.get(M.VAL))}")
             _match(a.args, b.args, a, name, where, relation, repeat)
             _match(tuple(a.kwargs.values()), tuple(b.kwargs.values()), a, name, where,
                    relation, repeat)
     return relation
+
+
+def _layout(val: Any) -> Any:
+    """Shape, strides and dtype of a value (of each, for several)."""
+    if isinstance(val, (tuple, list)):
+        return tuple(_layout(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.stride(), val.dtype)
+    return val
 
 
 def _match(x: Any, y: Any, at: fx.Node, unit: str, where: dict, relation: dict,
