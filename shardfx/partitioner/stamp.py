@@ -1,15 +1,17 @@
 """Stamping: the graph of a model cut to two blocks, grown to all of them.
 
-``capture`` traced the model with a repeated list cut to blocks 0 and 1 (``repeats``). In that
-graph, in program order, each block is one contiguous *unit* of forward ops and one of backward
-ops::
+``capture`` traced the model with a repeated list cut after the pair it compares, blocks 0
+and 1 here (the list's ``first`` and ``first + 1``; see ``repeats``; blocks before them are
+glue). In that graph, in program order, each block is one contiguous *unit* of forward ops and
+one of backward ops::
 
     glue before | F0 | F1 | glue after (head, loss) | its backward | B1 | B0 | glue's backward
 
 (a unit is found from the module path torch records on each op; ops with none, such as the
 adds that sum a residual's gradients, belong to the unit they sit in). Block 1 is the
-template. ``stamp`` first proves that F1 and B1 are F0 and B0 op for op, with every operand
-in one of these relations, the same wherever it appears:
+template. ``stamp`` first proves that F1 and B1 are F0 and B0 op for op, values of the same
+shapes, strides and dtypes, with every operand in one of these relations, the same wherever
+it appears:
 
     own        the value at place q of F1 (or B1): block 0 reads F0 (B0) at q; in B1 reading
                F1, a saved activation
@@ -32,9 +34,7 @@ import re
 from typing import Any, Callable
 
 import torch
-import torch
 import torch.fx as fx
-
 from torch.fx.graph import _Namespace
 
 from shardfx.ir import meta as M
