@@ -171,8 +171,8 @@ class Plan:
     @property
     def capture_path(self) -> str:
         """How the model was traced: ``"full trace"`` (with why, when repeated blocks were
-        found but could not be stamped), or ``"stamped model.layers x80 from 2"``: two blocks
-        traced, the others copied (``partitioner.stamp``)."""
+        found but could not be stamped), or ``"stamped model.layers: 2 of 80 blocks traced, 78
+        stamped"``: the others copied from the second (``partitioner.stamp``)."""
         return self._captured.path
 
     @cached_property

@@ -31,8 +31,6 @@ def insert_op(graph: fx.Graph, op: torch._ops.OpOverload, *args: Any, **kwargs: 
 
 
 _VALUES: "weakref.WeakKeyDictionary[FakeTensorMode, dict]" = weakref.WeakKeyDictionary()
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format)
 
 
 def fake_value(mode: FakeTensorMode, op: Any, args: tuple, kwargs: dict) -> Any:
@@ -42,8 +40,9 @@ def fake_value(mode: FakeTensorMode, op: Any, args: tuple, kwargs: dict) -> Any:
     distinct op through fake dispatch once, not 80 times. Values are shared between nodes and
     must not be mutated."""
     vals = map_nodes((args, kwargs), lambda n: n.meta[M.VAL])
+    key = (op, hashable(vals))
     try:
-        key = (op, _key(vals))
+        hash(key)
     except TypeError:  # an argument we cannot key: compute it
         key = None
     memo = _VALUES.setdefault(mode, {})
@@ -56,16 +55,18 @@ def fake_value(mode: FakeTensorMode, op: Any, args: tuple, kwargs: dict) -> Any:
     return memo[key]
 
 
-def _key(x: Any) -> Any:
+def hashable(x: Any) -> Any:
+    """``x`` as a key: nested tuples, lists and dicts as tuples tagged with their type, a tensor
+    as its layout (shape, strides, offset, dtype, device), anything else as (its type's name,
+    itself), so ``1``, ``1.0`` and ``True`` differ. ``hash`` of the result raises TypeError
+    when a leaf is unhashable."""
     if isinstance(x, torch.Tensor):
         return ("t", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device)
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, *(_key(v) for v in x))
+        return (type(x).__name__, *(hashable(v) for v in x))
     if isinstance(x, dict):
-        return ("d", *((k, _key(v)) for k, v in x.items()))
-    if isinstance(x, _PLAIN):
-        return (type(x).__name__, x)
-    raise TypeError(type(x).__name__)
+        return ("d", *((k, hashable(v)) for k, v in x.items()))
+    return (type(x).__name__, x)
 
 
 def operands(node: fx.Node) -> list[fx.Node]:

@@ -36,7 +36,7 @@ import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagat
 from shardfx.errors import ShardingError, user_line
 from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
-from shardfx.ir.graph import map_nodes, op_nodes, operands
+from shardfx.ir.graph import hashable, map_nodes, op_nodes, operands
 
 log = logging.getLogger("shardfx.passes.shard_propagate")
 
@@ -120,7 +120,7 @@ def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
     one does. The remembered answer's local arguments name the first node's operands; they are
     rebound to this node's, in the same order."""
     try:
-        key = (node.target, _frozen(map_nodes((node.args, node.kwargs), spec.__getitem__)))
+        key = (node.target, hashable(map_nodes((node.args, node.kwargs), spec.__getitem__)))
         hash(key)
     except TypeError:
         return _propagate(node, spec, mesh)
@@ -133,14 +133,6 @@ def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
     local_args, local_kwargs = map_nodes((sharding.local_args, sharding.local_kwargs),
                                          lambda _: next(rebound))
     return dataclasses.replace(sharding, local_args=local_args, local_kwargs=local_kwargs), out
-
-
-def _frozen(x):
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, *(_frozen(v) for v in x))
-    if isinstance(x, dict):
-        return ("d", *((k, _frozen(v)) for k, v in x.items()))
-    return (type(x).__name__, x)
 
 
 def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
