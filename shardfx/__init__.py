@@ -7,8 +7,8 @@
 """
 
 from shardfx.api import partition
-from shardfx.errors import (CaptureError, InputError, LossError, MeshError, PassError,
-                            ShardfxError, ShardingError, VerifyError)
+from shardfx.errors import (CaptureError, InputError, LossError, MemoryBudgetError, MeshError,
+                            PassError, ShardfxError, ShardingError, VerifyError)
 from shardfx.hints import pipe_split, shard_hint
 from shardfx.plan import Plan
 from shardfx.runtime.launch import LaunchError, launch
@@ -16,4 +16,4 @@ from shardfx.runtime.runner import Runner
 
 __all__ = ["partition", "shard_hint", "pipe_split", "launch", "Plan", "Runner", "ShardfxError", "CaptureError",
            "InputError", "LossError", "MeshError", "ShardingError", "PassError", "VerifyError",
-           "LaunchError"]
+           "LaunchError", "MemoryBudgetError"]

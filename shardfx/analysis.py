@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
-from shardfx.passes.estimate_cost import is_view, node_bytes
+from shardfx.passes.estimate_cost import is_view
 
 
 @dataclass(frozen=True)
@@ -99,40 +99,6 @@ def _liveness(graph: fx.Graph, size=lambda n: n.meta[M.COST].out_bytes,
                 peak_bwd = max(peak_bwd, live)
         live -= frees.pop(i, 0)
     return peak_fwd, peak_bwd, saved
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What one device holds while it runs a program (optimizer state aside)."""
-
-    param_bytes: int
-    buffer_bytes: int
-    grad_bytes: int
-    peak_activation_bytes: int  # forward or backward, whichever is higher
-
-    @property
-    def total(self) -> int:
-        return self.param_bytes + self.buffer_bytes + self.grad_bytes + self.peak_activation_bytes
-
-
-def device_memory(program: fx.GraphModule, train: bool) -> DeviceMemory:
-    """Per-device memory of a generated program, whose values have this device's local shapes:
-    its parameters, buffers, their gradients when training, and the liveness peak over every
-    op it runs, collectives and gradient buckets included. Ops codegen inserted have no phase:
-    they take the phase of the op before them in program order."""
-    params = buffers = 0
-    for node in program.graph.find_nodes(op="placeholder"):
-        kind, val = node.meta[M.ROLE].kind, node.meta[M.VAL]
-        if kind is M.InputKind.PARAM:
-            params += _bytes(val)
-        elif kind is M.InputKind.BUFFER:
-            buffers += _bytes(val)
-    phases, current = {}, M.Phase.FORWARD
-    for node in program.graph.nodes:
-        current = node.meta.get(M.PHASE, current)
-        phases[node] = current
-    fwd, bwd, _ = _liveness(program.graph, node_bytes, phases.__getitem__)
-    return DeviceMemory(params, buffers, params if train else 0, max(fwd, bwd))
 
 
 def _readers(node: fx.Node, base: dict[fx.Node, fx.Node]) -> list[fx.Node]:

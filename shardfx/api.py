@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from shardfx.errors import InputError, LossError, PassError, PipelineError, ShardfxError
 from shardfx.hints import check_hint_axes
 from shardfx.ir.text import ir_to_text
+from shardfx.memory import optimizer_model
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import Captured, capture, capture_leaves, microbatch
 from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
@@ -88,6 +89,7 @@ def partition(
     schedule: str = "1f1b",
     virtual_stages: int | None = None,
     memory_budget: int | float | str | None = None,
+    optimizer: str | None = "adamw",
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -101,8 +103,11 @@ def partition(
     zero-bubble, or a ``Schedule`` or its text form) over ``microbatches`` slices of the batch
     (each dp replica's rows in as many); ``virtual_stages`` per rank for the interleaved one
     (default 2). ``memory_budget`` (bytes, as an int, a float or "8GiB", per device) bounds the
-    plan's memory, and how many microbatches' activations a schedule may keep: one that would
-    hold more is rejected. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
+    plan's memory: rematerialization (``passes.remat``) recomputes the cheapest activations in
+    the backward until the predicted peak fits, or a ``MemoryBudgetError`` gives the smallest
+    budget that can. ``optimizer`` names the kind of optimizer ``plan.runner`` will be given
+    (adamw | adam | sgd-momentum | sgd | None), for the memory its state takes: the plan is
+    made before the optimizer exists, and the runner checks it matches. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
@@ -116,7 +121,8 @@ def partition(
         virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
     options = Options(mesh=spec, shard=shard, module_types=types, microbatches=microbatches,
                       schedule=schedule, virtual_stages=virtual_stages,
-                      memory_budget=parse_bytes(memory_budget))
+                      memory_budget=parse_bytes(memory_budget),
+                      optimizer=optimizer_model(optimizer).name)
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -61,6 +61,11 @@ class PipelineError(ShardfxError, ValueError):
     not match the stage count, a schedule that deadlocks."""
 
 
+class MemoryBudgetError(ShardfxError, ValueError):
+    """A memory budget no plan can meet, even recomputing every activation it may: the
+    message gives the smallest peak shardfx can reach and what it is made of."""
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n?[ \t]*([^\n]*)')
 
 

@@ -1,51 +1,113 @@
 """Measured memory: the peak of live tensor storage while a step runs, independently of the
 plan's own estimate (``Plan.memory_estimate``), which it is there to check.
 
-``measured_peak`` runs a function under torch's ``MemTracker`` (a ``TorchDispatchMode`` that
-follows every tensor storage created or read inside it, and frees it when its last reference
-goes), with the tensors that exist before it (the model, the optimizer's state, the batch)
-registered first. On a GPU, ``torch.cuda.max_memory_allocated`` measures the same thing plus
-the allocator's rounding.
+``measured_peak`` runs a function under a ``TorchDispatchMode`` that sees every op's outputs:
+each tensor storage it has not seen is counted from then until Python frees it (a weak
+reference's callback). The tensors that exist before the run (the runner's weights, their
+gradients, the optimizer's state, the batch) are counted from the start, so the peak is what a
+device holds at the fullest moment of the step. Any code that runs ops counts: a plan's program,
+the pipeline runner's receive buffers and gradient accumulation, the optimizer's step. Storages
+are counted at their size in bytes, as a caching allocator would hand them out before rounding;
+on a GPU ``torch.cuda.max_memory_allocated`` measures the same thing plus that rounding.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass(frozen=True)
 class Peak:
-    """Bytes of live tensor storage at the peak of a run, by what holds them."""
+    """Bytes of live tensor storage at the peak of a run."""
 
-    parameters: int
-    buffers: int
-    gradients: int
-    activations: int  # every other tensor the run made: saved values, temporaries
-    optimizer: int  # the optimizer's state (Adam's moments, its step counts)
-    other: int  # tensors registered before the run that are none of the above (the batch)
-
-    @property
-    def total(self) -> int:
-        return (self.parameters + self.buffers + self.gradients + self.activations
-                + self.optimizer + self.other)
+    total: int
+    existing: int  # of which: the tensors registered before the run, still live then
+    after: int  # live when the run returned
 
 
-def measured_peak(run: Callable[[], Any], *existing: Any,
-                  device: torch.device | str = "cpu") -> Peak:
-    """The peak while ``run()`` runs on ``device``. ``existing``: modules, optimizers and
-    tensors that live before the run and count towards its peak."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+class _Storages(TorchDispatchMode):
+    """Live storage bytes, and their peak, of every storage registered or made by an op."""
 
-    tracker = MemTracker()
-    tracker.track_external(*existing)
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: dict[int, weakref.ref] = {}
+        self._existing: set[int] = set()
+
+    def add(self, t: torch.Tensor, existing: bool = False) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        if existing:
+            self._existing.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.pop(key, None)
+        self._existing.discard(key)
+        self.live -= nbytes
+
+    def existing_bytes(self) -> int:
+        return sum(self._seen[k]().nbytes() for k in self._existing if self._seen[k]() is not None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            self.add(t)
+        return out
+
+
+def measured_peak(run: Callable[[], Any], *existing: Any) -> Peak:
+    """The peak of live tensor storage while ``run()`` runs. ``existing``: tensors, modules
+    (their parameters, buffers and gradients), optimizers (their state and parameters),
+    runners (their parameters and gradients, their optimizer) that live before the run."""
+    tracker = _Storages()
+    _register(tracker, existing)  # in a call of its own: no reference outlives it
+    start = tracker.existing_bytes()
     with tracker:
         run()
-    snap = tracker.get_tracker_snapshot("peak").get(torch.device(device), {})
-    kind = {k: snap.get(k, 0) for k in _MemRefType}
-    return Peak(parameters=kind[_MemRefType.PARAM], buffers=kind[_MemRefType.BUFFER],
-                gradients=kind[_MemRefType.GRAD],
-                activations=kind[_MemRefType.ACT] + kind[_MemRefType.TEMP],
-                optimizer=kind[_MemRefType.OPT], other=kind[_MemRefType.OTH])
+    return Peak(total=tracker.peak, existing=start, after=tracker.live)
+
+
+def _register(tracker: _Storages, existing: tuple) -> None:
+    for t in _tensors(existing):
+        tracker.add(t, existing=True)
+
+
+def _tensors(things: tuple) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for thing in things:
+        if isinstance(thing, torch.Tensor):
+            out.append(thing)
+        elif isinstance(thing, torch.optim.Optimizer):
+            for group in thing.param_groups:
+                out += _tensors(tuple(group["params"]))
+            out += [v for s in thing.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+        elif isinstance(thing, torch.nn.Module):
+            out += _tensors(tuple(thing.parameters())) + list(thing.buffers())
+        elif hasattr(thing, "parameters") and hasattr(thing, "optimizer"):  # a shardfx runner
+            out += _tensors(tuple(thing.parameters()))
+            out += list(getattr(thing, "_buffers", {}).values())
+            if thing.optimizer is not None:
+                out += _tensors((thing.optimizer,))
+        elif isinstance(thing, (list, tuple)):
+            out += _tensors(tuple(thing))
+        else:
+            raise TypeError(f"measured_peak: cannot find tensors in {type(thing).__name__}")
+    for t in list(out):
+        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+            out.append(t.grad)
+    return out

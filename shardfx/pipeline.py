@@ -52,12 +52,38 @@ def compile_ir(gm: fx.GraphModule, options: Options
            shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
            ] if sharded else []),
     ], options, history)
-    if not sharded:
-        return gm, generate(gm), history, []
+    program, collectives = emit(gm, options)
+    return gm, program, history, collectives
+
+
+def whole_backward(options: Options) -> bool:
+    """A stage's backward as one part: under a memory budget, when the schedule runs W right
+    after B (``codegen.stages.split_stages``)."""
+    from shardfx.schedule import GENERATORS, Schedule
+
+    if options.memory_budget is None:
+        return False
+    schedule = options.schedule
+    if isinstance(schedule, str) and schedule in GENERATORS:
+        return schedule != "zero-bubble"  # the one generated schedule with W actions
+    parsed = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
+    return not parsed.split_backward
+
+
+def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule, list[Collective]]:
+    """The program(s) every device runs, from the planned IR: one program for one device or a
+    dp/tp mesh; under pp, the per-stage parts (F, B, W). Run again after ``passes.remat``."""
+    if options.stages > 1:
+        whole = whole_backward(options)
+        if options.mesh.only("tp").size == 1:
+            return split_stages(generate(gm).module, whole), []  # the program, cut: F, B, W
+        program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
+        return split_stages(inherit_stages(program.module), whole), collectives  # ... cut
+    if options.mesh.size == 1:
+        return generate(gm), []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
     # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
-    program, collectives = bucket_gradients(program, collectives)
-    return gm, program, history, collectives
+    return bucket_gradients(program, collectives)
 
 
 def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):
@@ -75,7 +101,5 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is
     ], options, history)
-    if not sharded:
-        return gm, split_stages(generate(gm).module), history, []  # the program, cut: F, B, W
-    program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
-    return gm, split_stages(inherit_stages(program.module)), history, collectives  # ... cut
+    split, collectives = emit(gm, options)
+    return gm, split, history, collectives

@@ -13,18 +13,22 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from shardfx.analysis import Summary, device_memory, summarize
+from shardfx.analysis import Summary, summarize
 from shardfx.codegen.program import Program
-from shardfx.errors import InputError, PipelineError
+from shardfx.errors import InputError, MemoryBudgetError, PipelineError
+from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
+from shardfx.memory import DeviceMemory, optimizer_model, pipeline_memory, program_memory
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
-from shardfx.passes.manager import Options
+from shardfx.passes.manager import Options, PassRecord
+from shardfx.passes.remat import Choice, fit, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
-from shardfx.pipeline import compile_ir, deferred_codegen
-from shardfx.report import render
+from shardfx.pipeline import compile_ir, deferred_codegen, emit
+from shardfx.report import flops, nbytes, render
+from shardfx.runtime.compiled import StageProgram
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
 from shardfx.schedule import (GENERATORS, Schedule, check, forward_only, generate,
@@ -49,10 +53,11 @@ class Plan:
             self.program, self.stage_program = None, program
             pp, m, v = self.mesh.axis("pp"), options.microbatches, options.virtual_stages
             self.schedule = forward_only(pp, m, v) if self.mode is M.Mode.INFER else \
-                pipeline_schedule(options.schedule, pp, m, v,
-                                  _in_flight_budget(self.ir, options.memory_budget))
-        if options.memory_budget is not None and self.stage_program is None:
-            self._check_budget(options.memory_budget)
+                pipeline_schedule(options.schedule, pp, m, v)
+        self.remat: Choice | None = None
+        self._memory: dict[int, DeviceMemory] | None = None
+        if options.memory_budget is not None:
+            self._fit_budget(options.memory_budget)
         state = model.state_dict()
         self.state_names = tuple(state)
         self.state_shapes = {fqn: tuple(t.shape) for fqn, t in state.items()}  # full, unsharded
@@ -179,41 +184,114 @@ class Plan:
     def summary(self) -> Summary:
         return summarize(self.ir)
 
-    def _check_budget(self, budget: int) -> None:
-        need = max(self.memory_estimate().values())
-        if need > budget:
-            raise PipelineError(
-                f"the plan needs about {need} bytes per device (parameters, gradients, peak "
-                f"activations); the budget is {budget}", where="partition(..., memory_budget=...)",
-                fix="use more devices (a pp or tp axis) or a larger budget")
+    def _fit_budget(self, budget: int) -> None:
+        """Recompute activations until every device's predicted peak is under ``budget``
+        (``passes.remat``); a budget no plan meets is a ``MemoryBudgetError``."""
+        pipeline = self.stage_program is not None
+        pp_axis = [a for a, _ in self.mesh.axes].index("pp") if pipeline else None
+        in_flight = peak_in_flight(self.schedule) if pipeline else {}
+
+        def evaluate() -> dict:
+            program, collectives = emit(self.ir, self.options)
+            if pipeline:
+                self.stage_program = program
+            else:
+                self.program = program
+            self.collectives, self._memory = collectives, None
+            per_rank = self.memory_breakdown()
+            if not pipeline:
+                return {"device": per_rank[0]}
+            coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
+            return {coord[pp_axis]: per_rank[rank] for rank, coord in enumerate(coords)}
+
+        def group_of(node) -> object:
+            return self.schedule.rank_of(node.meta[M.STAGE]) if pipeline else "device"
+
+        def weight_of(node) -> int:
+            return max(1, in_flight.get(group_of(node), 1)) if pipeline else 1
+
+        if self.mode is not M.Mode.TRAIN:
+            need = max(self.memory_estimate().values())
+            if need > budget:
+                raise MemoryBudgetError(
+                    f"inference needs {need} bytes per device; memory_budget is {budget}",
+                    where="partition(..., memory_budget=...)",
+                    fix="a larger budget, or shard the model over a tp or pp axis")
+            return
+        self.remat = fit(self.ir, budget, group_of, weight_of, evaluate,
+                         pipeline and self.schedule.split_backward)
+        if self.remat is not None:
+            self.history.append(PassRecord("remat", ir_to_text(self.ir)))
 
     def memory_estimate(self) -> dict[int, int]:
-        """Predicted peak bytes per device (global rank): parameters, buffers, gradients and
-        peak activations (optimizer state is the optimizer's and not counted). On a dp/tp mesh,
-        read off the program every device runs (local shapes, collectives and gradient buckets
-        included): one SPMD program, so every device the same. In a pipeline, per pp rank: its
-        stages' parameters (tp shards) and gradients, and the activations its schedule keeps
-        at its peak (``peak_in_flight`` microbatches of its stages' saved activations)."""
-        if self.program is not None:
-            need = device_memory(self.program.module, self.mode is M.Mode.TRAIN).total
-            return {rank: need for rank in range(self.mesh.size)}
-        train = self.mode is M.Mode.TRAIN
-        rows = stage_report(self.ir)
-        peaks = peak_in_flight(self.schedule) if train else {}
-        per_pp = {}
-        for r in range(self.mesh.axis("pp")):
-            mine = [row for row in rows if self.schedule.rank_of(row["stage"]) == r]
-            params = sum(row["param_bytes"] for row in mine)
-            saved = max((row["saved_bytes"] for row in mine), default=0)
-            per_pp[r] = params * (2 if train else 1) + peaks.get(r, 0) * saved
-        pp = [a for a, _ in self.mesh.axes].index("pp")  # ranks run row-major over the axes
-        coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
-        return {rank: per_pp[coord[pp]] for rank, coord in enumerate(coords)}
+        """Predicted peak bytes per device (global rank): ``memory_breakdown()``'s totals."""
+        return {rank: m.total for rank, m in self.memory_breakdown().items()}
+
+    def memory_breakdown(self) -> dict[int, DeviceMemory]:
+        """Per device (global rank), the predicted peak of a training step (or of inference)
+        by what holds it: parameters, buffers, the optimizer's state (``optimizer=`` of
+        ``partition``), gradients, saved activations, temporaries, communication buffers, and
+        when the peak happens (``shardfx.memory``). On a dp/tp mesh every device runs one
+        program, so every device is the same; in a pipeline, each pp rank's action list is
+        walked as the runner runs it, microbatches in flight included."""
+        if self._memory is None:
+            train = self.mode is M.Mode.TRAIN
+            opt = optimizer_model(self.options.optimizer)
+            if self.program is not None:
+                one = program_memory(self.program.module, train, opt, self.device)
+                self._memory = {rank: one for rank in range(self.mesh.size)}
+            else:
+                program = self.compiled_stages()
+                per_pp = {r: pipeline_memory(program, r, train, opt, self.mesh.axis("dp"),
+                                             self.device)
+                          for r in range(self.mesh.axis("pp"))}
+                pp = [a for a, _ in self.mesh.axes].index("pp")  # ranks: row-major over axes
+                coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
+                self._memory = {rank: per_pp[coord[pp]] for rank, coord in enumerate(coords)}
+        return self._memory
+
+    def compiled_stages(self, ranks: list[int] | None = None) -> StageProgram:
+        """The per-stage parts and the schedule, compiled into each rank's steps
+        (``runtime.compiled``); ``ranks``: pipeline rank -> global rank (default: the same)."""
+        vals = {n.name: n.meta[M.VAL] for n in self.ir.graph.nodes if M.VAL in n.meta}
+        return StageProgram(self.stage_program, self.ir.graph.output_node().meta[M.OUTPUTS],
+                            self.schedule, ranks or list(range(self.mesh.axis("pp"))), vals)
 
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
-                      traced=self.capture_path)
+                      traced=self.capture_path, memory=self._memory_rows(),
+                      notes=self._memory_notes())
+
+    def _memory_rows(self) -> dict[str, DeviceMemory]:
+        """``memory_breakdown`` grouped: one row for an SPMD plan's devices, one per pp rank."""
+        per_rank = self.memory_breakdown()
+        if self.stage_program is None:
+            return {f"all {self.mesh.size}" if self.mesh.size > 1 else "the device": per_rank[0]}
+        pp = [a for a, _ in self.mesh.axes].index("pp")
+        rows: dict[str, DeviceMemory] = {}
+        coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
+        for rank, coord in enumerate(coords):
+            rows.setdefault(f"pp rank {coord[pp]}", per_rank[rank])
+        return rows
+
+    def _memory_notes(self) -> list[str]:
+        opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
+        notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))"]
+        budget = self.options.memory_budget
+        if budget is not None:
+            if self.remat is None:
+                notes.append(f"memory_budget {nbytes(budget)}: fits without recomputing")
+            else:
+                r = self.remat
+                share = r.flops / max(1, self.summary.flops_fwd)
+                kept = ", ".join(f"{group_name(g)}: {nbytes(r.saved_before[g])} -> "
+                                 f"{nbytes(r.saved_after.get(g, 0))}" for g in r.saved_before)
+                notes.append(f"Rematerialization under memory_budget {nbytes(budget)}: "
+                             f"{len(r.recomputed)} ops recomputed in the backward, "
+                             f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
+                             f"for the backward {kept}")
+        return notes
 
     def replicated_ops(self) -> list[str]:
         """Ops no sharding rule covered: they run on full tensors (correct, costlier)."""
@@ -260,25 +338,6 @@ def _structure(spec: pytree.TreeSpec) -> str:
     if spec.type is dict:
         return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, kids)) + "}"
     return f"{getattr(spec.type, '__name__', spec.type)}({', '.join(kids)})"
-
-
-def _in_flight_budget(ir, budget: int | None) -> int | None:
-    """How many microbatches' activations fit on the fullest stage under ``budget`` bytes per
-    device: (budget - parameters and gradients) / activations saved per microbatch."""
-    if budget is None:
-        return None
-    rows = {r["stage"]: r for r in stage_report(ir)}
-    fits = []
-    for stage, row in rows.items():
-        room = budget - 2 * row["param_bytes"]
-        per_mb = max(1, row["saved_bytes"])
-        if room < per_mb:
-            raise PipelineError(
-                f"stage {stage} needs {2 * row['param_bytes'] + per_mb} bytes for its parameters, "
-                f"gradients and one microbatch's activations; the budget is {budget}",
-                where=f"stage {stage}", fix="raise memory_budget or use more pipeline stages")
-        fits.append(room // per_mb)
-    return int(min(fits))
 
 
 def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, virtual: int = 1,

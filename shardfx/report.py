@@ -9,10 +9,12 @@ from rich.table import Table
 
 from shardfx.analysis import Summary
 from shardfx.codegen.redistribute import Collective
+from shardfx.memory import KINDS, DeviceMemory
 
 
 def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
-           replicated: list[str] = (), stages: list[dict] = (), traced: str = "") -> str:
+           replicated: list[str] = (), stages: list[dict] = (), traced: str = "",
+           memory: dict[str, DeviceMemory] | None = None, notes: list[str] = ()) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     s = summary
@@ -51,6 +53,10 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
         console.print(f"Traced: {traced}")
     for table in (nodes, state, cost, ops):
         console.print(table)
+    if memory:
+        console.print(_memory(memory))
+    for note in notes:
+        console.print(note)
     if stages:
         console.print(_stages(stages))
     if collectives:
@@ -60,6 +66,20 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
         shown = ", ".join(replicated[:12]) + (" ..." if len(replicated) > 12 else "")
         console.print(f"{len(replicated)} ops have no sharding rule and run replicated: {shown}")
     return buf.getvalue()
+
+
+def _memory(memory: dict[str, DeviceMemory]) -> Table:
+    """The predicted peak per device (or per group of devices that run alike), by what holds
+    it, and when in the step it happens."""
+    table = Table(title="Memory at the peak (per device, predicted)", title_justify="left")
+    table.add_column("")
+    for who in memory:
+        table.add_column(who, justify="right")
+    for kind in KINDS:
+        table.add_row(kind, *(nbytes(getattr(m, kind)) for m in memory.values()))
+    table.add_row("total", *(nbytes(m.total) for m in memory.values()))
+    table.add_row("when", *(m.when for m in memory.values()))
+    return table
 
 
 def _stages(stages: list[dict]) -> Table:

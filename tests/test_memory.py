@@ -1,5 +1,5 @@
 """Memory: the plan's estimate against the peak of live tensor storage measured while a real
-step runs (``shardfx.measure``)."""
+step runs (``shardfx.measure``), on one device, tp, dp and per rank of a pipeline."""
 
 from __future__ import annotations
 
@@ -28,23 +28,76 @@ def test_measured_peak_counts_what_is_live_at_once():
         return c.sum()
 
     peak = measured_peak(run, before)
-    assert peak.activations == 2 * MIB + 4
-    assert peak.other == MIB
     assert peak.total == 3 * MIB + 4
+    assert peak.existing == MIB
+
+
+def measure(name: str, mesh: dict | None = None, **kw) -> tuple[int, int, object]:
+    """(measured, predicted, breakdown) for this rank's second training step of ``name``: the
+    optimizer's state exists by then, as in every later step. The batch is the caller's and
+    left out of the measured peak."""
+    batches = token_batches(3, batch=8)
+    model = tiny(name)
+    plan = shardfx.partition(model, *batches[0][:1], lm_loss, batches[0][1], mesh=mesh, **kw)
+    runner = plan.runner(adamw)
+    runner.step(*batches[0])
+    (x,), (y,) = batches[1]
+    peak = measured_peak(lambda: runner.step((x,), (y,)), runner, x, y)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return peak.total - x.nbytes - y.nbytes, plan.memory_estimate()[rank], \
+        plan.memory_breakdown()[rank]
+
+
+def within(measured: int, predicted: int, share: float = 0.05) -> bool:
+    return abs(predicted - measured) <= share * measured
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "llama"])
 def test_one_device_estimate_is_the_measured_peak(name):
-    """Parameters, gradients and peak activations as the plan predicts them, against a step's
-    measured peak. The estimate leaves the optimizer's state out (it is the optimizer's): it
-    is taken out of the measured peak here."""
-    batches = token_batches(3, batch=8)
-    model = tiny(name)
-    plan = shardfx.partition(model, *batches[0][:1], lm_loss, batches[0][1])
-    runner = plan.runner(adamw)
-    runner.step(*batches[0])  # the optimizer's state exists from here on
-    (x,), (y,) = batches[1]
-    peak = measured_peak(lambda: runner.step((x,), (y,)), model, runner.optimizer, x, y)
-    measured = peak.total - peak.optimizer - peak.other  # the batch is the caller's
-    predicted = plan.memory_estimate()[0]
-    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, peak)
+    measured, predicted, breakdown = measure(name)
+    assert within(measured, predicted), (measured, predicted, breakdown)
+    assert breakdown.optimizer == 2 * breakdown.parameters + 4 * len(list(tiny(name).parameters()))
+
+
+def _every_model(mesh: dict, kw: dict) -> list:
+    return [(name, *measure(name, mesh, **kw)) for name in ("nanogpt", "llama")]
+
+
+@pytest.mark.parametrize("mesh,kw", [
+    ({"tp": 2}, {}),
+    ({"dp": 2}, {}),
+    ({"pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),
+    ({"pp": 2}, {"microbatches": 4, "schedule": "gpipe"}),
+], ids=["tp2", "dp2", "pp2-1f1b", "pp2-gpipe"])
+def test_estimate_is_the_measured_peak_per_rank(mesh, kw):
+    """Each rank's own peak: a tp shard's, a dp replica's with its gradient buckets, a pipeline
+    rank's with the microbatches its schedule keeps in flight, its receive buffers and its
+    gradient accumulators."""
+    for rank, rows in enumerate(shardfx.launch(_every_model, mesh, kw, nprocs=2)):
+        for name, measured, predicted, breakdown in rows:
+            assert within(measured, predicted), (rank, name, measured, predicted, breakdown)
+
+
+def test_gpipe_holds_more_than_1f1b():
+    """The schedule is in the estimate: GPipe keeps all four microbatches' activations, 1F1B
+    at most two on the first of two ranks."""
+    batches = token_batches(1, batch=8)
+    saved = {}
+    for schedule in ("gpipe", "1f1b"):
+        plan = shardfx.partition(tiny("llama"), *batches[0][:1], lm_loss, batches[0][1],
+                                 mesh={"pp": 2}, microbatches=4, schedule=schedule)
+        saved[schedule] = plan.memory_breakdown()[0].saved
+    assert saved["gpipe"] > 1.5 * saved["1f1b"]
+
+
+def test_breakdown_is_printed_and_the_optimizer_counted():
+    batches = token_batches(1, batch=8)
+    args = (tiny("llama"), *batches[0][:1], lm_loss, batches[0][1])
+    adam = shardfx.partition(*args)
+    sgd = shardfx.partition(*args, optimizer="sgd")
+    text = str(adam)
+    assert "Memory at the peak" in text and "optimizer" in text and "adamw" in text
+    assert sgd.memory_breakdown()[0].optimizer == 0
+    assert adam.memory_estimate()[0] > sgd.memory_estimate()[0]
+    with pytest.raises(shardfx.InputError, match="unknown optimizer 'lion'"):
+        shardfx.partition(*args, optimizer="lion")

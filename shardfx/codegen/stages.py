@@ -95,9 +95,16 @@ def _parameter_values(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def split_stages(gm: fx.GraphModule) -> fx.GraphModule:
+def split_stages(gm: fx.GraphModule, whole_backward: bool = False) -> fx.GraphModule:
+    """``whole_backward``: one B part per stage, W's ops in it in graph order (no W parts),
+    for schedules that run W right after B anyway when activations are recomputed
+    (``passes.remat``): a block's recomputed values then die in its own backward, where a W
+    part would need every block's at once. The input gradient leaves after the whole backward
+    instead of before the weight gradients."""
     stages = 1 + max(n.meta[M.STAGE] for n in op_nodes(gm.graph))
     part = backward_parts(gm)
+    if whole_backward:
+        part = {n: "B" if p == "W" else p for n, p in part.items()}
 
     def order(stage: int, kind: str) -> int:
         if kind == "F":

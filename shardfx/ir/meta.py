@@ -15,6 +15,7 @@ reader can find in one place what a key means and which pass produces it.
     ANNOTATION        placeholders       Placements     passes.shard_annotate
     SHARDING          call_function      NodeSharding   passes.shard_propagate
     STAGE             forward ops, inputs  int          passes.stage_cut
+    REMAT             recomputed copies  str (original) passes.remat
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``.
 """
@@ -35,6 +36,7 @@ COST = "shardfx.cost"
 ANNOTATION = "shardfx.annotation"
 SHARDING = "shardfx.sharding"
 STAGE = "shardfx.stage"
+REMAT = "shardfx.remat"
 GRAPH = "shardfx.graph"
 
 

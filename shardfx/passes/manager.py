@@ -45,6 +45,7 @@ class Options:
 
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules)
     memory_budget: int | None = None  # bytes per device
+    optimizer: str | None = "adamw"  # the optimizer's kind, for its state (shardfx.memory)
     follow_stages: dict[str, tuple[int, ...]] | None = None  # weight FQN -> stages (stage_cut)
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
 

@@ -44,6 +44,7 @@ from torch.distributed.tensor import Shard
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
+from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
@@ -89,6 +90,8 @@ class PipelineRunner:
                        if self._program.producer(M.OutputKind.GRAD, fqn) == self.rank}
         owned = [self._params[fqn] for fqn in sorted(self._owned)]
         self.optimizer = make_optimizer(optimizer, owned)
+        if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
+            check_optimizer(plan.options.optimizer, self.optimizer)
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
@@ -126,6 +129,8 @@ class PipelineRunner:
         flat = self._plan.check_inputs(args, targets)
         self._same_batch(flat)
         self._grads = {}
+        for p in self._params.values():  # the last step's gradients go now, not at the end
+            p.grad = None
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
         loss = self._execute(self._program, self._steps, flat, weights)
         self._step_count += 1
@@ -367,6 +372,11 @@ class PipelineRunner:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     # --- state --------------------------------------------------------------------------------
+
+    def parameters(self):
+        """This rank's parameters (its tp shards), those its optimizer steps and the others it
+        reads (a tied weight another rank owns)."""
+        return self._params.values()
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's full gradients, on every rank (each sent by its owner)."""

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.shards import Shards
@@ -51,6 +52,8 @@ class Runner:
                 self._shards.local(p.detach(), self._placements.get(name, ())).clone(),
                 requires_grad=p.requires_grad) for name, p in self._params.items()}
         self.optimizer = make_optimizer(optimizer, list(self._params.values()))
+        if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
+            check_optimizer(plan.options.optimizer, self.optimizer)
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.program.module) else 0
@@ -62,6 +65,8 @@ class Runner:
         """One training step on the global batch; returns the loss."""
         flat = self._plan.check_inputs(args, targets)
         self._same_batch(flat)
+        for p in self._params.values():  # the last step's gradients go before this one's come
+            p.grad = None
         outs = self._run(self._plan.program, flat)
         self._steps += 1
         loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)

@@ -1,0 +1,397 @@
+"""The memory model: what one device holds at the fullest moment of a training step, by what
+holds it.
+
+A step's memory is a walk over what runs, in the order it runs:
+
+- **State** lives through the step: the device's parameters (its tp shards), buffers, and the
+  optimizer's state (``OPTIMIZERS``: AdamW keeps two fp32 moments per parameter element, SGD
+  with momentum one, plain SGD none, each with a step count).
+- **A program** (one device, or the SPMD program of a dp/tp mesh) is walked op by op: a tensor
+  is live from the op that makes it to its last reader (a view keeps its base alive); at each
+  op the live bytes are split into *gradients* (values the program returns as a parameter's
+  gradient), *saved* (forward values a backward op reads: the activations), *communication*
+  (collectives' and gradient buckets' buffers) and *transient* (everything else: temporaries
+  inside forward and backward). The runner drops the last step's gradients before the program
+  runs, so a step holds one set.
+- **A pipeline rank** is walked action by action, as ``runtime.pipeline`` runs its action list:
+  every receive of the step is posted at the start into its own buffer (communication); each
+  part's outputs that a later part on the rank reads stay until their last reader (saved: a
+  forward's activations, per microbatch in flight); what it sends stays until the step ends
+  (a gloo send's buffer is released when the step waits for it); a parameter's gradient is
+  accumulated in a buffer of its own from its first microbatch on; inside a part, its own
+  liveness peak.
+- **The optimizer's step** comes last: state, gradients and its own temporaries (on CPU torch
+  updates one parameter at a time: two temporaries the size of the largest parameter; on
+  CUDA the foreach kernels make one the size of all of them).
+
+The peak is the largest of these moments. ``shardfx.measure`` measures the same quantity (live
+tensor storage) on a real step, and the tests hold the two within 5%.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from shardfx.ir import meta as M
+from shardfx.passes.estimate_cost import is_view, node_bytes
+
+log = logging.getLogger("shardfx.memory")
+
+
+@dataclass(frozen=True)
+class OptimizerModel:
+    """What an optimizer keeps per parameter, and what its step allocates."""
+
+    name: str
+    states: int  # tensors the size of each parameter (Adam's two moments)
+    step_count: bool  # a scalar step count per parameter (Adam's ``state["step"]``)
+    temporaries: int  # per-parameter temporaries of one update, on CPU (one parameter at a time)
+
+
+OPTIMIZERS = {
+    "adamw": OptimizerModel("adamw", states=2, step_count=True, temporaries=2),
+    "adam": OptimizerModel("adam", states=2, step_count=True, temporaries=2),
+    "sgd-momentum": OptimizerModel("sgd-momentum", states=1, step_count=False, temporaries=1),
+    "sgd": OptimizerModel("sgd", states=0, step_count=False, temporaries=1),
+    "none": OptimizerModel("none", states=0, step_count=False, temporaries=0),
+}
+
+
+def optimizer_model(name: str | None) -> OptimizerModel:
+    from shardfx.errors import InputError
+
+    key = "none" if name is None else str(name).lower()
+    if key not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer {name!r} for the memory model",
+                         where="partition(..., optimizer=...)",
+                         fix=f"use one of {', '.join(OPTIMIZERS)} (the kind of torch optimizer "
+                             "plan.runner(...) will build), or None for no optimizer state")
+    return OPTIMIZERS[key]
+
+
+def kind_of_optimizer(optimizer) -> str | None:
+    """The memory model's name for a torch optimizer, or None for one it does not know."""
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return "sgd-momentum" if momentum else "sgd"
+    return name if name in OPTIMIZERS else None
+
+
+def check_optimizer(planned: str | None, optimizer) -> None:
+    """Warn when the runner's optimizer is not the kind the plan counted the state of."""
+    got = "none" if optimizer is None else kind_of_optimizer(optimizer)
+    if got != (planned or "none"):
+        log.warning("the plan counted %s optimizer state (partition(..., optimizer=%r)) but the "
+                    "runner's optimizer is %s: memory_estimate() is off by the difference; plan "
+                    "with optimizer=%r", planned or "no", planned,
+                    type(optimizer).__name__ if optimizer is not None else "None",
+                    got if got in OPTIMIZERS else None)
+
+
+KINDS = ("parameters", "buffers", "optimizer", "gradients", "saved", "transient",
+         "communication")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's predicted peak bytes, by what holds them at that moment."""
+
+    parameters: int = 0
+    buffers: int = 0
+    optimizer: int = 0  # the optimizer's state
+    gradients: int = 0
+    saved: int = 0  # activations kept for the backward (all microbatches in flight)
+    transient: int = 0  # temporaries: inside forward, backward, the optimizer's update
+    communication: int = 0  # receive buffers, collectives' and gradient buckets' buffers
+    when: str = ""  # the moment of the peak: "backward, at mm_12", "1B0 (stage1_B)", ...
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, k) for k in KINDS)
+
+    @property
+    def state(self) -> int:
+        return self.parameters + self.buffers + self.optimizer
+
+
+def state_bytes(params: Iterable[torch.Tensor], optimizer: OptimizerModel
+                ) -> tuple[int, int]:
+    """Bytes of the optimizer's state for ``params`` and of one update's temporaries."""
+    params = list(params)
+    states = sum(optimizer.states * _bytes(p) + 4 * optimizer.step_count for p in params)
+    largest = max((_bytes(p) for p in params), default=0)
+    return states, optimizer.temporaries * largest
+
+
+def optimizer_temporaries(params: list, optimizer: OptimizerModel, device: torch.device) -> int:
+    if device.type == "cpu":
+        return state_bytes(params, optimizer)[1]
+    return min(optimizer.temporaries, 1) * sum(_bytes(p) for p in params)  # foreach
+
+
+# --- one program -------------------------------------------------------------------------------
+
+def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
+                   device: torch.device = torch.device("cpu")) -> DeviceMemory:
+    """The peak of a generated program run by ``runtime.runner`` (one device or one SPMD
+    program for every device of a dp/tp mesh): its values have this device's local shapes."""
+    params, buffers = [], 0
+    for node in program.graph.find_nodes(op="placeholder"):
+        kind, val = node.meta[M.ROLE].kind, node.meta[M.VAL]
+        if kind is M.InputKind.PARAM:
+            params.append(val)
+        elif kind is M.InputKind.BUFFER:
+            buffers += _bytes(val)
+    state = dict(parameters=sum(map(_bytes, params)), buffers=buffers)
+    opt_state = state_bytes(params, optimizer)[0] if train else 0
+    peak, at, when = walk(program.graph, kind_of(program.graph))
+    best = DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
+    if train and optimizer.name != "none":
+        grads = _graph_grads(program.graph)
+        step = DeviceMemory(**state, optimizer=opt_state, gradients=grads,
+                            transient=optimizer_temporaries(params, optimizer, device),
+                            when="optimizer step")
+        if step.total > best.total:
+            best = step
+    return best
+
+
+def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
+    """The memory kind of each op's value: gradients, saved, communication or transient."""
+    out = graph.output_node()
+    grads = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
+             if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
+    phase, current = {}, M.Phase.FORWARD
+    for node in graph.nodes:  # ops codegen inserted take the phase of the op before them
+        current = node.meta.get(M.PHASE, current)
+        phase[node] = current
+
+    def kind(node: fx.Node) -> str:
+        if node in grads:
+            return "gradients"
+        if _is_collective(node) or (node.users and all(map(_is_collective, node.users))):
+            return "communication"  # a collective's result, or a buffer made only for one
+        if phase[node] is M.Phase.FORWARD and any(
+                phase.get(u) is M.Phase.BACKWARD for u in _readers(node)):
+            return "saved"
+        return "transient"
+
+    return kind
+
+
+def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
+         ) -> tuple[dict[str, int], fx.Node | None, str]:
+    """Live bytes at the fullest op of ``graph`` by kind, that op, and a line naming it.
+    Placeholders are the caller's and not counted; a value is live from its op to its last
+    reader (the output node keeps what the graph returns)."""
+    size = size or value_bytes
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    base = _bases(graph)
+    last_use: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        for src in node.all_input_nodes:
+            owner = base.get(src, src)
+            last_use[owner] = max(last_use.get(owner, 0), order[node])
+    # an element of a multi-output result exists from the op that made it: it is counted
+    # there, and lives to the last reader of its getitem (or of the result, which holds it)
+    born: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and \
+                node not in base and isinstance(node.args[0], fx.Node):
+            born.setdefault(node.args[0], []).append(node)
+    live: Counter = Counter()
+    frees: dict[int, list] = {}
+    best, best_node, total = Counter(), None, 0
+    for node in graph.nodes:
+        i = order[node]
+        if node.op == "call_function":
+            if node.target is operator.getitem and node not in base:
+                made = []  # counted at its producer
+            else:
+                made = [node, *born.get(node, ())]
+            for value in made:
+                nbytes, k = size(value), kind(value)
+                if nbytes:
+                    live[k] += nbytes
+                    total += nbytes
+                    end = max(last_use.get(value, order[value]), last_use.get(node, i))
+                    frees.setdefault(end, []).append((k, nbytes))
+            if total > sum(best.values()):
+                best, best_node = Counter(live), node
+        for k, nbytes in frees.pop(i, ()):
+            live[k] -= nbytes
+            total -= nbytes
+    when = ""
+    if best_node is not None:
+        phase = best_node.meta.get(M.PHASE)
+        when = f"{phase or 'program'}, at {best_node.name}"
+    return {k: best[k] for k in ("gradients", "saved", "transient", "communication")}, \
+        best_node, when
+
+
+def _graph_grads(graph: fx.Graph) -> int:
+    out = graph.output_node()
+    seen = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
+            if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
+    base = _bases(graph)
+    return sum(value_bytes(o) for o in {base.get(v, v) for v in seen})
+
+
+def value_bytes(node: fx.Node) -> int:
+    """Bytes of the storage a value owns: a view owns none; an element of a multi-output op's
+    result (``getitem(native_layer_norm(...), 1)``) owns its own tensor, the op's tuple none."""
+    if node.op != "call_function":
+        return 0
+    if node.target is operator.getitem and not _aliases(node.args[0]):
+        val = node.meta.get(M.VAL)
+        return _bytes(val)
+    if isinstance(node.meta.get(M.VAL), (tuple, list)):
+        return 0  # its elements (getitem) own the bytes
+    return node_bytes(node)
+
+
+def _aliases(node) -> bool:
+    """Does ``node``'s value (or each element of it) alias an input?"""
+    return isinstance(node, fx.Node) and node.op == "call_function" and is_view(node)
+
+
+def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """View -> the node that owns its storage (an element of a multi-output op's result
+    owns its own)."""
+    base: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or not node.all_input_nodes:
+            continue
+        if node.target is operator.getitem and not _aliases(node.args[0]):
+            continue
+        if is_view(node):
+            src = node.all_input_nodes[0]
+            base[node] = base.get(src, src)
+    return base
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """Users of ``node`` and of the views of it."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            out.append(u)
+            if u.op == "call_function" and is_view(u) and u.all_input_nodes[0] is n:
+                stack.append(u)
+    return out
+
+
+def _is_collective(node: fx.Node) -> bool:
+    ns = getattr(node.target, "namespace", None) or getattr(
+        getattr(node.target, "_schema", None), "name", "").split("::")[0]
+    return ns in ("_c10d_functional", "c10d_functional", "c10d")
+
+
+def _bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+# --- a pipeline rank ---------------------------------------------------------------------------
+
+@dataclass
+class _Part:
+    """What running one part allocates: its peak above its inputs, by kind, and each output's
+    bytes."""
+
+    peak: dict[str, int]
+    outputs: dict[int, int] = field(default_factory=dict)
+
+
+def _part(part: fx.GraphModule) -> _Part:
+    graph = part.graph
+    kind = kind_of(graph)
+    peak, _, _ = walk(graph, lambda n: "communication" if kind(n) == "communication"
+                      else "transient")
+    outs = graph.output_node().args[0]
+    base = _bases(graph)
+    sizes, owners = {}, set()
+    for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
+        owner = base.get(v, v) if isinstance(v, fx.Node) else None
+        sizes[i] = 0 if owner is None or owner in owners else value_bytes(owner)
+        owners.add(owner)  # outputs sharing a storage: counted once
+    return _Part(peak, sizes)
+
+
+def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
+                    dp: int = 1, device: torch.device = torch.device("cpu"),
+                    trace: list | None = None) -> DeviceMemory:
+    """The peak of pipeline rank ``rank`` running its action list (``program``: the
+    ``runtime.compiled.StageProgram`` the pipeline runner runs)."""
+    from shardfx.codegen.bucketing import BUCKET_BYTES
+
+    reads = program.reads(rank)
+    params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
+    buffers = sum(_bytes(program.input_val(n)) for n, r in reads.items()
+                  if r.kind is M.InputKind.BUFFER)
+    owned = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM
+             and program.producer(M.OutputKind.GRAD, r.name) == rank]
+    opt_state = state_bytes(owned, optimizer)[0] if train else 0
+    state = dict(parameters=sum(map(_bytes, params)), buffers=buffers, optimizer=opt_state)
+    parts = {name: _part(getattr(program.module, name)) for name in program.parts}
+    steps = program.steps(rank)
+    comm = {r.key: _shape_bytes(r.shape, r.dtype) for s in steps for r in s.receives}
+    saved: dict[tuple, int] = {}
+    grads: dict[str, int] = {}
+    best = DeviceMemory(**state)
+
+    def consider(transient: int, communication: int, when: str) -> None:
+        nonlocal best
+        now = DeviceMemory(**state, gradients=sum(grads.values()), saved=sum(saved.values()),
+                           transient=transient, communication=sum(comm.values()) + communication,
+                           when=when)
+        if now.total > best.total:
+            best = now
+
+    sending = 0  # gloo frees a send's buffer only when the step's end waits for it
+    for step in steps:
+        mb = step.action.microbatch
+        for call in step.calls:
+            info = parts[call.part]
+            if trace is not None:
+                trace.append((step.name, call.part, DeviceMemory(
+                    **state, gradients=sum(grads.values()), saved=sum(saved.values()),
+                    communication=sum(comm.values())).total, info.peak))
+            consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
+                     info.peak["communication"] + sending, f"{step.name} ({call.part})")
+            out_bytes = sum(info.outputs.values())  # all live until the call's outputs go
+            for o in call.outputs:
+                nbytes = info.outputs.get(o.index, 0)
+                for role in o.roles:
+                    if role.kind is M.OutputKind.GRAD and role.name not in grads:
+                        grads[role.name] = nbytes  # cloned into an accumulator
+                        consider(out_bytes, sending, f"{step.name} ({call.part}, gradients)")
+                if o.local:
+                    saved[(call.part, o.index, mb)] = nbytes
+                elif o.sends:
+                    sending += nbytes
+        for key in step.frees:
+            saved.pop(key, None)
+            comm.pop(key, None)
+    comm.clear()
+    sending = 0
+    if dp > 1 and grads:  # replicas average their gradients, a bucket at a time
+        consider(0, min(BUCKET_BYTES, max(grads.values()) + BUCKET_BYTES), "dp all-reduce")
+    if train and optimizer.name != "none":
+        consider(optimizer_temporaries(owned, optimizer, device), 0, "optimizer step")
+    return best
+
+
+def _shape_bytes(shape, dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
