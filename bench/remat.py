@@ -28,10 +28,11 @@ Backend. The compiled rows use ``aot_eager`` (aot_autograd with ``min_cut_remate
 partition`` and a no-op compiler: the partitioned forward and backward graphs run op by op),
 not inductor, although inductor does compile on this CPU: the memory here is counted by a
 dispatch mode that sees each op's output storage, and inductor's kernels allocate their buffers
-outside the dispatcher, so a measured peak of an inductor step misses most of them (a 2-layer
-Llama measured 14.5 MiB of activations with inductor at budget 1.0 and 14.8 at 0.5, against
-30.1 / 19.2 with aot_eager); its FLOPs would be hidden in the same way, and compiling this model
-took minutes per budget on 2 cores. The budget is applied by the same partitioner either way.
+outside the dispatcher, so a measured peak of an inductor step misses most of them (forward +
+backward of a 2-layer Llama, hidden 128, 4 x 256 tokens, measured 14.5 MiB above the weights
+with inductor at budget 1.0 and 14.8 at 0.5, against 30.1 / 19.2 with aot_eager); its FLOPs
+would be hidden in the same way, and inductor took 30-65 s to compile even that model on 2
+cores. The budget is applied by the same partitioner either way.
 ``--backend aot_eager_decomp_partition`` uses inductor's decompositions and inductor's
 partitioner settings before the same eager run, the closest measurable stand-in for what
 inductor would save. The backend is PyTorch's own, wrapped: ``CountingBackend`` builds the same
@@ -320,7 +321,7 @@ def measure(variant: str, step: Callable[[], Any], existing: tuple, model_loss: 
 
 
 def failed(variant: str, budget: str, error: BaseException) -> dict:
-    text = " ".join(f"{type(error).__name__}: {error}".split())[:300].replace("|", "/")
+    text = " ".join(f"{type(error).__name__}: {error}".split())[:600].replace("|", "/")
     return dict(variant=variant, budget=budget, error=f"did not run: {text}", notes=[])
 
 
