@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
+from shardfx.memory import _readers
 from shardfx.passes.estimate_cost import is_view
 
 
@@ -93,24 +94,12 @@ def _liveness(graph: fx.Graph, size=lambda n: n.meta[M.COST].out_bytes,
             if phase(node) is M.Phase.FORWARD:
                 peak_fwd = max(peak_fwd, live)
                 if any(u.op == "call_function" and phase(u) is M.Phase.BACKWARD
-                       for u in _readers(node, base)):
+                       for u in _readers(node)):
                     saved += nbytes
             else:
                 peak_bwd = max(peak_bwd, live)
         live -= frees.pop(i, 0)
     return peak_fwd, peak_bwd, saved
-
-
-def _readers(node: fx.Node, base: dict[fx.Node, fx.Node]) -> list[fx.Node]:
-    """Users of ``node`` and of the views of it."""
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            out.append(u)
-            if base.get(u) is node:
-                stack.append(u)
-    return out
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -122,19 +122,17 @@ class DeviceMemory:
         return self.parameters + self.buffers + self.optimizer
 
 
-def state_bytes(params: Iterable[torch.Tensor], optimizer: OptimizerModel
-                ) -> tuple[int, int]:
-    """Bytes of the optimizer's state for ``params`` and of one update's temporaries."""
-    params = list(params)
-    states = sum(optimizer.states * _bytes(p) + 4 * optimizer.step_count for p in params)
-    largest = max((_bytes(p) for p in params), default=0)
-    return states, optimizer.temporaries * largest
+def optimizer_state(params: Iterable[torch.Tensor], optimizer: OptimizerModel) -> int:
+    """Bytes of the optimizer's state for ``params``."""
+    return sum(optimizer.states * _bytes(p) + 4 * optimizer.step_count for p in params)
 
 
 def optimizer_temporaries(params: list, optimizer: OptimizerModel, device: torch.device) -> int:
+    """Bytes one update allocates: on CPU torch updates a parameter at a time (temporaries the
+    size of the largest); on CUDA its foreach kernels make them for all at once."""
     if device.type == "cpu":
-        return state_bytes(params, optimizer)[1]
-    return min(optimizer.temporaries, 1) * sum(_bytes(p) for p in params)  # foreach
+        return optimizer.temporaries * max((_bytes(p) for p in params), default=0)
+    return min(optimizer.temporaries, 1) * sum(_bytes(p) for p in params)
 
 
 # --- one program -------------------------------------------------------------------------------
@@ -151,7 +149,7 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
         elif kind is M.InputKind.BUFFER:
             buffers += _bytes(val)
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers)
-    opt_state = state_bytes(params, optimizer)[0] if train else 0
+    opt_state = optimizer_state(params, optimizer) if train else 0
     peak, at, when = walk(program.graph, kind_of(program.graph))
     best = DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
     if train and optimizer.name != "none":
@@ -327,8 +325,7 @@ def _part(part: fx.GraphModule) -> _Part:
 
 
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
-                    dp: int = 1, device: torch.device = torch.device("cpu"),
-                    trace: list | None = None) -> DeviceMemory:
+                    dp: int = 1, device: torch.device = torch.device("cpu")) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
     ``runtime.compiled.StageProgram`` the pipeline runner runs)."""
     from shardfx.codegen.bucketing import BUCKET_BYTES
@@ -339,7 +336,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                   if r.kind is M.InputKind.BUFFER)
     owned = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM
              and program.producer(M.OutputKind.GRAD, r.name) == rank]
-    opt_state = state_bytes(owned, optimizer)[0] if train else 0
+    opt_state = optimizer_state(owned, optimizer) if train else 0
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers, optimizer=opt_state)
     parts = {name: _part(getattr(program.module, name)) for name in program.parts}
     steps = program.steps(rank)
@@ -361,10 +358,6 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         mb = step.action.microbatch
         for call in step.calls:
             info = parts[call.part]
-            if trace is not None:
-                trace.append((step.name, call.part, DeviceMemory(
-                    **state, gradients=sum(grads.values()), saved=sum(saved.values()),
-                    communication=sum(comm.values())).total, info.peak))
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
                      info.peak["communication"] + sending, f"{step.name} ({call.part})")
             out_bytes = sum(info.outputs.values())  # all live until the call's outputs go

@@ -380,10 +380,6 @@ def undo(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def recomputed(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if M.REMAT in n.meta]
-
-
 # --- fitting a budget -------------------------------------------------------------------------
 
 def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
