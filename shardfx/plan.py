@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, summarize
+from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.ir.text import ir_to_text
@@ -24,15 +25,14 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options, PassRecord
-from shardfx.passes.remat import Choice, fit, group_name
+from shardfx.passes.remat import Choice, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
-from shardfx.pipeline import compile_ir, deferred_codegen, emit
+from shardfx.pipeline import compile_ir, deferred_codegen
 from shardfx.report import flops, nbytes, render
 from shardfx.runtime.compiled import StageProgram
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
-from shardfx.schedule import (GENERATORS, Schedule, check, forward_only, generate,
-                              peak_in_flight)
+from shardfx.schedule import GENERATORS, Schedule, check, forward_only, generate
 
 
 class Plan:
@@ -55,6 +55,7 @@ class Plan:
             self.schedule = forward_only(pp, m, v) if self.mode is M.Mode.INFER else \
                 pipeline_schedule(options.schedule, pp, m, v)
         self.remat: Choice | None = None
+        self.budget_candidates: list[Candidate] = []  # a pipeline's schedules tried
         self._memory: dict[int, DeviceMemory] | None = None
         if options.memory_budget is not None:
             self._fit_budget(options.memory_budget)
@@ -185,31 +186,9 @@ class Plan:
         return summarize(self.ir)
 
     def _fit_budget(self, budget: int) -> None:
-        """Recompute activations until every device's predicted peak is under ``budget``
-        (``passes.remat``); a budget no plan meets is a ``MemoryBudgetError``."""
-        pipeline = self.stage_program is not None
-        pp_axis = [a for a, _ in self.mesh.axes].index("pp") if pipeline else None
-        in_flight = peak_in_flight(self.schedule) if pipeline else {}
-
-        def evaluate() -> dict:
-            program, collectives = emit(self.ir, self.options)
-            if pipeline:
-                self.stage_program = program
-            else:
-                self.program = program
-            self.collectives, self._memory = collectives, None
-            per_rank = self.memory_breakdown()
-            if not pipeline:
-                return {"device": per_rank[0]}
-            coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
-            return {coord[pp_axis]: per_rank[rank] for rank, coord in enumerate(coords)}
-
-        def group_of(node) -> object:
-            return self.schedule.rank_of(node.meta[M.STAGE]) if pipeline else "device"
-
-        def weight_of(node) -> int:
-            return max(1, in_flight.get(group_of(node), 1)) if pipeline else 1
-
+        """Recompute activations (and in a pipeline, keep fewer microbatches in flight) until
+        every device's predicted peak is under ``budget`` (``shardfx.budget``); a budget no
+        plan meets is a ``MemoryBudgetError``."""
         if self.mode is not M.Mode.TRAIN:
             need = max(self.memory_estimate().values())
             if need > budget:
@@ -218,8 +197,7 @@ class Plan:
                     where="partition(..., memory_budget=...)",
                     fix="a larger budget, or shard the model over a tp or pp axis")
             return
-        self.remat = fit(self.ir, budget, group_of, weight_of, evaluate,
-                         pipeline and self.schedule.split_backward)
+        fit_budget(self, budget)
         if self.remat is not None:
             self.history.append(PassRecord("remat", ir_to_text(self.ir)))
 
@@ -291,6 +269,11 @@ class Plan:
                              f"{len(r.recomputed)} ops recomputed in the backward, "
                              f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
                              f"for the backward {kept}")
+            if self.budget_candidates:
+                notes.append("Schedules tried under memory_budget (the fastest that fits is "
+                             "run):\n" + "\n".join(
+                                 f"  {'->' if c.schedule is self.schedule else '  '} {c.name}: "
+                                 + _candidate(c) for c in self.budget_candidates))
         return notes
 
     def replicated_ops(self) -> list[str]:
@@ -326,6 +309,15 @@ class Plan:
         return self._canonical.get(fqn, fqn)
 
 
+def _candidate(c: Candidate) -> str:
+    """One schedule tried under memory_budget, for ``print(plan)``."""
+    if c.skipped:
+        return f"not fitted: step {c.step * 1e3:.3g} ms simulated recomputing nothing, slower"
+    if not c.fits:
+        return "does not fit"
+    return f"step {c.step * 1e3:.3g} ms simulated, recomputing {flops(c.recompute_flops)} FLOPs"
+
+
 def _structure(spec: pytree.TreeSpec) -> str:
     """A pytree structure in Python's own notation: ``(Tensor, [Tensor], {'mask': Tensor})``."""
     if spec.is_leaf():
@@ -340,8 +332,7 @@ def _structure(spec: pytree.TreeSpec) -> str:
     return f"{getattr(spec.type, '__name__', spec.type)}({', '.join(kids)})"
 
 
-def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, virtual: int = 1,
-                      max_in_flight: int | None = None):
+def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, virtual: int = 1):
     """The schedule's action lists, checked (deadlock, completeness) before anything runs:
     a generated one by name, or the user's own (a ``Schedule`` or its text form)."""
     if isinstance(name, str) and name in GENERATORS:
@@ -355,5 +346,5 @@ def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, vir
                 f"{schedule.microbatches} microbatches; the plan has {ranks}, "
                 f"{ranks * virtual} and {microbatches}", where="partition(..., schedule=...)",
                 fix="write one action list per pp rank covering every stage and microbatch")
-    check(schedule, max_in_flight)
+    check(schedule)
     return schedule

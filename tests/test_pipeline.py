@@ -7,6 +7,7 @@ import torch
 
 import shardfx
 from shardfx.errors import InputError
+from shardfx.schedule import peak_in_flight
 from shardfx.testing import compare_training
 
 from models import lm_loss, tiny, token_batches
@@ -291,8 +292,9 @@ def test_tensor_parallel_stages_with_tied_weights():
 
 def test_memory_budget_bounds_the_schedule():
     """A budget 1F1B fits as it is: GPipe, which keeps all 4 microbatches in flight where 1F1B
-    keeps 2, meets it by recomputing activations (``passes.remat``); a budget below the
-    weights alone is a MemoryBudgetError."""
+    keeps 2, would meet it by recomputing activations (``passes.remat``), but 1F1B's order
+    meets it recomputing nothing with the same bubble, so the plan runs that
+    (``shardfx.budget``); a budget below the weights alone is a MemoryBudgetError."""
     (x,), (y,) = batches(1)[0]
 
     def plan(**kw):
@@ -304,7 +306,11 @@ def test_memory_budget_bounds_the_schedule():
     budget = max(m.total for m in need["1f1b"].values())
     assert plan(schedule="1f1b", memory_budget=budget).remat is None
     gpipe = plan(schedule="gpipe", memory_budget=budget)
-    assert gpipe.remat is not None and max(gpipe.memory_estimate().values()) <= budget
+    assert max(gpipe.memory_estimate().values()) <= budget
+    asked, capped = gpipe.budget_candidates[:2]
+    assert asked.name == "gpipe" and asked.fits and asked.choice is not None  # by recomputing
+    assert capped.choice is None and gpipe.remat is None and gpipe.schedule is capped.schedule
+    assert peak_in_flight(gpipe.schedule) == {0: 2, 1: 1}  # 1F1B's
     need = shardfx.partition(build("llama"), (x,), lm_loss, (y,), mesh={"dp": 2, "pp": 2},
                              microbatches=2).memory_estimate()
     assert set(need) == {0, 1, 2, 3} and need[0] == need[2] and need[1] == need[3]  # dp x pp

@@ -1,7 +1,8 @@
 """Rematerialization under ``memory_budget`` (``passes.remat``): at 60% of the unconstrained
 peak, the plan recomputes activations in the backward, its measured peak is under the budget,
-and training equals eager (``shardfx.testing.compare_training``): on one device, tp=2 and
-pp=2 under 1F1B; dropout masks recompute exactly; an impossible budget is a named error."""
+and training equals eager (``shardfx.testing.compare_training``): on one device, tp=2,
+pp=2 under 1F1B, and pp=2 asked for GPipe, where the plan runs 1F1B with fewer microbatches
+in flight instead (``shardfx.budget``); dropout masks recompute exactly; an impossible budget is a named error."""
 
 from __future__ import annotations
 
@@ -19,17 +20,17 @@ from models import lm_loss, tiny, token_batches
 LAYERS, ROWS, SHARE = 8, 32, 0.6
 
 
-def budget_for(**kw) -> int:
-    """60% of the unconstrained plan's predicted peak on its fullest device."""
+def budget_for(share: float = SHARE, **kw) -> int:
+    """``share`` of the unconstrained plan's predicted peak on its fullest device."""
     batches = token_batches(1, batch=ROWS)
     plan = shardfx.partition(tiny("llama", LAYERS), *batches[0][:1], lm_loss, batches[0][1], **kw)
-    return int(SHARE * max(plan.memory_estimate().values()))
+    return int(share * max(plan.memory_estimate().values()))
 
 
-def trained_under_budget(**kw) -> tuple[int, int, int, str]:
+def trained_under_budget(share: float = SHARE, **kw) -> tuple[int, int, int, str]:
     """On this rank: (budget, predicted, measured) and the plan's text, after checking two
     steps against eager with remat on."""
-    budget = budget_for(**kw)
+    budget = budget_for(share, **kw)
     batches = token_batches(3, batch=ROWS)
     compare_training(tiny("llama", LAYERS), batches[:2], lm_loss, memory_budget=budget, **kw)
     plan = shardfx.partition(tiny("llama", LAYERS), *batches[0][:1], lm_loss, batches[0][1],
@@ -53,8 +54,10 @@ def test_one_device_under_budget_and_equal_to_eager():
 
 
 @pytest.mark.parametrize("kw", [dict(mesh={"tp": 2}),
-                                dict(mesh={"pp": 2}, microbatches=4, schedule="1f1b")],
-                         ids=["tp2", "pp2-1f1b"])
+                                dict(mesh={"pp": 2}, microbatches=4, schedule="1f1b"),
+                                dict(mesh={"pp": 2}, microbatches=4, schedule="gpipe",
+                                     share=0.35)],
+                         ids=["tp2", "pp2-1f1b", "pp2-gpipe-35%"])
 def test_under_budget_on_a_mesh(kw):
     for row in shardfx.launch(_trained, kw, nprocs=2):
         check(*row)
@@ -62,6 +65,24 @@ def test_under_budget_on_a_mesh(kw):
 
 def _trained(kw: dict):
     return trained_under_budget(**kw)
+
+
+def test_a_pipeline_chooses_what_to_save_and_how_many_microbatches_in_flight():
+    """GPipe keeps all 4 microbatches in flight; under 35% of its peak, 1F1B capped at 2
+    recomputes less and its step is shorter, so the plan runs that (shardfx.budget)."""
+    kw = dict(mesh={"pp": 2}, microbatches=4, schedule="gpipe")
+    budget = budget_for(share=0.35, **kw)
+    batches = token_batches(1, batch=ROWS)
+    plan = shardfx.partition(tiny("llama", LAYERS), *batches[0][:1], lm_loss, batches[0][1],
+                             memory_budget=budget, **kw)
+    assert max(plan.memory_estimate().values()) <= budget
+    tried = {c.name: c for c in plan.budget_candidates}
+    assert list(tried) == ["gpipe", "1f1b, at most 2 in flight", "1f1b, at most 1 in flight"]
+    gpipe, capped, serial = tried.values()
+    assert gpipe.fits and capped.fits and serial.skipped  # one at a time: slower, unfitted
+    assert plan.schedule is capped.schedule and capped.step < gpipe.step
+    assert capped.recompute_flops < gpipe.recompute_flops
+    assert "-> 1f1b, at most 2 in flight" in str(plan)
 
 
 def test_recomputed_ops_are_in_the_backward_and_the_dump(tmp_path):

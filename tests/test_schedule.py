@@ -274,6 +274,18 @@ def test_in_flight_peaks():
     assert peak_in_flight(one_f_one_b(4, 2)) == {0: 2, 1: 2, 2: 2, 3: 1}  # m < p is allowed
 
 
+def test_capped_1f1b_trades_memory_for_bubble():
+    """``in_flight=k``: at most k per rank, deadlock-free, a longer step the smaller k is."""
+    assert one_f_one_b(4, 8, in_flight=4) == one_f_one_b(4, 8)
+    steps = []
+    for k in (4, 3, 2, 1):
+        s = one_f_one_b(4, 8, in_flight=k)
+        assert peak_in_flight(s) == {r: min(k, 4 - r) for r in range(4)}
+        steps.append(check(s).makespan)
+    assert steps == sorted(steps) and len(set(steps)) == 4, steps
+    assert steps[-1] == 8 * 4 * 3  # one at a time: every stage's F and B in turn, 8 times
+
+
 def test_memory_budget_names_rank_and_action():
     check(one_f_one_b(4, 8), max_in_flight=4)
     with pytest.raises(ScheduleError) as err:
@@ -338,6 +350,7 @@ def test_with_communication():
     (lambda: interleaved_1f1b(4, 8, 1), "v >= 2"),
     (lambda: one_f_one_b(0, 8), "p \\(ranks\\) must be a positive integer, got 0"),
     (lambda: gpipe(4, 2.5), "m \\(microbatches\\) must be a positive integer"),
+    (lambda: one_f_one_b(4, 8, in_flight=0), "in_flight must be a positive integer, got 0"),
     (lambda: generate("looped-bfs", 4, 8), "unknown schedule 'looped-bfs'"),
     (lambda: generate("1f1b", 4, 8, v=2), "1f1b has one stage per rank, got v=2"),
     (lambda: Schedule.parse("rank 1: 1F0"), "expected 'rank 0: ...'"),

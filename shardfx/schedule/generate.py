@@ -9,6 +9,7 @@ redrawn with every action one slot wide:
     one_f_one_b(p, m)          PipeDream-flush / Megatron 1F1B (Narayanan et al., fig. 4 top):
                                rank r runs p-1-r warm-up forwards, then one forward and one
                                backward at a time, then the backwards left; p in flight at most
+                               (``in_flight=k``: k, the warm-up cut to k-1 forwards)
     interleaved_1f1b(p, m, v)  Megatron's interleaved 1F1B (fig. 4 bottom): v stages per rank
                                (stage s on rank s % p), microbatches through the chunks in
                                groups of p, (v-1)p + 2(p-1-r) warm-up forwards
@@ -41,11 +42,15 @@ def gpipe(p: int, m: int) -> Schedule:
                      for r in range(p)], p, m)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-flush 1F1B: warm-up forwards, one forward one backward, then cool-down."""
-    _check_sizes("1f1b", p, m)
-    return Schedule([_one_f_one_b(m, min(p - 1 - r, m), lambda k, r=r: (r, k), lambda k, r=r: (r, k))
-                     for r in range(p)], p, m)
+def one_f_one_b(p: int, m: int, in_flight: int | None = None) -> Schedule:
+    """PipeDream-flush 1F1B: warm-up forwards, one forward one backward, then cool-down.
+
+    ``in_flight`` k caps every rank at k microbatches in flight (its warm-up at k - 1
+    forwards): less memory, a longer fill (k = 1 runs the microbatches one at a time)."""
+    cap = p if in_flight is None else in_flight
+    _check_sizes("1f1b", p, m, in_flight=cap)
+    return Schedule([_one_f_one_b(m, min(p - 1 - r, m, cap - 1), lambda k, r=r: (r, k),
+                                  lambda k, r=r: (r, k)) for r in range(p)], p, m)
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
@@ -169,8 +174,9 @@ def _act(kind: Kind, slot: Slot) -> Action:
     return Action(stage, kind, microbatch)
 
 
-def _check_sizes(name: str, p: int, m: int, v: int = 1) -> None:
-    for label, value in (("p (ranks)", p), ("m (microbatches)", m), ("v (stages per rank)", v)):
+def _check_sizes(name: str, p: int, m: int, v: int = 1, in_flight: int = 1) -> None:
+    for label, value in (("p (ranks)", p), ("m (microbatches)", m), ("v (stages per rank)", v),
+                         ("in_flight", in_flight)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}: {label} must be a positive integer, got {value!r}",
                                 where=f"{name} schedule", fix="pass whole numbers >= 1")

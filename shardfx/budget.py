@@ -1,0 +1,162 @@
+"""Meeting ``memory_budget``: what each device keeps for the backward, and, in a pipeline, how
+many microbatches each rank keeps in flight.
+
+One device, dp and tp: `passes.remat.fit` recomputes the least that brings the predicted peak
+under the budget.
+
+A pipeline rank holds its stage's saved activations once per microbatch in flight, so there
+are two ways to fit: recompute, or keep fewer microbatches in flight. They are chosen together.
+The candidates are the schedule asked for, then 1F1B capped at k microbatches in flight per
+rank (`schedule.one_f_one_b(p, m, in_flight=k)`, k = p-1 .. 1: its warm-up cut to k-1
+forwards, so the pipeline fills more slowly). GPipe keeps all m in flight; 1F1B at k = p has
+its bubble with at most p, so it is a candidate there too. Each candidate is fitted by remat,
+and each that fits has its step simulated (`schedule.simulate`) with the stage costs of
+`estimate_cost`: a stage's forward, twice that for its backward, plus what it recomputes. The
+fastest is kept, the schedule asked for on a tie. The first candidate that fits without
+recomputing ends the search (fewer in flight would only add bubble). A user's own schedule,
+interleaved 1F1B and zero bubble keep their order, and remat alone fits them.
+
+Requires: a Plan with its IR planned and its program(s) emitted; ``plan.schedule`` in a pipeline.
+Ensures:  ``plan.remat`` (None if nothing is recomputed), ``plan.schedule`` the one chosen,
+          ``plan.budget_candidates`` (a pipeline's candidates and what each cost), or
+          ``MemoryBudgetError`` naming the smallest peak any candidate reaches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from shardfx.errors import MemoryBudgetError
+from shardfx.ir import meta as M
+from shardfx.ir.graph import op_nodes
+from shardfx.passes.remat import Choice, fit, recompute_seconds, undo
+from shardfx.passes.stage_cut import node_time
+from shardfx.pipeline import emit
+from shardfx.schedule import Action, Kind, Schedule, check, one_f_one_b, peak_in_flight, simulate
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule tried under the budget, and what fitting it cost."""
+
+    name: str  # "1f1b", or "1f1b, at most 2 in flight"
+    schedule: Schedule
+    fits: bool
+    recompute_flops: int = 0  # per step, every microbatch
+    step: float = 0.0  # simulated seconds of a step (estimate_cost's speeds)
+    skipped: bool = False  # not fitted: recomputing nothing, it is slower than one that fits
+    choice: Choice | None = None  # what remat recomputes for it
+
+
+def fit_budget(plan, budget: int) -> None:
+    """Set ``plan.remat`` and, in a pipeline, ``plan.schedule`` so every device fits ``budget``."""
+    pipeline = plan.stage_program is not None
+    if not pipeline:
+        plan.remat = fit(plan.ir, budget, lambda node: "device", lambda node: 1,
+                         lambda: _evaluate(plan))
+        return
+    candidates = _schedules(plan)
+    tried: list[Candidate] = []
+    error: MemoryBudgetError | None = None
+    held = None  # the candidate whose recomputation the IR holds
+    for name, schedule in candidates:
+        fastest = min((c.step for c in tried if c.fits), default=None)
+        bound = _step_seconds(plan, schedule, recomputing=False)
+        if fastest is not None and bound >= fastest:
+            tried.append(Candidate(name, schedule, False, step=bound, skipped=True))
+            continue
+        plan.schedule, held = schedule, None
+        undo(plan.ir)  # the last candidate's recomputation
+        try:
+            choice = _fit_schedule(plan, budget)
+        except MemoryBudgetError as e:
+            tried.append(Candidate(name, schedule, False))
+            error = e
+            continue
+        flops = choice.flops * schedule.microbatches if choice else 0
+        tried.append(Candidate(name, schedule, True, flops, _step_seconds(plan, schedule),
+                               choice=choice))
+        held = tried[-1]
+        if choice is None:
+            break  # fits as it is: fewer in flight would only add bubble
+    plan.budget_candidates = tried if len(candidates) > 1 else []
+    fitting = [c for c in tried if c.fits]
+    if not fitting:
+        _evaluate(plan)
+        if len(candidates) > 1:  # the last candidate keeps the fewest in flight
+            raise MemoryBudgetError(f"{error.cause}, with {tried[-1].name}",
+                                    where=error.where, fix=error.fix)
+        raise error
+    best = min(fitting, key=lambda c: c.step)  # the first (the schedule asked for) on a tie
+    plan.schedule, plan._memory = best.schedule, None
+    if best is held:
+        plan.remat = best.choice
+    else:
+        undo(plan.ir)
+        plan.remat = _fit_schedule(plan, budget)
+
+
+def _fit_schedule(plan, budget: int) -> Choice | None:
+    in_flight = peak_in_flight(plan.schedule)
+
+    def group_of(node) -> int:
+        return plan.schedule.rank_of(node.meta[M.STAGE])
+
+    return fit(plan.ir, budget, group_of, lambda node: max(1, in_flight.get(group_of(node), 1)),
+               lambda: _evaluate(plan), plan.schedule.split_backward)
+
+
+def _schedules(plan) -> list[tuple[str, Schedule]]:
+    """The schedule asked for, then 1F1B with fewer microbatches in flight (module docstring)."""
+    asked = plan.options.schedule
+    own = [(asked if isinstance(asked, str) else "the given schedule", plan.schedule)]
+    if asked not in ("gpipe", "1f1b"):
+        return own
+    p, m = plan.schedule.ranks, plan.schedule.microbatches
+    top = min(p, m) if asked == "gpipe" else min(p, m) - 1
+    capped = []
+    for k in range(top, 0, -1):
+        schedule = one_f_one_b(p, m, in_flight=k)
+        check(schedule)
+        capped.append((f"1f1b, at most {k} in flight", schedule))
+    return own + capped
+
+
+def _step_seconds(plan, schedule: Schedule, recomputing: bool = True) -> float:
+    """A step's simulated length: per stage, the forward's estimated time, twice that for the
+    backward (``stage_cut.node_time``'s split), plus the recomputed ops (if ``recomputing``)."""
+    forward: dict[int, float] = {}
+    redo: dict[int, float] = {}
+    for node in op_nodes(plan.ir.graph):
+        stage = node.meta.get(M.STAGE)
+        if stage is None:
+            continue
+        if M.REMAT in node.meta:
+            if recomputing:
+                redo[stage] = redo.get(stage, 0.0) + recompute_seconds(node)
+        elif node.meta[M.PHASE] is M.Phase.FORWARD:
+            forward[stage] = forward.get(stage, 0.0) + node_time(node) / 3
+
+    def seconds(action: Action) -> float:
+        f = forward.get(action.stage, 0.0)
+        return f if action.kind is Kind.F else 2 * f + redo.get(action.stage, 0.0)
+
+    return simulate(schedule, seconds).makespan
+
+
+def _evaluate(plan) -> dict:
+    """Emit the program(s) from the IR as it stands; each budget group's predicted memory
+    (one group for an SPMD plan, one per pp rank)."""
+    program, collectives = emit(plan.ir, plan.options)
+    if plan.stage_program is not None:
+        plan.stage_program = program
+    else:
+        plan.program = program
+    plan.collectives, plan._memory = collectives, None
+    per_rank = plan.memory_breakdown()
+    if plan.stage_program is None:
+        return {"device": per_rank[0]}
+    pp = [a for a, _ in plan.mesh.axes].index("pp")
+    coords = itertools.product(*(range(n) for _, n in plan.mesh.axes))
+    return {coord[pp]: per_rank[rank] for rank, coord in enumerate(coords)}
