@@ -9,17 +9,27 @@ device holds at the fullest moment of the step. Any code that runs ops counts: a
 the pipeline runner's receive buffers and gradient accumulation, the optimizer's step. Storages
 are counted at their size in bytes, as a caching allocator would hand them out before rounding;
 on a GPU ``torch.cuda.max_memory_allocated`` measures the same thing plus that rounding.
+
+``mark(name)``, called inside the run, records the peak so far in ``Peak.marks``: shardfx's
+runners mark ``"fwd+bwd"`` between the program and the optimizer's step, so a step whose peak
+is in the optimizer's update still shows what forward and backward held.
+
+``through_compile=True`` lets ``torch.compile``'d code run compiled under the tracker: a
+dispatch mode that does not say ``ignore_compile_internals`` makes torch.compile fall back to
+eager (and keep skipping the frame), which would measure the eager step instead. Compiled
+graphs are seen op by op only with a backend that runs eager kernels (``aot_eager``); inductor's
+kernels allocate outside the dispatcher, so their buffers are missed.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,7 @@ class Peak:
     total: int
     existing: int  # of which: the tensors registered before the run, still live then
     after: int  # live when the run returned
+    marks: dict[str, int] = field(default_factory=dict)  # mark(name) -> the peak so far then
 
 
 class _Storages(TorchDispatchMode):
@@ -39,6 +50,7 @@ class _Storages(TorchDispatchMode):
         self.live = self.peak = 0
         self._seen: dict[int, weakref.ref] = {}
         self._existing: set[int] = set()
+        self.marks: dict[str, int] = {}
 
     def add(self, t: torch.Tensor, existing: bool = False) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -69,16 +81,31 @@ class _Storages(TorchDispatchMode):
         return out
 
 
-def measured_peak(run: Callable[[], Any], *existing: Any) -> Peak:
+class _StoragesThroughCompile(_Storages):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def measured_peak(run: Callable[[], Any], *existing: Any, through_compile: bool = False) -> Peak:
     """The peak of live tensor storage while ``run()`` runs. ``existing``: tensors, modules
     (their parameters, buffers and gradients), optimizers (their state and parameters),
-    runners (their parameters and gradients, their optimizer) that live before the run."""
-    tracker = _Storages()
+    runners (their parameters and gradients, their optimizer) that live before the run.
+    ``through_compile``: let torch.compile'd code in ``run`` run compiled (module docstring)."""
+    tracker = _StoragesThroughCompile() if through_compile else _Storages()
     _register(tracker, existing)  # in a call of its own: no reference outlives it
     start = tracker.existing_bytes()
     with tracker:
         run()
-    return Peak(total=tracker.peak, existing=start, after=tracker.live)
+    return Peak(total=tracker.peak, existing=start, after=tracker.live, marks=tracker.marks)
+
+
+def mark(name: str) -> None:
+    """Inside ``measured_peak``'s run: record the peak so far as ``Peak.marks[name]``. Outside
+    one it does nothing (and costs a look at the dispatch mode stack)."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, _Storages):
+            mode.marks[name] = mode.peak
 
 
 def _register(tracker: _Storages, existing: tuple) -> None:

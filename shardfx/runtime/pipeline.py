@@ -44,6 +44,7 @@ from torch.distributed.tensor import Shard
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
+from shardfx.measure import mark
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
@@ -144,6 +145,7 @@ class PipelineRunner:
                     g.copy_(part.view_as(g))
         for fqn, p in self._params.items():
             p.grad = self._grads.get(fqn) if fqn in self._owned else None
+        mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         if self.optimizer is not None:
             self.optimizer.step()
         self._share_tied()

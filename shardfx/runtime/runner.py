@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.measure import mark
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
@@ -73,6 +74,7 @@ class Runner:
         grads = {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD}
         for name, p in self._params.items():
             p.grad = grads.get(name)
+        mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         if self.optimizer is not None:
             self.optimizer.step()
         return loss
