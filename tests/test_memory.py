@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardfx
-from shardfx.measure import measured_peak
+from shardfx.measure import mark, measured_peak
 from shardfx.testing import adamw
 
 from models import lm_loss, tiny, token_batches
@@ -30,6 +30,35 @@ def test_measured_peak_counts_what_is_live_at_once():
     peak = measured_peak(run, before)
     assert peak.total == 3 * MIB + 4
     assert peak.existing == MIB
+
+
+def test_marks_and_compiled_code():
+    """``mark`` records the peak so far; ``through_compile`` lets a torch.compile'd function
+    run compiled under the tracker (without it torch.compile falls back to eager)."""
+    def run():
+        a = torch.ones(MIB // 4)
+        mark("one")
+        b = a + 1
+        return b
+
+    assert measured_peak(run).marks == {"one": MIB}
+    compiled_graphs = []
+
+    def backend(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda x: (x * 2).sum(), backend=backend)
+        x = torch.ones(MIB // 4)
+        measured_peak(lambda: fn(x), x)
+        assert not compiled_graphs  # fell back to eager under a plain dispatch mode
+        torch._dynamo.reset()
+        peak = measured_peak(lambda: fn(x), x, through_compile=True)
+        assert len(compiled_graphs) == 1 and peak.total == 2 * MIB + 4
+    finally:
+        torch._dynamo.reset()
 
 
 def measure(name: str, mesh: dict | None = None, **kw) -> tuple[int, int, object]:
