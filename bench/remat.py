@@ -4,12 +4,14 @@ memory-budgeted partitioner, measured on one training step of a Llama.
 The model is a Hugging Face ``LlamaForCausalLM`` built from a config with random weights (seeded,
 no download; ``use_cache=False``, ``attn_implementation="sdpa"``): by default 6 layers, hidden
 1024, intermediate 2816, 16 heads, 8 KV heads, vocabulary 32000 (136.3 M parameters, 520 MiB in
-fp32), trained on one batch of 4 x 256 random token ids with ``F.cross_entropy`` on
+fp32), trained on one batch of 8 x 512 random token ids with ``F.cross_entropy`` on
 ``model(ids).logits`` and AdamW (lr 1e-3, fp32). Every flag can be changed; ``--small`` is a
-quick check (2 layers, hidden 128, vocabulary 1000, 4 x 64 tokens). The defaults are smaller
-than the 8 layers x 512 tokens first planned: that size took 37 s per eager step on 2 cores,
-about 15 minutes for the bench (``--layers 8 --seq 512`` runs it). Every row starts from the
-same weights (a deepcopy of one model) and trains on the same batch:
+quick check (2 layers, hidden 128, vocabulary 1000, 4 x 64 tokens). The batch is what makes the
+budgets mean something: weights, gradients and AdamW's state and temporaries peak at 2330 MiB
+in the optimizer's update whatever is recomputed, and at 4 x 256 tokens eager's whole step
+peaks at only 2428 MiB, so every budget under it is either met by the optimizer's floor or
+impossible; at 8 x 512 the activations are several times that and the budgets bite on them.
+Every row starts from the same weights (a deepcopy of one model) and trains on the same batch:
 
 - ``eager``: ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``, nothing
   recomputed;
@@ -43,9 +45,9 @@ Two traps, both avoided here. (1) torch.compile falls back to eager (and then ke
 the frame for good) when it is called under a ``TorchDispatchMode`` that does not declare
 ``ignore_compile_internals()``; shardfx's ``measured_peak`` and ``FlopCounterMode`` declare
 nothing, so under them a compiled step silently measures the eager step. The compiled rows are
-therefore measured with ``peak_through_compile`` (``measured_peak`` with the same storage
-tracker, subclassed to declare ``ignore_compile_internals``, so the compiled graphs run and
-their ops are seen) and the FLOPs with a ``FlopCounterMode`` whose dispatch mode declares it
+therefore measured with ``measured_peak(..., through_compile=True)`` (the same storage
+tracker, declaring ``ignore_compile_internals``, so the compiled graphs run and their ops are
+seen) and the FLOPs with a ``FlopCounterMode`` whose dispatch mode declares it
 too; the bench checks that the compiled forward and backward ran on every measured step. (2)
 ``FlopCounterMode`` has no formula for CPU attention (``_scaled_dot_product_flash_attention_
 for_cpu`` and its backward), so the bench adds PyTorch's own SDPA formulas for them (no causal
@@ -59,28 +61,28 @@ memory tracker, one under the FLOP counter and ``--steps`` timed steps:
   bytes; and its ratio to eager's;
 - recompute GFLOPs: the step's FLOPs (``FlopCounterMode``, matmuls and attention) minus eager's,
   and the ratio to full AC's. Recomputed pointwise ops (activations, norms, rotary) have no
-  formula and count 0, so a budget can save memory at 0 recompute GFLOPs. For the compiled rows the FLOPs of the forward and backward
-  graphs are also summed statically from their nodes with the same formulas, and the bench
-  warns if the two counts differ;
+  formula and count 0, so a budget can save memory at 0 recompute GFLOPs. For the compiled
+  rows the FLOPs of the forward and backward graphs are also summed statically from their
+  nodes with the same formulas, and the bench warns if the two counts differ;
 - fwd+bwd peak: the same measured step's peak up to the end of its backward, before
-  ``opt.step()`` (the step marks it with ``mark_fwd_bwd_peak()``, which reads the tracker off
-  the dispatch mode stack), and its ratio to eager's. At the default size the whole step's peak
-  is in ``opt.step()`` for every row but eager's (the gradients and AdamW's per-parameter
-  temporaries on top of the weights and AdamW state): there the measured peak is the same for
-  every variant, and this column is where rematerialization shows;
+  ``opt.step()`` (the step calls ``shardfx.measure.mark("fwd+bwd")`` there, as shardfx's
+  runner does), and its ratio to eager's. Where a row's whole step peaks in ``opt.step()``
+  (the gradients and AdamW's per-parameter temporaries on top of the weights and AdamW
+  state), the measured peak is that floor, and this column is where rematerialization shows;
 - step s: median of the timed steps (``gc.collect()`` before each);
 - loss: an eager ``no_grad`` forward of the row's model after all its steps (warm-up, memory,
   FLOPs, timed: 3 + ``--steps`` updates), which must agree with eager's to 1e-4 relative (a
   warning is printed otherwise).
 
-shardfx rows: ``shardfx_rows(model_factory, batch, budgets)`` (a stub that returns [] for now)
-gets a factory of fresh copies of the same model, the batch, and byte budgets computed from the
-rows above: full AC's measured peak, 0.5 x and 0.75 x eager's (these include the weights and
-AdamW state, so at the default size 0.5 x eager's is below what lives before the step and no
-plan can meet it); ``measure()`` gives a row in the table's format for any step function.
+shardfx rows: ``partition(model, (ids,), loss, (targets,), memory_budget=B,
+optimizer="adamw")`` on one device at the byte budgets from the rows above (full AC's measured
+peak, 0.5 x and 0.75 x eager's: whole-step peaks, weights and AdamW state included), its runner
+stepping AdamW (lr 1e-3) as the other rows do, measured the same way; per row also the plan's
+predicted peak against the measured one, the ops it recomputes and the planning time. A budget
+no plan meets is a row with shardfx's ``MemoryBudgetError``.
 
     python -m bench.remat [--small] [--layers 6] [--hidden 1024] [--inter 2816] [--heads 16]
-                          [--kv 8] [--vocab 32000] [--batch 4] [--seq 256] [--steps 3]
+                          [--kv 8] [--vocab 32000] [--batch 8] [--seq 512] [--steps 1]
                           [--budgets 0.5,0.75] [--backend aot_eager] [--no-append]
 
 Prints the table and appends it to bench/RESULTS.md with the machine and date.
@@ -107,11 +109,11 @@ from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backw
                                       sdpa_flop_count)
 
 from bench.common import append_results, count, machine, timed
-from shardfx.measure import Peak, _register, _Storages, measured_peak
+from shardfx.measure import mark, measured_peak
 
 warnings.filterwarnings("ignore")
 
-DEFAULT = dict(layers=6, hidden=1024, inter=2816, heads=16, kv=8, vocab=32000, batch=4, seq=256)
+DEFAULT = dict(layers=6, hidden=1024, inter=2816, heads=16, kv=8, vocab=32000, batch=8, seq=512)
 SMALL = dict(layers=2, hidden=128, inter=352, heads=4, kv=2, vocab=1000, batch=4, seq=64)
 LOSS_RTOL = 1e-4
 MiB = 2**20
@@ -150,7 +152,7 @@ def training_step(loss_fn: Callable, model, opt, ids, targets) -> Callable[[], t
     def step() -> torch.Tensor:
         loss = loss_fn(model, ids, targets)
         loss.backward()
-        mark_fwd_bwd_peak()
+        mark("fwd+bwd")
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -218,40 +220,6 @@ def graph_flops(gm: torch.fx.GraphModule) -> int:
     return total
 
 
-# --- memory -----------------------------------------------------------------------------------
-
-class _StoragesThroughCompile(_Storages):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
-def peak_through_compile(run: Callable[[], Any], *existing: Any) -> Peak:
-    """``shardfx.measure.measured_peak`` with a tracker that torch.compile runs its compiled
-    graphs under (their ops are seen one by one with an eager-kernel backend such as
-    aot_eager) instead of falling back to eager."""
-    tracker = _StoragesThroughCompile()
-    _register(tracker, existing)
-    start = tracker.existing_bytes()
-    with tracker:
-        run()
-    return Peak(total=tracker.peak, existing=start, after=tracker.live)
-
-
-_FWD_BWD: dict[str, int] = {}
-
-
-def mark_fwd_bwd_peak() -> None:
-    """Called by a step between its backward and its optimizer step: under the memory tracker
-    (``measured_peak``'s, found on the dispatch mode stack), records its peak so far, the
-    forward + backward's peak."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, _Storages):
-            _FWD_BWD["peak"] = mode.peak
-
-
 # --- torch.compile backend --------------------------------------------------------------------
 
 class CountingBackend:
@@ -308,9 +276,8 @@ def measure(variant: str, step: Callable[[], Any], existing: tuple, model_loss: 
     the FLOP counter, ``steps`` timed; then ``model_loss()``. ``through_compile``: the step
     calls torch.compile'd code (see the module docstring)."""
     step()
-    _FWD_BWD.clear()
-    peak = (peak_through_compile if through_compile else measured_peak)(step, *existing)
-    fwd_bwd = _FWD_BWD.pop("peak", None)
+    peak = measured_peak(step, *existing, through_compile=through_compile)
+    fwd_bwd = peak.marks.get("fwd+bwd")
     flops = step_flops(step, through_compile)
     times = [timed(step) for _ in range(steps)]
     batch_bytes = sum(t.untyped_storage().nbytes() for t in batch)
@@ -505,7 +472,7 @@ def main() -> None:
                         help="quick check: " + ", ".join(f"{k} {v}" for k, v in SMALL.items()))
     for k, v in DEFAULT.items():
         parser.add_argument(f"--{k}", type=int, default=None, help=f"default {v}")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after the others")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps after the others")
     parser.add_argument("--budgets", default="0.5,0.75",
                         help="comma-separated activation_memory_budget values for torch.compile")
     parser.add_argument("--backend", default="aot_eager",
