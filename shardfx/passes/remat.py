@@ -10,7 +10,8 @@ Ensures:  a forward value chosen for recomputation is copied into the backward (
 **The choice is an ILP** (``scipy.optimize.milp``, HiGHS). For each forward value v: keep it
 (``s_v``) or recompute it (``r_v``). A value the backward reads is kept or recomputed; a value
 recomputed needs each forward input kept or recomputed (parameters and batch inputs are always
-there); the kept bytes of each budget group (a device; a pipeline rank, each stage's bytes
+there; across the edge of a repeated block it must be kept, so a block recomputes on its
+own, unless it is a view, recomputed for free); the kept bytes of each budget group (a device; a pipeline rank, each stage's bytes
 times the microbatches its schedule keeps in flight) stay under a limit; minimise the
 recompute time (``estimate_cost``'s FLOPs and bytes, through ``stage_cut.node_time``'s rates).
 A min-cut (PyTorch's default partitioner) finds the fewest saved bytes for a fixed set of
@@ -177,10 +178,11 @@ class Problem:
             self.can_recompute[i] &= recomputable(node) and node not in weight_part
             for u in node.all_input_nodes:
                 if u in self.var:
-                    if segment[u] == segment[node]:
-                        self.needs.add((i, self.var[u]))
+                    j = self.var[u]
+                    if segment[u] == segment[node] or not self.can_keep[j]:
+                        self.needs.add((i, j))  # (a view is recomputed for free, anywhere)
                     else:  # across a block's edge: kept, so a block recomputes on its own
-                        self.keeps.add((i, self.var[u]))
+                        self.keeps.add((i, j))
 
     def solve(self, limits: dict) -> tuple[np.ndarray, np.ndarray] | None:
         """Keep and recompute flags under ``limits`` (group -> bytes; a missing group is
@@ -444,10 +446,30 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
             if all(m.total <= budget for m in evaluate().values()):
                 best = solution
             undo(gm)
+    best = _keep_what_fits(gm, problem, best, budget, evaluate)
     choice = apply(gm, problem, *best)
     evaluate()
     return Choice(choice.recomputed, choice.flops, choice.seconds, before,
                   problem.kept_bytes(best[0]))
+
+
+def _keep_what_fits(gm: fx.GraphModule, problem: Problem, best: tuple, budget: int, evaluate,
+                    tries: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Keep again, costliest first, recomputed values whose keeping still fits. The ILP counts
+    every kept byte against the limit, wherever in the backward the value dies; one the
+    backward reads first (the loss head's log-softmax and the LM head's matmul before it)
+    is gone before the backward's own peak, so keeping it may cost nothing."""
+    keep, again = best
+    redo = [i for i in np.flatnonzero(again & ~keep) if problem.can_keep[i] and problem.cost[i] > 0]
+    for i in sorted(redo, key=lambda i: -problem.cost[i])[:tries]:
+        trial_keep, trial_again = keep.copy(), again.copy()
+        trial_keep[i], trial_again[i] = True, False
+        apply(gm, problem, trial_keep, trial_again)
+        fits = all(m.total <= budget for m in evaluate().values())
+        undo(gm)
+        if fits:
+            keep, again = trial_keep, trial_again
+    return keep, again
 
 
 def _infeasible(budget: int, memory: dict):
