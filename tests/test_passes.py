@@ -131,6 +131,30 @@ def test_estimate_cost_flops_equal_eager_flop_counter(plan):
     assert s.flops_bwd == backward.get_total_flops()
 
 
+def test_estimate_cost_counts_cpu_attention():
+    """torch has no FLOP formula for CPU flash attention; shardfx counts its SDPA formulas,
+    forward and backward, as FlopCounterMode does given the same mapping."""
+    from shardfx.passes.estimate_cost import CPU_ATTENTION_FLOPS
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 16, 8)
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as count:
+        model(x).sum().backward()
+    plan = shardfx.partition(model, (x,), lambda out: out.sum())
+    attention = [n for n in op_nodes(plan.ir.graph) if "flash_attention_for_cpu" in str(n.target)]
+    assert len(attention) == 2 and all(n.meta[M.COST].flops > 0 for n in attention)
+    assert plan.summary.flops_fwd + plan.summary.flops_bwd == count.get_total_flops() > 0
+
+
 def test_estimate_cost_bytes_and_saved_activations(plan):
     ir, s = plan.ir, plan.summary
     fwd_ops = [n for n in op_nodes(ir.graph) if n.meta[M.PHASE] is M.Phase.FORWARD]

@@ -5,7 +5,9 @@ Ensures:  COST (NodeCost) on every call_function node.
 
 FLOPs come from torch's own per-op formulas (``torch.utils.flop_counter``: matmuls, convolutions,
 attention); ops it has no formula for (pointwise, reductions, views) count 0 FLOPs — they are
-memory-bound, and their cost is the bytes they write, which we record beside.
+memory-bound, and their cost is the bytes they write, which we record beside. torch has no
+formula for CPU flash attention; ``CPU_ATTENTION_FLOPS`` gives it torch's SDPA formulas (without
+them rematerialization would take recomputing attention on CPU for free).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
@@ -25,12 +27,30 @@ def estimate_cost(gm: fx.GraphModule, options) -> fx.GraphModule:
     return gm
 
 
+def _cpu_attention(query, key, value, *args, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# By shapes, as torch.utils.flop_counter.FlopCounterMode(custom_mapping=...) takes them.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+
+
 def node_flops(node: fx.Node) -> int:
     op = getattr(node.target, "overloadpacket", None)
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get(M.VAL), (node.args, node.kwargs))
+    if op in CPU_ATTENTION_FLOPS:
+        shapes = pytree.tree_map_only(torch.Tensor, lambda t: t.shape, (args, kwargs))
+        return int(CPU_ATTENTION_FLOPS[op](*shapes[0], **shapes[1]))
     formula = flop_registry.get(op)
     if formula is None:
         return 0
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get(M.VAL), (node.args, node.kwargs))
     return int(formula(*args, **kwargs, out_val=node.meta.get(M.VAL)))
 
 
