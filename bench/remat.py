@@ -76,7 +76,8 @@ memory tracker, one under the FLOP counter and ``--steps`` timed steps:
 
 shardfx rows: ``partition(model, (ids,), loss, (targets,), memory_budget=B,
 optimizer="adamw")`` on one device at the byte budgets from the rows above (full AC's measured
-peak, 0.5 x and 0.75 x eager's: whole-step peaks, weights and AdamW state included), its runner
+peak, 0.5 x and 0.75 x eager's, and each torch.compile row's measured peak, to compare
+recompute FLOPs at the same memory: whole-step peaks, weights and AdamW state included), its runner
 stepping AdamW (lr 1e-3) as the other rows do, measured the same way; per row also the plan's
 predicted peak against the measured one, the ops it recomputes and the planning time. A budget
 no plan meets is a row with shardfx's ``MemoryBudgetError``.
@@ -105,11 +106,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count,
-                                      sdpa_flop_count)
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from bench.common import append_results, count, machine, timed
 from shardfx.measure import mark, measured_peak
+from shardfx.passes.estimate_cost import CPU_ATTENTION_FLOPS
 
 warnings.filterwarnings("ignore")
 
@@ -167,17 +168,9 @@ def final_loss(model, ids, targets) -> float:
 
 # --- FLOPs ------------------------------------------------------------------------------------
 
-def _flash_cpu(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _flash_cpu_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-# FlopCounterMode knows no CPU attention kernel: PyTorch's own SDPA formulas for them.
-EXTRA_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward}
+# FlopCounterMode knows no CPU attention kernel: PyTorch's own SDPA formulas for them, as
+# shardfx's cost model counts them.
+EXTRA_FLOPS = CPU_ATTENTION_FLOPS
 
 
 class _CountThroughCompile(torch.utils.flop_counter._FlopCounterMode):
@@ -508,6 +501,9 @@ def main() -> None:
     byte_budgets = {"full AC peak": rows[1]["peak"],
                     "0.5 x eager peak": int(0.5 * eager["peak"]),
                     "0.75 x eager peak": int(0.75 * eager["peak"])}
+    for r in rows[2:]:  # the peer at its own memory: torch.compile's peaks
+        if "error" not in r:
+            byte_budgets[f"{r['variant']} peak"] = r["peak"]
     t0 = time.perf_counter()
     extra = shardfx_rows(factory, batch, byte_budgets, a.steps)
     if extra:
