@@ -231,9 +231,8 @@ class Plan:
     def compiled_stages(self, ranks: list[int] | None = None) -> StageProgram:
         """The per-stage parts and the schedule, compiled into each rank's steps
         (``runtime.compiled``); ``ranks``: pipeline rank -> global rank (default: the same)."""
-        vals = {n.name: n.meta[M.VAL] for n in self.ir.graph.nodes if M.VAL in n.meta}
-        return StageProgram(self.stage_program, self.ir.graph.output_node().meta[M.OUTPUTS],
-                            self.schedule, ranks or list(range(self.mesh.axis("pp"))), vals)
+        return StageProgram.of(self.stage_program, self.ir, self.schedule,
+                               ranks or list(range(self.mesh.axis("pp"))))
 
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),

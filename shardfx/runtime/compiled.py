@@ -60,6 +60,14 @@ class Step:
 
 
 class StageProgram:
+    @classmethod
+    def of(cls, split: fx.GraphModule, ir: fx.GraphModule, schedule: Schedule,
+           ranks: list[int]) -> "StageProgram":
+        """``split``'s parts run by ``schedule`` on ``ranks``; the IR it was split from gives
+        the outputs' roles and the fake values (shapes to receive into)."""
+        vals = {n.name: n.meta[M.VAL] for n in ir.graph.nodes if M.VAL in n.meta}
+        return cls(split, ir.graph.output_node().meta[M.OUTPUTS], schedule, ranks, vals)
+
     def __init__(self, split: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
                  schedule: Schedule, ranks: list[int], vals: dict[str, Any]):
         """``split``: the per-stage parts; ``outputs``: the roles of its outputs; ``ranks``:

@@ -78,7 +78,7 @@ class PipelineRunner:
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up
-        self._program = self._stage_program(plan.stage_program, plan.ir, self.schedule)
+        self._program = StageProgram.of(plan.stage_program, plan.ir, self.schedule, self._ranks)
         self._steps = self._program.steps(self.rank)
         model = plan.model
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
@@ -102,13 +102,6 @@ class PipelineRunner:
         self._spans: list[tuple[str, float, float]] = []
         self._held: list[int] = []
         self._forward: tuple | None = None  # the inference program, compiled on first use
-
-    def _stage_program(self, split, ir, schedule) -> StageProgram:
-        """``split``'s parts, run by ``schedule``; the IR it was split from has the outputs'
-        roles and the fake values (shapes to receive into)."""
-        vals = {n.name: n.meta[M.VAL] for n in ir.graph.nodes if M.VAL in n.meta}
-        return StageProgram(split, ir.graph.output_node().meta[M.OUTPUTS], schedule,
-                            self._ranks, vals)
 
     def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """This rank's tp shard of a parameter, or the model's own when the stage is whole."""
@@ -265,7 +258,7 @@ class PipelineRunner:
         else:
             schedule = forward_only(self.schedule.ranks, self.m,
                                     self.schedule.stages // self.schedule.ranks)
-            program = self._stage_program(split, ir, schedule)
+            program = StageProgram.of(split, ir, schedule, self._ranks)
             steps = program.steps(self.rank)
         outputs = []
         for (part, index), roles in program.finals.items():
