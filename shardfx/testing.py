@@ -157,6 +157,8 @@ class Report:
     floor: float = 1e-5
     replay_rtol: float = REPLAY_RTOL
     checks: list[Check] = field(default_factory=list)
+    plan: Any = field(default=None, repr=False, compare=False)  # what compare_training ran
+    runner: Any = field(default=None, repr=False, compare=False)  # ... and its runner, trained
 
     def add(self, step: int, kind: str, name: str, shardfx: float, eager: float,
             noise: float = 0.0) -> None:
@@ -236,7 +238,8 @@ def compare_training(
     eager fp32's own error plus ``rtol`` (the floor), or ``REPLAY_RTOL`` for the update.
     Raises InputError if the plan draws dropout masks (they are not eager's). The plan is built
     on the first batch; ``model`` itself is left untouched. Under ``shardfx.launch`` every rank
-    runs all three and compares full (gathered) tensors. Returns the ``Report`` of every check.
+    runs all three and compares full (gathered) tensors. Returns the ``Report`` of every check,
+    with the plan and its runner (trained on ``batches``) as ``report.plan``, ``report.runner``.
     """
     import shardfx  # the package imports this module's users, not the other way round
 
@@ -246,7 +249,7 @@ def compare_training(
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
     runner = plan.runner(optimizer=optimizer)
-    report = Report(factor, rtol)
+    report = Report(factor, rtol, plan=plan, runner=runner)
     state = runner.state_dict()
     for step, (args, targets) in enumerate(batches):
         for m in (eager, truth):  # shardfx's weights and buffers (cast to double in the truth)
