@@ -11,9 +11,11 @@ from shardfx.errors import (CaptureError, InputError, LossError, MemoryBudgetErr
                             PassError, ShardfxError, ShardingError, VerifyError)
 from shardfx.hints import pipe_split, shard_hint
 from shardfx.plan import Plan
+from shardfx.precision import Precision
 from shardfx.runtime.launch import LaunchError, launch
+from shardfx.runtime.loss_scale import LossScaling
 from shardfx.runtime.runner import Runner
 
-__all__ = ["partition", "shard_hint", "pipe_split", "launch", "Plan", "Runner", "ShardfxError", "CaptureError",
+__all__ = ["partition", "Precision", "LossScaling", "shard_hint", "pipe_split", "launch", "Plan", "Runner", "ShardfxError", "CaptureError",
            "InputError", "LossError", "MeshError", "ShardingError", "PassError", "VerifyError",
            "LaunchError", "MemoryBudgetError"]

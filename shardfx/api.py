@@ -22,6 +22,7 @@ from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_
 from shardfx.passes.manager import Options, PassRecord, dump_failure
 from shardfx.pipeline import deferred_codegen
 from shardfx.plan import Plan
+from shardfx.precision import Precision
 from shardfx.schedule import GENERATORS, Schedule
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -90,6 +91,7 @@ def partition(
     virtual_stages: int | None = None,
     memory_budget: int | float | str | None = None,
     optimizer: str | None = "adamw",
+    precision: str | Precision = "fp32",
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -107,7 +109,11 @@ def partition(
     the backward until the predicted peak fits, or a ``MemoryBudgetError`` gives the smallest
     budget that can. ``optimizer`` names the kind of optimizer ``plan.runner`` will be given
     (adamw | adam | sgd-momentum | sgd | None), for the memory its state takes: the plan is
-    made before the optimizer exists, and the runner checks it matches. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
+    made before the optimizer exists, and the runner checks it matches. ``precision``
+    ("fp32" | "bf16" | "fp16", or a ``Precision`` that also names the dtype gradients are
+    reduced in across dp) is what matmul-class ops compute in (``passes.mixed_precision``):
+    parameters, gradients and optimizer state stay fp32; fp16 plans scale the loss in the
+    runner. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
@@ -122,7 +128,8 @@ def partition(
     options = Options(mesh=spec, shard=shard, module_types=types, microbatches=microbatches,
                       schedule=schedule, virtual_stages=virtual_stages,
                       memory_budget=parse_bytes(memory_budget),
-                      optimizer=optimizer_model(optimizer).name)
+                      optimizer=optimizer_model(optimizer).name,
+                      precision=Precision.parse(precision))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -22,6 +22,7 @@ from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
 from shardfx.passes.manager import Options, PassRecord, run_passes
+from shardfx.passes.mixed_precision import mixed_precision
 from shardfx.passes.rng import rng_dropout
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
@@ -47,6 +48,7 @@ def compile_ir(gm: fx.GraphModule, options: Options
     gm = run_passes(gm, [
         rng_dropout,      # dropout masks from each element's global place: the same on any mesh
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
+        mixed_precision,  # bf16/fp16 matmuls, fp32 where it matters: before costs and shards
         estimate_cost,    # FLOPs and bytes per op: the summary now, the stage cutter and solver later
         *([shard_annotate,   # the user's request -> placements of parameters and batch inputs
            shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
@@ -83,7 +85,8 @@ def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule
         return generate(gm), []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
     # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
-    return bucket_gradients(program, collectives)
+    reduce = options.precision.reduce_dtype if options.precision.reduce != "fp32" else None
+    return bucket_gradients(program, collectives, reduce_dtype=reduce)
 
 
 def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):
@@ -95,6 +98,7 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     gm = run_passes(gm, [
         rng_dropout,     # dropout masks from each element's global place, per slice
         assign_phase,    # forward vs backward
+        mixed_precision,  # each op's dtype: what the cutter, the shards and remat measure
         estimate_cost,   # what the stage cutter balances
         *([shard_annotate, shard_propagate] if sharded else []),  # tensor parallel in a stage
     ], dataclasses.replace(options, mesh=inner), history)

@@ -25,11 +25,13 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options, PassRecord
+from shardfx.passes.mixed_precision import PRECISION
 from shardfx.passes.remat import Choice, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.pipeline import compile_ir, deferred_codegen
 from shardfx.report import flops, nbytes, render
 from shardfx.runtime.compiled import StageProgram
+from shardfx.runtime.loss_scale import LossScaling
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
 from shardfx.schedule import GENERATORS, Schedule, check, forward_only, generate
@@ -80,11 +82,14 @@ class Plan:
 
     # --- running ----------------------------------------------------------------------------
 
-    def runner(self, optimizer: OptimizerFactory | None = None) -> Runner:
-        """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer."""
+    def runner(self, optimizer: OptimizerFactory | None = None,
+               loss_scaling: "LossScaling | bool | None" = None) -> Runner:
+        """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer.
+        ``loss_scaling``: dynamic loss scaling (``runtime.loss_scale``); None scales fp16
+        plans only, False never, True or a ``LossScaling`` always."""
         if self.stage_program is not None:
-            return PipelineRunner(self, optimizer)
-        return Runner(self, optimizer)
+            return PipelineRunner(self, optimizer, loss_scaling)
+        return Runner(self, optimizer, loss_scaling)
 
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
         """The forward-only program (captured on first use for a training plan)."""
@@ -254,7 +259,8 @@ class Plan:
 
     def _memory_notes(self) -> list[str]:
         opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
-        notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))"]
+        notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
+                 f"Precision: {self.ir.meta.get(PRECISION, self.options.precision)}"]
         budget = self.options.memory_budget
         if budget is not None:
             if self.remat is None:

@@ -135,6 +135,7 @@ class Check:
     shardfx: float  # against fp64; a replay: against eager fp32 stepped with shardfx's grads
     eager: float  # eager fp32's own error against fp64 (0 for a replay)
     bound: float  # factor * eager + floor (+ a gradient's noise floor); a replay: REPLAY_RTOL
+    reference: str = "eager fp32"  # what ``eager`` ran: "eager fp32" or "autocast bf16"
 
     @property
     def ok(self) -> bool:
@@ -143,7 +144,7 @@ class Check:
     def __str__(self) -> str:
         verdict = "ok" if self.ok else "FAIL"
         eager = "replayed" if self.kind == "replay" else f"{self.eager:.2e}"
-        return (f"step {self.step}: {self.kind:<6} shardfx {self.shardfx:.2e}  eager fp32 "
+        return (f"step {self.step}: {self.kind:<6} shardfx {self.shardfx:.2e}  {self.reference} "
                 f"{eager}  bound {self.bound:.2e}  {verdict:<4}  {self.name}")
 
 
@@ -159,12 +160,13 @@ class Report:
     checks: list[Check] = field(default_factory=list)
     plan: Any = field(default=None, repr=False, compare=False)  # what compare_training ran
     runner: Any = field(default=None, repr=False, compare=False)  # ... and its runner, trained
+    reference: str = "eager fp32"  # the run whose error bounds shardfx's
 
     def add(self, step: int, kind: str, name: str, shardfx: float, eager: float,
             noise: float = 0.0) -> None:
         """``noise``: a gradient's floor at the model's scale, relative to its own norm."""
         bound = self.factor * eager + self.floor + noise
-        self.checks.append(Check(step, kind, name, shardfx, eager, bound))
+        self.checks.append(Check(step, kind, name, shardfx, eager, bound, self.reference))
 
     def add_replay(self, step: int, name: str, shardfx: float) -> None:
         self.checks.append(Check(step, "replay", name, shardfx, 0.0, self.replay_rtol))
@@ -211,7 +213,7 @@ class Report:
         kinds = ("loss", "grad", "buffer", "replay", "output")
         rows = sorted((c for k in kinds for c in self.worst(k)),
                       key=lambda c: (c.step, kinds.index(c.kind)))
-        head = (f"errors against eager fp64; bound = {self.factor:g} x eager fp32's error + "
+        head = (f"errors against eager fp64; bound = {self.factor:g} x {self.reference}'s error + "
                 f"{self.floor:g} (gradients: + {GRAD_NOISE:g} x the largest gradient's norm); "
                 "replay: updated parameters against eager fp32's optimizer "
                 f"stepped with shardfx's gradients, bound {self.replay_rtol:g}; per step and "
@@ -243,18 +245,23 @@ def compare_training(
     """
     import shardfx  # the package imports this module's users, not the other way round
 
+    from shardfx.precision import Precision
+
+    low = Precision.parse(partition_kwargs.get("precision")).dtype
     truth, eager, compiled = _float64(model), copy.deepcopy(model), copy.deepcopy(model)
     replay = optimizer(list(eager.parameters()))
     args0, targets0 = batches[0]
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
     runner = plan.runner(optimizer=optimizer)
-    report = Report(factor, rtol, plan=plan, runner=runner)
+    reference = "eager fp32" if low == torch.float32 else \
+        f"autocast {str(low).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float16', 'fp16')}"
+    report = Report(factor, rtol, plan=plan, runner=runner, reference=reference)
     state = runner.state_dict()
     for step, (args, targets) in enumerate(batches):
         for m in (eager, truth):  # shardfx's weights and buffers (cast to double in the truth)
             m.load_state_dict(state)
-        base = _forward_backward(eager, loss_fn, args, targets)
+        base = _forward_backward(eager, loss_fn, args, targets, low)
         want = _run_float64(truth, lambda m: _forward_backward(m, loss_fn, _double(args),
                                                                 _double(targets)))
         loss = runner.step(args, targets)
@@ -343,12 +350,16 @@ def _run_float64(truth: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -
             "kernels without a float64 version)") from e
 
 
-def _forward_backward(model: torch.nn.Module, loss_fn, args: tuple,
-                      targets: tuple) -> tuple[torch.Tensor, dict, dict]:
-    """One eager forward and backward: (loss, gradients by FQN, buffers after forward)."""
+def _forward_backward(model: torch.nn.Module, loss_fn, args: tuple, targets: tuple,
+                      autocast: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict, dict]:
+    """One eager forward and backward: (loss, gradients by FQN, buffers after forward); the
+    forward and loss under ``torch.autocast`` to ``autocast`` unless it is fp32."""
     for p in model.parameters():
         p.grad = None
-    loss = loss_fn(model(*args), *targets)
+    device = next((t.device.type for t in pytree.tree_leaves(args)
+                   if isinstance(t, torch.Tensor)), "cpu")
+    with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32):
+        loss = loss_fn(model(*args), *targets)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}

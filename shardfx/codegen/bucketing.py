@@ -63,23 +63,40 @@ class _Bucket:
     group: fx.Node
     op: str
     grads: list[_Grad] = field(default_factory=list)
+    reduce_dtype: torch.dtype | None = None  # the dtype it is summed in, if not its own
 
     @property
     def nbytes(self) -> int:
         return sum(g.nbytes for g in self.grads)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of the all-reduce's buffer."""
+        if self.reduce_dtype is None:
+            return self.nbytes
+        own = self.grads[0].value.meta[M.VAL].element_size()
+        return self.nbytes * self.reduce_dtype.itemsize // own
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
 
 
 def bucket_gradients(program: Program, collectives: Sequence[Collective] = (), *,
-                     bucket_bytes: int = BUCKET_BYTES) -> tuple[Program, list[Collective]]:
+                     bucket_bytes: int = BUCKET_BYTES, reduce_dtype: torch.dtype | None = None
+                     ) -> tuple[Program, list[Collective]]:
     """The program with its gradient all-reduces bucketed, and ``collectives`` with their
-    per-gradient records replaced by one per bucket. ``program`` is left untouched."""
+    per-gradient records replaced by one per bucket. ``program`` is left untouched. With
+    ``reduce_dtype`` (``Precision.reduce``) a dp bucket of another floating dtype is cast to
+    it for the all-reduce and back after it."""
     graph = copy.deepcopy(program.module.graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     buckets = _buckets(_grads(graph, program.outputs), bucket_bytes, order)
     output = graph.output_node()
+    for b in buckets:
+        axis = b.group.meta[M.ROLE].name
+        dtype = b.grads[0].value.meta[M.VAL].dtype
+        if reduce_dtype is not None and axis == "group(dp)" and dtype.is_floating_point:
+            b.reduce_dtype = reduce_dtype
     for i, b in enumerate(buckets):
         _emit_bucket(graph, f"bucket{i}", b, output)
     graph.lint()
@@ -145,10 +162,17 @@ def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> Non
             # (codegen.program); on a dense one it is a view
             flat.append(op(aten.reshape.default, g.value, [-1], rename=f"{name}_in{i}"))
         buffer = op(aten.cat.default, flat, rename=f"{name}_flat") if len(flat) > 1 else flat[0]
+        own = buffer.meta[M.VAL].dtype
+        if b.reduce_dtype is not None:
+            buffer = insert_op(graph, aten._to_copy.default, buffer, dtype=b.reduce_dtype)
+            buffer._rename(f"{name}_narrow")
         reduce = op(c10d.all_reduce.default, buffer, b.op, b.group, rename=f"{name}_all_reduce")
     # Wait as late as possible: the gradients' only use is the output.
     with graph.inserting_before(output):
         reduced = op(c10d.wait_tensor.default, reduce, rename=f"{name}_wait")
+        if b.reduce_dtype is not None:
+            reduced = insert_op(graph, aten._to_copy.default, reduced, dtype=own)
+            reduced._rename(f"{name}_widen")
         parts = [reduced]
         if len(b.grads) > 1:
             sizes = [g.value.meta[M.VAL].numel() for g in b.grads]
@@ -173,8 +197,10 @@ def _account(collectives: Sequence[Collective], buckets: list[_Bucket]) -> list[
         shown = ", ".join(names[:4]) + (f", and {len(names) - 4} more" if len(names) > 4 else "")
         grads = f"{len(names)} grad{'s' if len(names) > 1 else ''}"
         have = "P" if b.op == "sum" else f"P({b.op})"  # as redistribute words it
-        records.append(Collective("all_reduce", axis, b.nbytes, f"{axis} gradient bucket {i} "
-                                  f"({grads}: {shown}): {have} -> R on {axis}"))
+        summed = "" if b.reduce_dtype is None else \
+            f", summed in {str(b.reduce_dtype).removeprefix('torch.')}"
+        records.append(Collective("all_reduce", axis, b.sent_bytes, f"{axis} gradient bucket {i} "
+                                  f"({grads}: {shown}{summed}): {have} -> R on {axis}"))
         replaced |= {(axis, f"return {g.role}: ") for g in b.grads}
     out = []
     for c in collectives:

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from shardfx.errors import PassError, ShardfxError, VerifyError
 from shardfx.mesh import MeshSpec
+from shardfx.precision import Precision
 from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
 
@@ -48,6 +49,7 @@ class Options:
     optimizer: str | None = "adamw"  # the optimizer's kind, for its state (shardfx.memory)
     follow_stages: dict[str, tuple[int, ...]] | None = None  # weight FQN -> stages (stage_cut)
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
+    precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
 
     @property
     def slices(self) -> int:

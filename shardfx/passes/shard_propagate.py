@@ -136,10 +136,10 @@ def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
 
 
 def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
-    """Ask the rule, under one policy on partial sums (P): they flow only through views, sums
-    and additions of other partial sums, and are all-reduced before any other op, and before
-    the rule would split a replicated operand into partial shares to match them (``add(P, R)``
-    -> ``add(P, R/n)``). That is Megatron's placement: a row-parallel matmul's output is reduced
+    """Ask the rule, under one policy on partial sums (P): they flow only through views, sums,
+    widening casts and additions of other partial sums, and are all-reduced before any other
+    op, and before the rule would split a replicated operand into partial shares to match them
+    (``add(P, R)`` -> ``add(P, R/n)``). That is Megatron's placement: a row-parallel matmul's output is reduced
     once, before the residual add; a column-parallel layer's input gradient once, before the
     norm's backward. Left to itself the min-cost rule defers the reduction into every branch
     after it and pays several collectives instead of one."""
@@ -148,7 +148,7 @@ def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
     answer = _ask(node, have)
     if answer is not None:
         axes = _replicated_to_partial(operands, have, answer[1])
-        if node.target not in CARRIES_PARTIAL:
+        if node.target not in CARRIES_PARTIAL and not _widens(node):
             axes |= {i for n in operands for i, p in enumerate(have[n].placements)
                      if type(p) is Partial}
         if axes:
@@ -169,6 +169,17 @@ def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
     sharding = M.NodeSharding(out=out, inputs=tuple(s.placements for s in target_specs),
                               local_args=local_args, local_kwargs=local_kwargs, local_op=local_op)
     return sharding, _with_meta(mesh, out_specs, node.meta[M.VAL])
+
+
+def _widens(node: fx.Node) -> bool:
+    """A cast to a wider floating dtype (``passes.mixed_precision``'s bf16 gradient to fp32):
+    a partial sum crosses it, so the sum is taken in the wider dtype (gradients reduced across
+    dp in fp32)."""
+    if node.target is not aten._to_copy.default:
+        return False
+    src, dst = node.args[0].meta[M.VAL].dtype, node.kwargs.get("dtype")
+    return dst is not None and src.is_floating_point and dst.is_floating_point \
+        and dst.itemsize > src.itemsize
 
 
 def _ask(node: fx.Node, have: dict):

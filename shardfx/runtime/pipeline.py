@@ -46,6 +46,7 @@ from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.memory import check_optimizer
+from shardfx.runtime.loss_scale import loss_scaler, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 
 class PipelineRunner:
-    def __init__(self, plan: "Plan", optimizer=None):
+    def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
         coord = coordinate(mesh)
         self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
@@ -93,6 +94,9 @@ class PipelineRunner:
         self.optimizer = make_optimizer(optimizer, owned)
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
+        self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
+        reduce = plan.options.precision
+        self._reduce_dtype = reduce.reduce_dtype if reduce.reduce != "fp32" else None
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
@@ -102,6 +106,11 @@ class PipelineRunner:
         self._spans: list[tuple[str, float, float]] = []
         self._held: list[int] = []
         self._forward: tuple | None = None  # the inference program, compiled on first use
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (fp16 plans; ``shardfx.runtime.loss_scale``), else None."""
+        return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """This rank's tp shard of a parameter, or the model's own when the stage is whole."""
@@ -131,7 +140,10 @@ class PipelineRunner:
         if self._dp is not None:  # replicas combine their gradients: average (as DDP) or sum
             for bucket in _buckets([self._grads[f] for f in sorted(self._grads)]):
                 flat = torch.cat([g.reshape(-1) for g in bucket])
+                if self._reduce_dtype is not None and flat.is_floating_point():
+                    flat = flat.to(self._reduce_dtype)  # Precision.reduce: summed narrower
                 dist.all_reduce(flat, group=self._dp)
+                flat = flat.to(bucket[0].dtype)
                 if self._mean:
                     flat /= self._dp_size
                 for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
@@ -139,8 +151,7 @@ class PipelineRunner:
         for fqn, p in self._params.items():
             p.grad = self._grads.get(fqn) if fqn in self._owned else None
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        if self.optimizer is not None:
-            self.optimizer.step()
+        step_optimizer(self.optimizer, self.loss_scaler, list(self._grads.values()))
         self._share_tied()
         return self._broadcast_loss(loss)
 
@@ -212,7 +223,8 @@ class PipelineRunner:
         if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
             return weights[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(mean, or sum, of m losses)/d(one of them)
-            return torch.full((), 1.0 / self.m if self._mean else 1.0,
+            scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+            return torch.full((), (1.0 / self.m if self._mean else 1.0) * scale,
                               dtype=program.input_val(name).dtype)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)

@@ -21,6 +21,7 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
+from shardfx.runtime.loss_scale import loss_scaler, step_optimizer
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
@@ -33,7 +34,8 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 class Runner:
-    def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None):
+    def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None,
+                 loss_scaling=None):
         self._plan = plan
         model = plan.model
         self._params = dict(model.named_parameters())
@@ -55,6 +57,7 @@ class Runner:
         self.optimizer = make_optimizer(optimizer, list(self._params.values()))
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
+        self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.program.module) else 0
@@ -75,9 +78,13 @@ class Runner:
         for name, p in self._params.items():
             p.grad = grads.get(name)
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        if self.optimizer is not None:
-            self.optimizer.step()
+        step_optimizer(self.optimizer, self.loss_scaler, list(grads.values()))
         return loss
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (fp16 plans; ``shardfx.runtime.loss_scale``), else None."""
+        return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def forward(self, args: tuple) -> Any:
         """The model's output for ``args``, computed by the inference program."""
@@ -106,8 +113,9 @@ class Runner:
             return self._params[role.name].detach()
         if role.kind is M.InputKind.BUFFER:
             return self._buffers[role.name]
-        if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss)
-            return torch.ones((), dtype=node.meta[M.VAL].dtype)
+        if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss), times the loss scale
+            scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+            return torch.full((), scale, dtype=node.meta[M.VAL].dtype)
         if role.kind is M.InputKind.MESH:
             return self._shards.mesh_input(role)
         if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
