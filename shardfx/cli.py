@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="device mesh, e.g. dp=2,tp=2 (default: one device)")
     p.add_argument("--infer", action="store_true",
                    help="plan inference only: ignore the factory's loss_fn and targets")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="what matmuls and attention compute in; softmax, norms and the loss "
+                   "stay fp32 (default: fp32)")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="memory per device, e.g. 8GiB: recompute activations until it fits")
     p.add_argument("--dump", metavar="DIR",
                    help="also write the IR after every pass, the program and the plan to DIR")
     p.set_defaults(command=inspect_command, name="inspect")
@@ -107,7 +112,7 @@ def inspect_command(ns: argparse.Namespace) -> int:
         job.model, job.args,
         loss_fn=None if ns.infer else job.loss_fn,
         example_targets=() if ns.infer else job.targets,
-        mesh=dict(ns.mesh.axes))
+        mesh=dict(ns.mesh.axes), precision=ns.precision, memory_budget=ns.budget)
     print(str(plan).rstrip("\n"))
     if ns.dump:
         out = plan.dump(ns.dump)

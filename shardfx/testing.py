@@ -229,6 +229,7 @@ def compare_training(
     rtol: float = 1e-5,
     *,
     factor: float = FACTOR,
+    loss_scaling: Any = None,
     **partition_kwargs: Any,
 ) -> Report:
     """Train ``model`` through shardfx on ``batches`` ((args, targets) per step), and check
@@ -238,7 +239,11 @@ def compare_training(
 
     Raises AssertionError naming the step and the tensors beyond their bound: ``factor`` x
     eager fp32's own error plus ``rtol`` (the floor), or ``REPLAY_RTOL`` for the update.
-    Raises InputError if the plan draws dropout masks (they are not eager's). The plan is built
+    Raises InputError if the plan draws dropout masks (they are not eager's). With
+    ``precision`` bf16 or fp16 among ``partition_kwargs`` the eager fp32 copy runs its forward
+    under ``torch.autocast`` to that dtype, and it is autocast's error that bounds shardfx's;
+    ``loss_scaling`` goes to ``plan.runner`` (a step the fp16 loss scale skips has inf
+    gradients, and fails: start from a scale the model's gradients do not overflow). The plan is built
     on the first batch; ``model`` itself is left untouched. Under ``shardfx.launch`` every rank
     runs all three and compares full (gathered) tensors. Returns the ``Report`` of every check,
     with the plan and its runner (trained on ``batches``) as ``report.plan``, ``report.runner``.
@@ -253,7 +258,7 @@ def compare_training(
     args0, targets0 = batches[0]
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
-    runner = plan.runner(optimizer=optimizer)
+    runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling)
     reference = "eager fp32" if low == torch.float32 else \
         f"autocast {str(low).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float16', 'fp16')}"
     report = Report(factor, rtol, plan=plan, runner=runner, reference=reference)

@@ -107,6 +107,13 @@ def test_inspect_by_dotted_name_tuple_factory_and_mesh(factories, capsys, monkey
     assert row(out, "FLOPs")[1:] == [FWD_FLOPS, BWD_FLOPS]
 
 
+def test_precision_and_budget(factories, capsys):
+    assert main(["inspect", f"{factories}:factory", "--precision", "bf16",
+                 "--budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "Precision: bf16: " in out and "memory_budget 1.0 GiB: fits" in out
+
+
 def test_infer_ignores_the_loss(factories, capsys):
     assert main(["inspect", f"{factories}:factory", "--infer"]) == 0
     out = capsys.readouterr().out
