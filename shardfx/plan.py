@@ -260,7 +260,7 @@ class Plan:
     def _memory_notes(self) -> list[str]:
         opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
         notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
-                 f"Precision: {self.ir.meta.get(PRECISION, self.options.precision)}"]
+                 f"Precision: {self.precision}"]
         budget = self.options.memory_budget
         if budget is not None:
             if self.remat is None:
@@ -280,6 +280,12 @@ class Plan:
                                  f"  {'->' if c.schedule is self.schedule else '  '} {c.name}: "
                                  + _candidate(c) for c in self.budget_candidates))
         return notes
+
+    @property
+    def precision(self):
+        """What ops compute in: a ``PrecisionReport`` (how many ops in the low dtype and in
+        fp32, the casts, ops kept in fp32 for want of a kernel), or the fp32 ``Precision``."""
+        return self.ir.meta.get(PRECISION, self.options.precision)
 
     def replicated_ops(self) -> list[str]:
         """Ops no sharding rule covered: they run on full tensors (correct, costlier)."""
