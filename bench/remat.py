@@ -123,6 +123,34 @@ aten = torch.ops.aten
 
 # --- model, loss, batch -----------------------------------------------------------------------
 
+def size_flags(parser: argparse.ArgumentParser, default: dict, seed: bool = True) -> None:
+    """``--small``, a flag per model and batch size (``default`` when not given), ``--seed``."""
+    parser.add_argument("--small", action="store_true",
+                        help="quick check: " + ", ".join(f"{k} {v}" for k, v in SMALL.items()))
+    for k, v in default.items():
+        parser.add_argument(f"--{k}", type=int, default=None, help=f"default {v}")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0)
+
+
+def fill_sizes(a, default: dict) -> None:
+    """The sizes not given: ``SMALL``'s under ``--small``, else ``default``'s."""
+    for k, v in (SMALL if a.small else default).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+
+def workload(a) -> tuple[Callable[[], torch.nn.Module], tuple, int]:
+    """A factory of copies of one seeded Llama (every row starts from the same weights), the
+    batch, and the parameter count."""
+    base, batch = llama(a), make_batch(a)
+
+    def factory() -> torch.nn.Module:
+        return copy.deepcopy(base).train()
+
+    return factory, batch, sum(p.numel() for p in base.parameters())
+
+
 def llama(a) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -461,30 +489,19 @@ def checks(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--small", action="store_true",
-                        help="quick check: " + ", ".join(f"{k} {v}" for k, v in SMALL.items()))
-    for k, v in DEFAULT.items():
-        parser.add_argument(f"--{k}", type=int, default=None, help=f"default {v}")
+    size_flags(parser, DEFAULT)
     parser.add_argument("--steps", type=int, default=1, help="timed steps after the others")
     parser.add_argument("--budgets", default="0.5,0.75",
                         help="comma-separated activation_memory_budget values for torch.compile")
     parser.add_argument("--backend", default="aot_eager",
                         choices=["aot_eager", "aot_eager_decomp_partition"])
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
-    for k, v in (SMALL if a.small else DEFAULT).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill_sizes(a, DEFAULT)
     budgets = [float(b) for b in a.budgets.split(",") if b]
 
     start = time.perf_counter()
-    base = llama(a)
-    batch = make_batch(a)
-    params = sum(p.numel() for p in base.parameters())
-
-    def factory() -> torch.nn.Module:
-        return copy.deepcopy(base).train()
+    factory, batch, params = workload(a)
 
     rows = []
     for name, make in [("eager", lambda: eager_row(factory, batch, a)),

@@ -25,7 +25,6 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.manager import Options, PassRecord
-from shardfx.passes.mixed_precision import PRECISION
 from shardfx.passes.remat import Choice, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.pipeline import compile_ir, deferred_codegen
@@ -285,7 +284,7 @@ class Plan:
     def precision(self):
         """What ops compute in: a ``PrecisionReport`` (how many ops in the low dtype and in
         fp32, the casts, ops kept in fp32 for want of a kernel), or the fp32 ``Precision``."""
-        return self.ir.meta.get(PRECISION, self.options.precision)
+        return self.ir.meta.get(M.PRECISION, self.options.precision)
 
     def replicated_ops(self) -> list[str]:
         """Ops no sharding rule covered: they run on full tensors (correct, costlier)."""

@@ -17,7 +17,8 @@ reader can find in one place what a key means and which pass produces it.
     STAGE             forward ops, inputs  int          passes.stage_cut
     REMAT             recomputed copies  str (original) passes.remat
 
-Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``.
+Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``; what
+``passes.mixed_precision`` did in ``gm.meta[PRECISION]`` as its ``PrecisionReport``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SHARDING = "shardfx.sharding"
 STAGE = "shardfx.stage"
 REMAT = "shardfx.remat"
 GRAPH = "shardfx.graph"
+PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 
 
 class Mode(str, enum.Enum):

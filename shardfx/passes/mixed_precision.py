@@ -100,9 +100,6 @@ _VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, at
                     aten.squeeze.dims, aten.expand.default, aten.alias.default})
 # (Not slices: a slice's base can be much larger than the slice.)
 
-PRECISION = "shardfx.precision"  # gm.meta key: a PrecisionReport
-
-
 @dataclass(frozen=True)
 class PrecisionReport:
     """What ``mixed_precision`` did, for ``print(plan)``."""
@@ -134,7 +131,7 @@ def mixed_precision(gm: fx.GraphModule, options) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     assign_phase(gm, options)  # the casts: forward where a forward op reads them
-    gm.meta[PRECISION] = edit.report(precision.compute)
+    gm.meta[M.PRECISION] = edit.report(precision.compute)
     return gm
 
 
