@@ -59,6 +59,21 @@ def _on_a_mesh():
     return problems
 
 
+def test_on_products_of_meshes():
+    """pp=2 x tp=2 in bf16, dp=2 x pp=2 in fp16 summing gradients in bf16, dp=2 x tp=2 in
+    bf16: four processes, every rank's check passes."""
+    for rank in shardfx.launch(_on_products, nprocs=4):
+        assert rank == [], rank
+
+
+def _on_products():
+    return [*trains_like_autocast("llama", "bf16", mesh={"pp": 2, "tp": 2}, shard="megatron",
+                                  microbatches=2),
+            *trains_like_autocast("llama", shardfx.Precision("fp16", reduce="bf16"),
+                                  mesh={"dp": 2, "pp": 2}, microbatches=2),
+            *trains_like_autocast("llama", "bf16", mesh={"dp": 2, "tp": 2}, shard="megatron")]
+
+
 def test_the_ir_shows_each_ops_dtype_and_casts_once():
     (args, targets), = token_batches(1)
     plan = shardfx.partition(tiny("llama", 2), args, lm_loss, targets, precision="bf16")
