@@ -16,7 +16,9 @@ fp32 in every row (fp32 master weights): only what the step computes in changes.
   recipe has it; fp16 also with ``torch.amp.GradScaler("cpu")`` (dynamic loss scaling:
   ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``). CPU autocast runs the
   matmul-class ops (linear, matmul, attention) in the low dtype and keeps the cross-entropy in
-  fp32; fp16 matmuls run on CPU, slowly where the CPU has no fp16 units;
+  fp32. fp16 matmuls run on CPU, but where it has no fp16 units about 100x slower than fp32
+  (the bench measures each dtype's matmul speed first): there, at the default size, the fp16
+  rows are left out (a step would take about 20 minutes) unless ``--precisions`` names them;
 - ``shardfx fp32`` / ``bf16`` / ``fp16``: ``partition(model, (ids,), loss, (targets,),
   precision=P, optimizer="adamw")`` on one device, its runner stepping AdamW (lr 1e-3) as the
   eager rows do; for fp16 the runner scales the loss dynamically (``runner.loss_scale``).
@@ -46,6 +48,7 @@ refused, say) is a table row with the error.
     python -m bench.precision [--small] [--layers 4] [--hidden 1024] [--inter 2816]
                               [--heads 16] [--kv 8] [--vocab 32000] [--batch 4] [--seq 512]
                               [--steps 3] [--train-steps 3] [--seed 0] [--append|--no-append]
+                              [--precisions fp32,bf16,fp16]
 
 Prints the table; appends it to bench/RESULTS.md with the machine and date unless ``--small``
 (``--append`` / ``--no-append`` decide either way).
@@ -231,6 +234,21 @@ def checks(rows: list[dict]) -> list[str]:
     return out
 
 
+def matmul_gflops(dtype: torch.dtype) -> float:
+    """One thread's matmul speed in ``dtype``: a CPU without fp16 units runs fp16 matmuls
+    about 100x slower than fp32 (1 against 84 GFLOP/s on the AMD EPYC here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
+        torch.mm(a, b)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        return 2 * 512 * 1024 * 1024 / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     size_flags(parser, DEFAULT)
@@ -238,6 +256,9 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=3,
                         help="steps before the measured one (the first warms up); the loss "
                              "column is the loss after them")
+    parser.add_argument("--precisions", default=None,
+                        help="comma-separated, of fp32,bf16,fp16 (default: all three, but "
+                        "fp16 only under --small on a CPU whose fp16 matmuls are slow)")
     parser.add_argument("--append", action=argparse.BooleanOptionalAction, default=None,
                         help="append to bench/RESULTS.md (default: unless --small)")
     a = parser.parse_args()
@@ -247,10 +268,13 @@ def main() -> None:
 
     start = time.perf_counter()
     factory, batch, params = workload(a)
+    speed = {p: matmul_gflops(d) for p, d in DTYPES.items()}
+    precisions = a.precisions.split(",") if a.precisions else [
+        p for p in DTYPES if a.small or speed[p] > 0.1 * speed["fp32"]]
 
     rows = []
     for kind, make in [("eager", eager_row), ("shardfx", shardfx_row)]:
-        for precision in DTYPES:
+        for precision in precisions:
             t0 = time.perf_counter()
             rows.append(make(factory, batch, a, precision))
             gc.collect()
@@ -275,6 +299,11 @@ def main() -> None:
         f"eager fp32 and shardfx fp32 losses differ by {fp32_losses(rows)[1]:.1e}, the floor "
         "a low-precision row's loss must be further than from both.",
         *[f"{r['variant']}: " + "; ".join(r["notes"]) for r in rows if r.get("notes")],
+        "matmul speed here (512 x 1024 @ 1024 x 1024, one thread): " + ", ".join(
+            f"{p} {g:.1f} GFLOP/s" for p, g in speed.items())
+        + ("" if len(precisions) == len(DTYPES) else
+           f"; left out: {', '.join(p for p in DTYPES if p not in precisions)} (under a tenth "
+           "of fp32's speed: a step would take hours; --precisions fp32,bf16,fp16 runs it)"),
         f"wall time: {wall:.0f} s",
     ]
     warns = checks(rows)
