@@ -6,7 +6,18 @@
     loss = runner.step((x,), (y,))
 """
 
-from shardfx.api import partition
+import os as _os
+import sys as _sys
+
+import torch as _torch
+
+# Triton kernels run on a CPU only through Triton's interpreter, which has to be chosen before
+# triton is first imported (its own library is decorated then): on a machine without CUDA,
+# shardfx chooses it unless TRITON_INTERPRET says otherwise (kernels="triton" on CPU).
+if "triton" not in _sys.modules and not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shardfx.api import partition  # noqa: E402
 from shardfx.errors import (CaptureError, InputError, LossError, MemoryBudgetError, MeshError,
                             PassError, ShardfxError, ShardingError, VerifyError)
 from shardfx.hints import pipe_split, shard_hint

@@ -55,6 +55,14 @@ def parse_bytes(size: int | float | str | None) -> int | None:
     return int(value)
 
 
+def _kernels(kernels: str) -> str:
+    if kernels not in ("auto", "triton", "aten"):
+        raise InputError(f"unknown kernels {kernels!r}", where="partition(..., kernels=...)",
+                         fix='"auto" (Triton on CUDA, ATen ops on CPU), "triton" (on CPU through '
+                             "Triton's interpreter) or \"aten\"")
+    return kernels
+
+
 def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stages) -> None:
     """``microbatches``, ``schedule`` and ``virtual_stages`` are valid, whatever the mesh: a
     setting the plan would ignore or misread is an error, not a surprise later."""
@@ -92,6 +100,7 @@ def partition(
     memory_budget: int | float | str | None = None,
     optimizer: str | None = "adamw",
     precision: str | Precision = "fp32",
+    kernels: str = "auto",
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -113,7 +122,9 @@ def partition(
     ("fp32" | "bf16" | "fp16", or a ``Precision`` that also names the dtype gradients are
     reduced in across dp) is what matmul-class ops compute in (``passes.mixed_precision``):
     parameters, gradients and optimizer state stay fp32; fp16 plans scale the loss in the
-    runner. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
+    runner. ``kernels``: "triton" runs the memory-bound ops between matmuls as fused Triton
+    kernels (``passes.fusion``; on CPU through Triton's interpreter, slowly), "aten" as ATen
+    ops, "auto" Triton on CUDA and ATen on CPU. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
@@ -129,7 +140,7 @@ def partition(
                       schedule=schedule, virtual_stages=virtual_stages,
                       memory_budget=parse_bytes(memory_budget),
                       optimizer=optimizer_model(optimizer).name,
-                      precision=Precision.parse(precision))
+                      precision=Precision.parse(precision), kernels=_kernels(kernels))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
@@ -21,6 +22,7 @@ from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
+from shardfx.passes.fusion import fuse
 from shardfx.passes.manager import Options, PassRecord, run_passes
 from shardfx.passes.mixed_precision import mixed_precision
 from shardfx.passes.rng import rng_dropout
@@ -82,11 +84,30 @@ def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule
         program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
         return split_stages(inherit_stages(program.module), whole), collectives  # ... cut
     if options.mesh.size == 1:
-        return generate(gm), []
+        return fused(generate(gm), options), []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
     # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
     reduce = options.precision.reduce_dtype if options.precision.reduce != "fp32" else None
-    return bucket_gradients(program, collectives, reduce_dtype=reduce)
+    program, collectives = bucket_gradients(program, collectives, reduce_dtype=reduce)
+    return fused(program, options), collectives
+
+
+def fused(program: Program, options: Options) -> Program:
+    """``program`` with its memory-bound ops in Triton kernels (``passes.fusion``), when
+    ``options.kernels`` asks for them: "triton", or "auto" on CUDA."""
+    if not uses_triton(options.kernels, program.module.graph):
+        return program
+    fuse(program.module.graph)
+    program.module.recompile()
+    return program
+
+
+def uses_triton(kernels: str, graph: fx.Graph) -> bool:
+    if kernels == "auto":
+        device = next((v.device for n in graph.nodes
+                       if isinstance(v := n.meta.get(M.VAL), torch.Tensor)), None)
+        return device is not None and device.type == "cuda"
+    return kernels == "triton"
 
 
 def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):

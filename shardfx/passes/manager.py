@@ -50,6 +50,7 @@ class Options:
     follow_stages: dict[str, tuple[int, ...]] | None = None  # weight FQN -> stages (stage_cut)
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
+    kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
 
     @property
     def slices(self) -> int:

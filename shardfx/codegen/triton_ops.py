@@ -1,0 +1,192 @@
+"""The ATen ops a fused kernel computes, each as a Triton expression (``codegen.triton``).
+
+One entry per op: a function from the op's arguments (kernel value names, or Python literals)
+to an expression over a row. Pointwise ops map element by element; reductions over the last
+dimension (``sum``, ``mean``, ``amax``) and the row ops (softmax, log-softmax and their
+backward) use the helpers of ``HELPERS``, which mask the padding columns out. ``fusible``
+says whether a node's arguments are ones the table covers (a ``pow`` by 2, not by a tensor).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+
+aten = torch.ops.aten
+
+HELPERS = '''
+@triton.jit
+def _row_sum(x, mask):
+    return tl.sum(tl.where(mask, x, 0.0), axis=0)
+
+
+@triton.jit
+def _row_max(x, mask):
+    return tl.max(tl.where(mask, x, float("-inf")), axis=0)
+
+
+@triton.jit
+def _softmax(x, mask):
+    e = tl.exp(x - _row_max(x, mask))
+    return e / _row_sum(e, mask)
+
+
+@triton.jit
+def _log_softmax(x, mask):
+    shifted = x - _row_max(x, mask)
+    return shifted - tl.log(_row_sum(tl.exp(shifted), mask))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+'''
+
+
+def _lit(x: Any) -> str:
+    if isinstance(x, bool):
+        return "True" if x else "False"
+    if isinstance(x, float):
+        if math.isinf(x):
+            return 'float("inf")' if x > 0 else 'float("-inf")'
+        return repr(x)
+    return str(x)
+
+
+def _arg(x: Any) -> str:
+    from shardfx.codegen.triton import Ref
+
+    return x.name if isinstance(x, Ref) else _lit(x)
+
+
+def _alpha(kwargs: dict) -> str:
+    alpha = kwargs.get("alpha", 1)
+    return "" if alpha == 1 else f" * {_lit(alpha)}"
+
+
+def _pow(x: str, e: Any) -> str:
+    return {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 1: x, 0.5: f"tl.sqrt({x})",
+            -0.5: f"tl.math.rsqrt({x})", -1: f"(1.0 / {x})"}[e]
+
+
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+# op -> (args, kwargs) -> expression
+POINTWISE: dict[Any, Callable[..., str]] = {
+    aten.add.Tensor: lambda a, b, **k: f"({a} + {b}{_alpha(k)})",
+    aten.sub.Tensor: lambda a, b, **k: f"({a} - {b}{_alpha(k)})",
+    aten.mul.Tensor: lambda a, b: f"({a} * {b})",
+    aten.mul.Scalar: lambda a, b: f"({a} * {b})",
+    aten.div.Tensor: lambda a, b: f"({a} / {b})",
+    aten.div.Scalar: lambda a, b: f"({a} / {b})",
+    aten.neg.default: lambda a: f"(-{a})",
+    aten.exp.default: lambda a: f"tl.exp({a})",
+    aten.log.default: lambda a: f"tl.log({a})",
+    aten.sqrt.default: lambda a: f"tl.sqrt({a})",
+    aten.rsqrt.default: lambda a: f"tl.math.rsqrt({a})",
+    aten.reciprocal.default: lambda a: f"(1.0 / {a})",
+    aten.abs.default: lambda a: f"tl.abs({a})",
+    aten.sigmoid.default: lambda a: f"tl.sigmoid({a})",
+    aten.tanh.default: lambda a: f"_tanh({a})",
+    aten.erf.default: lambda a: f"tl.math.erf({a})",
+    aten.relu.default: lambda a: f"tl.maximum({a}, 0.0)",
+    aten.silu.default: lambda a: f"({a} * tl.sigmoid({a}))",
+    aten.silu_backward.default: lambda g, x: (
+        f"({g} * tl.sigmoid({x}) * (1.0 + {x} * (1.0 - tl.sigmoid({x}))))"),
+    aten.sigmoid_backward.default: lambda g, y: f"({g} * {y} * (1.0 - {y}))",
+    aten.tanh_backward.default: lambda g, y: f"({g} * (1.0 - {y} * {y}))",
+    aten.gelu.default: lambda a, **k: f"(0.5 * {a} * (1.0 + tl.math.erf({a} * {_SQRT1_2})))",
+    aten.gelu_backward.default: lambda g, x, **k: (
+        f"({g} * (0.5 * (1.0 + tl.math.erf({x} * {_SQRT1_2})) + {x} * {_INV_SQRT_2PI} * "
+        f"tl.exp(-0.5 * {x} * {x})))"),
+    aten.threshold_backward.default: lambda g, x, t: f"tl.where({x} <= {t}, 0.0, {g})",
+    aten.pow.Tensor_Scalar: _pow,
+    aten.where.self: lambda c, a, b: f"tl.where({c}, {a}, {b})",
+    aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b})",
+    aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b})",
+    aten.gt.Tensor: lambda a, b: f"({a} > {b})", aten.gt.Scalar: lambda a, b: f"({a} > {b})",
+    aten.ge.Tensor: lambda a, b: f"({a} >= {b})", aten.ge.Scalar: lambda a, b: f"({a} >= {b})",
+    aten.lt.Tensor: lambda a, b: f"({a} < {b})", aten.lt.Scalar: lambda a, b: f"({a} < {b})",
+    aten.le.Tensor: lambda a, b: f"({a} <= {b})", aten.le.Scalar: lambda a, b: f"({a} <= {b})",
+    aten.eq.Tensor: lambda a, b: f"({a} == {b})", aten.eq.Scalar: lambda a, b: f"({a} == {b})",
+    aten.ne.Tensor: lambda a, b: f"({a} != {b})", aten.ne.Scalar: lambda a, b: f"({a} != {b})",
+    aten.clone.default: lambda a, **k: a,
+    aten.alias.default: lambda a: a,
+}
+
+# reductions over the last dimension, keepdim: op -> (x, ...) -> expression
+REDUCTIONS: dict[Any, Callable[..., str]] = {
+    aten.sum.dim_IntList: lambda x, *_, **k: f"_row_sum({x}, mask)",
+    aten.mean.dim: lambda x, *_, **k: f"(_row_sum({x}, mask) / n_cols)",
+    aten.amax.default: lambda x, *_: f"_row_max({x}, mask)",
+}
+
+# whole-row ops over the last dimension: the result is full
+ROW_OPS: dict[Any, Callable[..., str]] = {
+    aten._softmax.default: lambda x, dim, half: f"_softmax({x}, mask)",
+    aten._softmax_backward_data.default: lambda g, y, dim, dtype: (
+        f"({y} * ({g} - _row_sum({g} * {y}, mask)))"),
+    aten._log_softmax.default: lambda x, dim, half: f"_log_softmax({x}, mask)",
+    aten._log_softmax_backward_data.default: lambda g, y, dim, dtype: (
+        f"({g} - tl.exp({y}) * _row_sum({g}, mask))"),
+}
+
+
+def reduction_of(target) -> str | None:
+    return "reduction" if target in REDUCTIONS else "row" if target in ROW_OPS else None
+
+
+def fusible(node) -> bool:
+    """Whether the table computes ``node`` (its op, and arguments it covers)."""
+    t = node.target
+    if t is aten._to_copy.default:
+        return set(node.kwargs) <= {"dtype", "layout", "device"} and \
+            node.meta["val"].device == node.args[0].meta["val"].device
+    if t is aten.pow.Tensor_Scalar:
+        return node.args[1] in (2, 3, 1, 0.5, -0.5, -1)
+    if t in (aten.gelu.default, aten.gelu_backward.default):
+        return node.kwargs.get("approximate", "none") == "none"
+    if t in (aten.clone.default,):
+        return set(node.kwargs) <= {"memory_format"}
+    if t in REDUCTIONS or t in ROW_OPS:
+        return _last_dim(node)
+    if t in (aten.add.Tensor, aten.sub.Tensor):
+        return set(node.kwargs) <= {"alpha"}
+    return t in POINTWISE and not node.kwargs
+
+
+def _last_dim(node) -> bool:
+    """A reduction or row op over the last dimension (a reduction keeping it, as 1)."""
+    last = (-1, node.args[0].meta["val"].dim() - 1)
+    t = node.target
+    if t in (aten._softmax.default, aten._log_softmax.default):
+        _, dim, half_to_float = node.args
+        return dim in last and not half_to_float
+    if t in ROW_OPS:  # the backward ones: (grad, output, dim, input_dtype)
+        return node.args[2] in last
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return dims is not None and len(dims) == 1 and dims[0] in last and keep
+
+
+def expression(op, group) -> str:
+    """``op`` (a ``KernelOp``) as a Triton expression over the kernel's names."""
+    from shardfx.codegen.triton import compute_dtype, tl_dtype
+
+    args = [_arg(a) for a in op.args]
+    kwargs = {k: v for k, v in op.kwargs.items()}
+    if op.target is aten._to_copy.default:  # rounded to its dtype, computed on in fp32
+        return f"{args[0]}.to({tl_dtype(op.dtype)}).to({compute_dtype(op.dtype)})"
+    if op.target in REDUCTIONS:
+        return REDUCTIONS[op.target](*args)
+    if op.target in ROW_OPS:
+        return ROW_OPS[op.target](*args)
+    if op.target is aten.pow.Tensor_Scalar:
+        return _pow(args[0], op.args[1])
+    if op.target is operator.getitem:
+        raise ValueError("getitem is not fused")
+    return POINTWISE[op.target](*args, **kwargs)
