@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from shardfx.analysis import Summary, summarize
 from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.program import Program
+from shardfx.codegen.triton import FusedKernel
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
@@ -260,6 +261,14 @@ class Plan:
         opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
         notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
                  f"Precision: {self.precision}"]
+        kernels = self.kernels()
+        if kernels:
+            ops = sum(len(k.group.ops) for k in kernels)
+            moved = sum(k.group.fused_bytes for k in kernels)
+            unfused = sum(k.group.unfused_bytes for k in kernels)
+            notes.append(f"Kernels: {len(kernels)} fused Triton kernels of {ops} ops, moving "
+                         f"{nbytes(moved)} where the ops one by one move {nbytes(unfused)} "
+                         "(plan.dump: kernels/, kernels.txt)")
         budget = self.options.memory_budget
         if budget is not None:
             if self.remat is None:
@@ -279,6 +288,13 @@ class Plan:
                                  f"  {'->' if c.schedule is self.schedule else '  '} {c.name}: "
                                  + _candidate(c) for c in self.budget_candidates))
         return notes
+
+    def kernels(self) -> list[FusedKernel]:
+        """The fused Triton kernels the programs call (``passes.fusion``), in program order."""
+        modules = [self.program.module] if self.program is not None else \
+            [m for _, m in self.stage_program.named_children()]
+        return [n.target for m in modules for n in m.graph.nodes
+                if isinstance(n.target, FusedKernel)]
 
     @property
     def precision(self):
@@ -310,6 +326,12 @@ class Plan:
             (out / "schedule.txt").write_text(f"{self.schedule}\n\n"
                                               f"{self.schedule.format_lists()}\n")
         (out / "plan.txt").write_text(str(self))
+        kernels = self.kernels()
+        if kernels:
+            (out / "kernels").mkdir(exist_ok=True)
+            for k in kernels:
+                (out / "kernels" / f"{k.group.name}.py").write_text(k.source)
+            (out / "kernels.txt").write_text("".join(f"{_kernel_line(k)}\n" for k in kernels))
         if self.collectives:
             (out / "collectives.txt").write_text("".join(
                 f"{c.kind} {c.axis} {c.nbytes} B  {c.reason}\n" for c in self.collectives))
@@ -317,6 +339,13 @@ class Plan:
 
     def canonical(self, fqn: str) -> str:
         return self._canonical.get(fqn, fqn)
+
+
+def _kernel_line(k: FusedKernel) -> str:
+    """One fused kernel for ``kernels.txt``: its shape, its ops, the bytes it moves."""
+    g = k.group
+    ops = ", ".join(f"{o.source}={str(o.target).removeprefix('aten.')}" for o in g.ops)
+    return f"{g.name} {list(g.shape)}: {ops}; moves {g.fused_bytes} B, unfused {g.unfused_bytes} B"
 
 
 def _candidate(c: Candidate) -> str:

@@ -1,0 +1,189 @@
+"""Fused Triton kernels (``passes.fusion``, ``codegen.triton``), run on CPU through Triton's
+interpreter: each kind of group against the eager ops it replaces, on awkward shapes (odd,
+not a power of two, one row) in fp32, bf16 and fp16; whole models trained with
+``kernels="triton"`` against eager; the kernels the Llama and GPT-2 graphs get."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import shardfx
+from shardfx.codegen.triton import FusedKernel
+from shardfx.passes.fusion import fuse
+from shardfx.testing import compare_training
+
+from models import lm_loss, tiny, token_batches
+
+aten = torch.ops.aten
+
+
+def rms_norm(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def residual_rms_norm(x, r, w):
+    h = x + r.float()
+    return h, rms_norm(h, w)
+
+
+def swiglu(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def swiglu_backward(grad, gate, up):
+    return aten.silu_backward(grad * up, gate), grad * torch.nn.functional.silu(gate)
+
+
+def gelu_erf(x, b):
+    return torch.nn.functional.gelu(x + b)
+
+
+def gelu_backward(grad, x):
+    return aten.gelu_backward(grad, x) * 2.0
+
+
+def gelu_tanh(x):  # GPT-2's gelu_new, as Hugging Face writes it
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def softmax(x, mask):
+    return torch.softmax(x + mask, dim=-1)
+
+
+def softmax_backward(grad, y):
+    return aten._softmax_backward_data(grad, y, -1, y.dtype) * 0.5
+
+
+def log_softmax(x):
+    return torch.log_softmax(x * 2.0, dim=-1)
+
+
+CASES = {  # name: (function, operand shapes as (rows..., cols), kernels)
+    "rms_norm": (rms_norm, [(3, 5, 37), (37,)], 1),
+    "residual_rms_norm": (residual_rms_norm, [(1, 37), (1, 37), (37,)], 1),
+    "swiglu": (swiglu, [(7, 33), (7, 33)], 1),
+    # the two gradients share operands but no op: two kernels (no horizontal fusion yet)
+    "swiglu_backward": (swiglu_backward, [(7, 33), (7, 33), (7, 33)], 2),
+    "gelu_erf": (gelu_erf, [(2, 3, 129), (129,)], 1),
+    "gelu_backward": (gelu_backward, [(5, 19), (5, 19)], 1),
+    "gelu_tanh": (gelu_tanh, [(4, 65)], 1),
+    "softmax": (softmax, [(2, 3, 11, 11), (11, 11)], 1),
+    "softmax_backward": (softmax_backward, [(6, 17), (6, 17)], 1),
+    "log_softmax": (log_softmax, [(1, 1000)], 1),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def inputs(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_fused_group_computes_what_its_ops_do(case, dtype):
+    """Every op of the function in its kernels; the outputs equal eager's: fp32 to 1e-5, a low
+    dtype within its own rounding (the kernel computes in fp32, eager rounds after each op)."""
+    fn, shapes, kernels = CASES[case]
+    args = inputs(shapes, dtype)
+    if case == "residual_rms_norm":
+        args[1] = args[1].to(torch.bfloat16)  # a cast in the group
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    groups = fuse(gm.graph)
+    gm.recompile()
+    assert len(groups) == kernels, [[o.source for o in g.ops] for g in groups]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(isinstance(n.target, FusedKernel) or n.target is operator.getitem
+               for n in calls), [n.target for n in calls]
+    tuples = (lambda x: x if isinstance(x, tuple) else (x,))
+    want, eager, got = tuples(fn(*[a.double() for a in args])), tuples(fn(*args)), tuples(gm(*args))
+    for w, e, g in zip(want, eager, got):
+        err = ((g.double() - w).norm() / w.norm()).item()
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert err < TOLERANCE[dtype], (case, err)
+
+
+def test_strided_and_broadcast_operands():
+    """A transposed operand and a broadcast one are read through their strides."""
+    x = torch.randn(9, 5).t()  # (5, 9), strides (1, 5)
+    b = torch.randn(5, 1)
+    gm = make_fx(lambda x, b: torch.exp(x - b) * 2.0, tracing_mode="fake")(x, b)
+    assert len(fuse(gm.graph)) == 1
+    gm.recompile()
+    torch.testing.assert_close(gm(x, b), torch.exp(x - b) * 2.0, rtol=1e-6, atol=0)
+
+
+def test_the_kernel_source_reads_as_a_tutorial():
+    gm = make_fx(swiglu, tracing_mode="fake")(*inputs([(7, 33), (7, 33)], torch.float32))
+    (group,) = fuse(gm.graph)
+    text = FusedKernel(group).source
+    for line in ["@triton.jit",
+                 "x0_ptr,  # in: gate_1 f32[7, 33] (full)",
+                 "out0_ptr,  # out: mul f32[7, 33], contiguous",
+                 "BLOCK: tl.constexpr,  # 64: a row, padded to a power of two",
+                 "# one program per row of [7, 33]: 7 programs",
+                 "# bytes moved: 2772 (the 2 ops unfused: 4620)",
+                 "v0 = (x0 * tl.sigmoid(x0))  # silu: silu.default",
+                 "v1 = (v0 * x1)  # mul: mul.Tensor"]:
+        assert line in text, f"{line!r} not in:\n{text}"
+
+
+def test_groups_stop_at_ops_they_cannot_hold():
+    """A matmul, a reduction over another dimension and a reader between two members stay
+    outside; what is left on either side of them is fused on its own."""
+    def f(x, w):
+        h = torch.relu(x) * 2.0
+        s = h.sum(0)  # over rows: not a row kernel
+        return torch.sigmoid(h @ w) + 1.0, s
+
+    args = (torch.randn(6, 10), torch.randn(10, 10))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    groups = fuse(gm.graph)
+    gm.recompile()
+    assert [[o.source for o in g.ops] for g in groups] == [["relu", "mul"], ["sigmoid", "add"]]
+    for g, w in zip(gm(*args), f(*args)):
+        torch.testing.assert_close(g, w)
+
+
+def kinds(plan) -> list[set[str]]:
+    """Per kernel, the names of the ops in it (``mul``, ``rsqrt``, ...)."""
+    return [{str(o.target).split(".")[1] for o in k.group.ops} for k in plan.kernels()]
+
+
+def test_llama_trains_like_eager_with_triton_kernels():
+    """RMSNorm (one kernel: the residual add, pow, mean, eps, rsqrt and both muls; in the
+    backward, the row sum and what reads it), SwiGLU forward and backward, RoPE's muls and
+    add: fused, and training equals eager fp32."""
+    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, kernels="triton")
+    k = kinds(report.plan)
+    assert sum({"pow", "mean", "add", "rsqrt", "mul"} <= x for x in k) == 5  # 2 x 2 + final
+    assert sum({"mul", "sum"} <= x for x in k) == 5  # their backward's row sums
+    assert sum({"silu", "mul"} <= x for x in k) == 2
+    assert sum("silu_backward" in x for x in k) == 2
+    assert sum(x == {"mul", "add"} for x in k) >= 4  # RoPE: q and k, in 2 layers
+    assert "Kernels: " in str(report.plan)
+
+
+def test_gpt2_on_tp2_trains_like_eager_with_triton_kernels():
+    """On local shards: the tanh GELU forward and backward of each layer, the residual adds."""
+    for k in shardfx.launch(_gpt2_tp2, nprocs=2):
+        assert sum({"tanh", "pow", "mul", "add"} <= x for x in k) == 2, k
+        assert sum({"tanh_backward", "pow", "mul"} <= x for x in k) == 2, k
+        assert sum(x == {"add", "clone"} for x in k) >= 4, k
+
+
+def _gpt2_tp2():
+    report = compare_training(tiny("gpt2", 2), token_batches(2), lm_loss, kernels="triton",
+                              mesh={"tp": 2}, shard="megatron")
+    return kinds(report.plan)
+
+
+def test_unknown_kernels_is_a_named_error():
+    (args, targets), = token_batches(1)
+    with pytest.raises(shardfx.InputError, match=r"unknown kernels 'cuda'"):
+        shardfx.partition(tiny("llama", 2), args, lm_loss, targets, kernels="cuda")
