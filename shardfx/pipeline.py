@@ -80,9 +80,11 @@ def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule
     if options.stages > 1:
         whole = whole_backward(options)
         if options.mesh.only("tp").size == 1:
-            return split_stages(generate(gm).module, whole), []  # the program, cut: F, B, W
+            split = split_stages(generate(gm).module, whole)  # the program, cut: F, B, W
+            return fused_parts(split, options), []
         program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
-        return split_stages(inherit_stages(program.module), whole), collectives  # ... cut
+        split = split_stages(inherit_stages(program.module), whole)  # ... cut
+        return fused_parts(split, options), collectives
     if options.mesh.size == 1:
         return fused(generate(gm), options), []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
@@ -100,6 +102,16 @@ def fused(program: Program, options: Options) -> Program:
     fuse(program.module.graph)
     program.module.recompile()
     return program
+
+
+def fused_parts(split: fx.GraphModule, options: Options) -> fx.GraphModule:
+    """Each pipeline part's memory-bound ops in Triton kernels, as ``fused`` does a program's:
+    a kernel never spans two parts, so never a stage cut."""
+    for name, part in split.named_children():
+        if uses_triton(options.kernels, part.graph):
+            fuse(part.graph, prefix=f"{name}_fused")
+            part.recompile()
+    return split
 
 
 def uses_triton(kernels: str, graph: fx.Graph) -> bool:
