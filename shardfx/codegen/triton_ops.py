@@ -84,15 +84,7 @@ POINTWISE: dict[Any, Callable[..., str]] = {
     aten.div.Tensor: lambda a, b: f"({a} / {b})",
     aten.div.Scalar: lambda a, b: f"({a} / {b})",
     aten.neg.default: lambda a: f"(-{a})",
-    aten.exp.default: lambda a: f"tl.exp({a})",
-    aten.log.default: lambda a: f"tl.log({a})",
-    aten.sqrt.default: lambda a: f"tl.sqrt({a})",
-    aten.rsqrt.default: lambda a: f"tl.math.rsqrt({a})",
     aten.reciprocal.default: lambda a: f"(1.0 / {a})",
-    aten.abs.default: lambda a: f"tl.abs({a})",
-    aten.sigmoid.default: lambda a: f"tl.sigmoid({a})",
-    aten.tanh.default: lambda a: f"_tanh({a})",
-    aten.erf.default: lambda a: f"tl.math.erf({a})",
     aten.relu.default: lambda a: f"tl.maximum({a}, 0.0)",
     aten.silu.default: lambda a: f"({a} * tl.sigmoid({a}))",
     aten.silu_backward.default: lambda g, x: (
@@ -108,15 +100,20 @@ POINTWISE: dict[Any, Callable[..., str]] = {
     aten.where.self: lambda c, a, b: f"tl.where({c}, {a}, {b})",
     aten.maximum.default: lambda a, b: f"tl.maximum({a}, {b})",
     aten.minimum.default: lambda a, b: f"tl.minimum({a}, {b})",
-    aten.gt.Tensor: lambda a, b: f"({a} > {b})", aten.gt.Scalar: lambda a, b: f"({a} > {b})",
-    aten.ge.Tensor: lambda a, b: f"({a} >= {b})", aten.ge.Scalar: lambda a, b: f"({a} >= {b})",
-    aten.lt.Tensor: lambda a, b: f"({a} < {b})", aten.lt.Scalar: lambda a, b: f"({a} < {b})",
-    aten.le.Tensor: lambda a, b: f"({a} <= {b})", aten.le.Scalar: lambda a, b: f"({a} <= {b})",
-    aten.eq.Tensor: lambda a, b: f"({a} == {b})", aten.eq.Scalar: lambda a, b: f"({a} == {b})",
-    aten.ne.Tensor: lambda a, b: f"({a} != {b})", aten.ne.Scalar: lambda a, b: f"({a} != {b})",
     aten.clone.default: lambda a, **k: a,
     aten.alias.default: lambda a: a,
 }
+
+_CALLS = {aten.exp.default: "tl.exp", aten.log.default: "tl.log", aten.sqrt.default: "tl.sqrt",
+          aten.rsqrt.default: "tl.math.rsqrt", aten.abs.default: "tl.abs",
+          aten.sigmoid.default: "tl.sigmoid", aten.tanh.default: "_tanh",
+          aten.erf.default: "tl.math.erf"}
+POINTWISE.update({op: (lambda a, fn=fn: f"{fn}({a})") for op, fn in _CALLS.items()})
+
+for _op, _sign in {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "eq": "==", "ne": "!="}.items():
+    for _overload in ("Tensor", "Scalar"):  # a comparison with a tensor or a number
+        POINTWISE[getattr(getattr(aten, _op), _overload)] = \
+            lambda a, b, sign=_sign: f"({a} {sign} {b})"
 
 # reductions over the last dimension, keepdim: op -> (x, ...) -> expression
 REDUCTIONS: dict[Any, Callable[..., str]] = {
