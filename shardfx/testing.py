@@ -266,7 +266,8 @@ def compare_training(
     args0, targets0 = batches[0]
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
-    runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling)
+    scaling = {} if loss_scaling is None else {"loss_scaling": loss_scaling}
+    runner = plan.runner(optimizer=optimizer, **scaling)
     reference = "eager fp32" if low == torch.float32 else \
         f"autocast {str(low).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float16', 'fp16')}"
     report = Report(factor, rtol, plan=plan, runner=runner, reference=reference)
