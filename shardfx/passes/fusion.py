@@ -17,7 +17,8 @@ program, so a value of a group is either full (``S``) or one value per row (``S[
 what a reduction over the last dimension leaves); an operand from outside may be anything that
 broadcasts to one of the two. RMSNorm as Hugging Face writes it (``pow``, ``mean``, ``add``,
 ``rsqrt``, ``mul``, ``mul``) is one group; so are SwiGLU's ``silu`` and ``mul``, a residual add
-with the cast before it, and the softmax of eager attention.
+with the cast before it, the softmax of eager attention, and LayerNorm with the residual add
+before it, once ``passes.decompose`` has written it as those ops.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.fx as fx
 from shardfx.codegen.triton import FusedKernel, Group, KernelInput, KernelOp, Ref
 from shardfx.codegen.triton_ops import REDUCTIONS, ROW_OPS, fusible
 from shardfx.ir import meta as M
+from shardfx.passes.decompose import decompose
 
 
 @dataclass(eq=False)
@@ -43,7 +45,9 @@ class _Building:
 
 
 def fuse(graph: fx.Graph, prefix: str = "fused") -> list[Group]:
-    """Replace each group of ``graph`` by its kernel (see the module docstring)."""
+    """Replace each group of ``graph`` by its kernel (see the module docstring), LayerNorm
+    and its backward first written as the ops a group can hold (``passes.decompose``)."""
+    decompose(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     group_of: dict[fx.Node, _Building] = {}
     building: list[_Building] = []
@@ -139,7 +143,8 @@ def _role(node: fx.Node, g: _Building) -> bool | None:
                 return None  # a row value made from a full one is a reduction's
             continue
         v = _val(a)
-        if v is None or not _broadcasts(tuple(v.shape), row_shape if row else S):
+        reads = S if node.target in REDUCTIONS or not row else row_shape  # what it broadcasts to
+        if v is None or not _broadcasts(tuple(v.shape), reads):
             return None
         if node.target in (*REDUCTIONS, *ROW_OPS) and _is_row(tuple(v.shape), S):
             return None
