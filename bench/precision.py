@@ -18,7 +18,8 @@ fp32 in every row (fp32 master weights): only what the step computes in changes.
   matmul-class ops (linear, matmul, attention) in the low dtype and keeps the cross-entropy in
   fp32. fp16 matmuls run on CPU, but where it has no fp16 units about 100x slower than fp32
   (the bench measures each dtype's matmul speed first): there, at the default size, the fp16
-  rows are left out (a step would take about 20 minutes) unless ``--precisions`` names them;
+  rows are left out (a step would take about 20 minutes, by that speed) unless
+  ``--precisions`` names them;
 - ``shardfx fp32`` / ``bf16`` / ``fp16``: ``partition(model, (ids,), loss, (targets,),
   precision=P, optimizer="adamw")`` on one device, its runner stepping AdamW (lr 1e-3) as the
   eager rows do; for fp16 the runner scales the loss dynamically (``runner.loss_scale``).

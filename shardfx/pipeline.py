@@ -89,8 +89,8 @@ def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule
         return fused(generate(gm), options), []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
     # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
-    reduce = options.precision.reduce_dtype if options.precision.reduce != "fp32" else None
-    program, collectives = bucket_gradients(program, collectives, reduce_dtype=reduce)
+    program, collectives = bucket_gradients(program, collectives,
+                                            reduce_dtype=options.precision.narrower_reduce)
     return fused(program, options), collectives
 
 

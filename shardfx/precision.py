@@ -53,8 +53,9 @@ class Precision:
         return DTYPES[self.compute]
 
     @property
-    def reduce_dtype(self) -> torch.dtype:
-        return DTYPES[self.reduce]
+    def narrower_reduce(self) -> torch.dtype | None:
+        """The dtype dp sums gradients in where it is not fp32's; None: fp32."""
+        return None if self.reduce == "fp32" else DTYPES[self.reduce]
 
     @property
     def low(self) -> bool:

@@ -260,16 +260,15 @@ def compare_training(
 
     from shardfx.precision import Precision
 
-    low = Precision.parse(partition_kwargs.get("precision")).dtype
+    precision = Precision.parse(partition_kwargs.get("precision"))
+    low = precision.dtype
     truth, eager, compiled = _float64(model), copy.deepcopy(model), copy.deepcopy(model)
     replay = optimizer(list(eager.parameters()))
     args0, targets0 = batches[0]
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
-    scaling = {} if loss_scaling is None else {"loss_scaling": loss_scaling}
-    runner = plan.runner(optimizer=optimizer, **scaling)
-    reference = "eager fp32" if low == torch.float32 else \
-        f"autocast {str(low).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float16', 'fp16')}"
+    runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling)
+    reference = f"autocast {precision.compute}" if precision.low else "eager fp32"
     report = Report(factor, rtol, plan=plan, runner=runner, reference=reference)
     state = runner.state_dict()
     for step, (args, targets) in enumerate(batches):

@@ -75,7 +75,7 @@ def break_runner_optimizer(monkeypatch, name: str, before=None, after=None) -> N
     ``name`` around each optimizer step (``state``: what ``before`` returned)."""
     runner = shardfx.Plan.runner
 
-    def patched(plan, optimizer=None):
+    def patched(plan, optimizer=None, **kw):
         def factory(params):
             opt = optimizer(params)
             param, state = dict(plan.model.named_parameters())[name], {}
@@ -84,7 +84,7 @@ def break_runner_optimizer(monkeypatch, name: str, before=None, after=None) -> N
                 opt.register_step_post_hook(lambda *_: after(param, state["v"]))
             return opt
 
-        return runner(plan, factory)
+        return runner(plan, factory, **kw)
 
     monkeypatch.setattr(shardfx.Plan, "runner", patched)
 
@@ -243,8 +243,8 @@ def test_wrong_optimizer_hyperparameter_is_caught(monkeypatch):
     """The runner's AdamW takes lr 1.01e-3 where the factory says 1e-3: every update is off by
     1% of itself, caught at the first step on every parameter."""
     runner = shardfx.Plan.runner
-    monkeypatch.setattr(shardfx.Plan, "runner", lambda plan, optimizer=None: runner(
-        plan, lambda params: torch.optim.AdamW(params, lr=LR * 1.01)))
+    monkeypatch.setattr(shardfx.Plan, "runner", lambda plan, optimizer=None, **kw: runner(
+        plan, lambda params: torch.optim.AdamW(params, lr=LR * 1.01), **kw))
     msg = caught(lambda: compare_training(mlp(), batches(3), F.mse_loss))
     assert failing(msg) == {("replay", n) for n in ("0.weight", "0.bias", "2.weight", "2.bias")}
 
@@ -260,7 +260,7 @@ def test_lost_optimizer_state_is_caught(monkeypatch):
         return opt
 
     monkeypatch.setattr(shardfx.Plan, "runner",
-                        lambda plan, optimizer=None: runner(plan, forgetful))
+                        lambda plan, optimizer=None, **kw: runner(plan, forgetful, **kw))
     msg = caught(lambda: compare_training(mlp(), batches(3), F.mse_loss), step=1)
     assert {kind for kind, _ in failing(msg)} == {"replay"}, msg
 

@@ -230,9 +230,8 @@ class FusedKernel:
                 _check_interpreter()
             self._fn = compile_source(g.name, self.source)
         args: list = []
-        for spec, x in zip(g.inputs, inputs):
-            full = x.expand(g.shape)
-            args += [x, *full.stride()]
+        for x in inputs:  # each with its strides over S (0 where it broadcasts)
+            args += [x, *x.expand(g.shape).stride()]
         outs = []
         for name, shape in g.outputs:
             op = g.op(name)

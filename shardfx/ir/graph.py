@@ -69,6 +69,13 @@ def hashable(x: Any) -> Any:
     return (type(x).__name__, x)
 
 
+def inherit_place(src: fx.Node, dst: fx.Node) -> None:
+    """``dst``, made to stand for or beside ``src``, goes where ``src`` is: its PHASE, STAGE
+    and module (``nn_module_stack``, which names the repeated block)."""
+    dst.meta.update({k: src.meta[k] for k in (M.PHASE, M.STAGE, "nn_module_stack")
+                     if k in src.meta})
+
+
 def operands(node: fx.Node) -> list[fx.Node]:
     """The nodes among ``node``'s arguments, in argument order (positional, then keyword), one
     entry per use: the order a rule's per-operand answers come in."""

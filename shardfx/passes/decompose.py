@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from shardfx.ir import meta as M
-from shardfx.ir.graph import insert_op
+from shardfx.ir.graph import inherit_place, insert_op
 
 aten = torch.ops.aten
 
@@ -90,8 +90,7 @@ def _layer_norm_backward(graph: fx.Graph, node: fx.Node) -> list[fx.Node | None]
 def _inserter(graph: fx.Graph, like: fx.Node):
     def op(target, *args):
         new = insert_op(graph, target, *args)
-        new.meta.update({k: like.meta[k] for k in (M.PHASE, M.STAGE, "nn_module_stack")
-                         if k in like.meta})
+        inherit_place(like, new)
         return new
 
     return op

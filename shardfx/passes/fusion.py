@@ -32,6 +32,7 @@ import torch.fx as fx
 from shardfx.codegen.triton import FusedKernel, Group, KernelInput, KernelOp, Ref
 from shardfx.codegen.triton_ops import REDUCTIONS, ROW_OPS, fusible
 from shardfx.ir import meta as M
+from shardfx.ir.graph import inherit_place
 from shardfx.passes.decompose import decompose
 
 
@@ -61,7 +62,9 @@ def fuse(graph: fx.Graph, prefix: str = "fused") -> list[Group]:
         joined = False
         for g in producers:
             row = _role(node, g) if g.shape else None
-            if row is not None and _placeable(g, node, order):
+            aliases = _early_aliases(g, node, order) if row is not None else None
+            if aliases is not None:
+                g.moved += [u for u in aliases if u not in g.moved]
                 for n in g.nodes:  # a merge: its groups' members are the merged group's
                     old = group_of[n]
                     if old is not g:
@@ -166,16 +169,16 @@ def _is_row(shape: tuple, S: tuple) -> bool:
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
-def _placeable(g: _Building, node: fx.Node, order: dict) -> bool:
-    """The kernel runs where ``node`` is: nothing outside the group may read a member
-    before that, but an alias whose own readers come after (it is moved there)."""
+def _early_aliases(g: _Building, node: fx.Node, order: dict) -> list[fx.Node] | None:
+    """The kernel runs where ``node`` is: nothing outside the group may read a member before
+    that, but an alias whose own readers come after (returned: it moves after the kernel).
+    None: ``node`` cannot join."""
     members = set(g.nodes) | {node}
     early = [u for m in g.nodes for u in m.users if u not in members and order[u] < order[node]]
     if not all(u.target in _ALIASES and all(order[w] > order[node] for w in u.users)
                for u in early):
-        return False
-    g.moved += [u for u in early if u not in g.moved]
-    return True
+        return None
+    return early
 
 
 def _replace(graph: fx.Graph, g: _Building, name: str, order: dict) -> Group:
@@ -213,12 +216,12 @@ def _replace(graph: fx.Graph, g: _Building, name: str, order: dict) -> Group:
     with graph.inserting_after(last):
         call = graph.call_function(FusedKernel(group), tuple(input_nodes))
     call.meta[M.VAL] = tuple(_val(n) for n in leaving)
-    _copy_meta(last, call)
+    inherit_place(last, call)
     with graph.inserting_after(call):
         for i, n in reversed(list(enumerate(leaving))):
             item = graph.call_function(operator.getitem, (call, i))
             item.meta[M.VAL] = _val(n)
-            _copy_meta(n, item)
+            inherit_place(n, item)
             n.replace_all_uses_with(item)
     anchor = call
     while anchor.next.op == "call_function" and anchor.next.target is operator.getitem \
@@ -231,7 +234,3 @@ def _replace(graph: fx.Graph, g: _Building, name: str, order: dict) -> Group:
         graph.erase_node(n)
     return group
 
-
-def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
-    dst.meta.update({k: src.meta[k] for k in (M.PHASE, M.STAGE, "nn_module_stack")
-                     if k in src.meta})

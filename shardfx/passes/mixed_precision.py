@@ -137,7 +137,7 @@ def mixed_precision(gm: fx.GraphModule, options) -> fx.GraphModule:
 
 class _Edit:
     def __init__(self, gm: fx.GraphModule, low: torch.dtype):
-        self.gm, self.graph, self.low = gm, gm.graph, low
+        self.graph, self.low = gm.graph, low
         self.mode = fake_mode_of(gm.graph)
         self.traced = {n: n.meta.get(M.VAL) for n in gm.graph.nodes}  # dtypes as captured
         self.casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
@@ -269,16 +269,18 @@ def _runs_in(op, args, kwargs, device: torch.device, dtype_of) -> bool:
     run."""
     if device.type == "meta" or (device.type == "cuda" and not torch.cuda.is_available()):
         return True
+    operands: list[fx.Node] = []
+    fx.node.map_arg((args, kwargs), operands.append)
+    key = (op, tuple(dtype_of(n) for n in operands), device.type)
+    if key not in _RUNS:  # tried once: the operands as meta tensors of the wanted dtypes
 
-    def spec(n: fx.Node):
-        v = n.meta[M.VAL]
-        return torch.empty(v.shape, dtype=dtype_of(n), device="meta") \
-            if isinstance(v, torch.Tensor) else v
+        def spec(n: fx.Node):
+            v = n.meta[M.VAL]
+            return torch.empty(v.shape, dtype=dtype_of(n), device="meta") \
+                if isinstance(v, torch.Tensor) else v
 
-    vals = fx.node.map_arg((args, kwargs), spec)
-    tensors = _tensors(vals)
-    key = (op, tuple(v.dtype for v in tensors), device.type)
-    if key not in _RUNS:
+        vals = fx.node.map_arg((args, kwargs), spec)
+        tensors = _tensors(vals)
         _RUNS[key] = True
         for cut in (True, False):
             if not cut and sum(v.numel() for v in tensors) > TRY_ELEMENTS:

@@ -99,9 +99,15 @@ def loss_scaler(precision, loss_scaling) -> LossScaler | None:
         loss_scaling = LossScaling()
     if not isinstance(loss_scaling, LossScaling):
         raise InputError(f"loss_scaling must be a LossScaling, True, False or None, got "
-                         f"{type(loss_scaling).__name__}", where="plan.runner(..., loss_scaling=...)",
+                         f"{type(loss_scaling).__name__}",
+                         where="plan.runner(..., loss_scaling=...)",
                          fix="shardfx.LossScaling(init_scale=2**16, growth_interval=2000)")
     return LossScaler(loss_scaling)
+
+
+def seed(scaler: LossScaler | None) -> float:
+    """What the backward starts from, times the runner's own factor: the scale, or 1."""
+    return 1.0 if scaler is None else scaler.scale
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer | None, scaler: LossScaler | None,

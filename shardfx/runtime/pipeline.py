@@ -46,7 +46,7 @@ from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.memory import check_optimizer
-from shardfx.runtime.loss_scale import loss_scaler, step_optimizer
+from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
@@ -95,8 +95,7 @@ class PipelineRunner:
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
-        reduce = plan.options.precision
-        self._reduce_dtype = reduce.reduce_dtype if reduce.reduce != "fp32" else None
+        self._reduce_dtype = plan.options.precision.narrower_reduce
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
@@ -223,8 +222,7 @@ class PipelineRunner:
         if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
             return weights[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(mean, or sum, of m losses)/d(one of them)
-            scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-            return torch.full((), (1.0 / self.m if self._mean else 1.0) * scale,
+            return torch.full((), (1.0 / self.m if self._mean else 1.0) * seed(self.loss_scaler),
                               dtype=program.input_val(name).dtype)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)

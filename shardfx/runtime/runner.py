@@ -21,7 +21,7 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
-from shardfx.runtime.loss_scale import loss_scaler, step_optimizer
+from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
@@ -114,8 +114,7 @@ class Runner:
         if role.kind is M.InputKind.BUFFER:
             return self._buffers[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss), times the loss scale
-            scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-            return torch.full((), scale, dtype=node.meta[M.VAL].dtype)
+            return torch.full((), seed(self.loss_scaler), dtype=node.meta[M.VAL].dtype)
         if role.kind is M.InputKind.MESH:
             return self._shards.mesh_input(role)
         if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
