@@ -72,6 +72,26 @@ def log_softmax(x):
     return torch.log_softmax(x * 2.0, dim=-1)
 
 
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope(q, cos, sin):  # as Hugging Face's Llama applies it
+    return q * cos + rotate_half(q) * sin
+
+
+def rope_backward(grad, cos, sin):  # what autograd makes of it: rotate_half transposed
+    g, h, d = grad * sin, grad.shape[-1] // 2, grad.shape[-1]
+    return aten.slice_backward(-g[..., :h], grad.shape, -1, h, d, 1) + \
+        aten.slice_backward(g[..., h:], grad.shape, -1, 0, h, 1) + grad * cos
+
+
+def partial_rope(q, cos, sin):  # rotary on the first columns only, as GPT-NeoX and Phi
+    r = cos.shape[-1]
+    return torch.cat((rope(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+
+
 CASES = {  # name: (function, operand shapes as (rows..., cols), kernels, ATen ops left)
     "rms_norm": (rms_norm, [(3, 5, 37), (37,)], 1, 0),
     "residual_rms_norm": (residual_rms_norm, [(1, 37), (1, 37), (37,)], 1, 0),
@@ -84,6 +104,9 @@ CASES = {  # name: (function, operand shapes as (rows..., cols), kernels, ATen o
     "softmax": (softmax, [(2, 3, 11, 11), (11, 11)], 1, 0),
     "softmax_backward": (softmax_backward, [(6, 17), (6, 17)], 1, 0),
     "log_softmax": (log_softmax, [(1, 1000)], 1, 0),
+    "rope": (rope, [(2, 3, 7, 22), (7, 22), (7, 22)], 1, 0),
+    "rope_backward": (rope_backward, [(1, 3, 5, 18), (5, 18), (5, 18)], 1, 0),
+    "partial_rope": (partial_rope, [(2, 3, 7, 22), (7, 14), (7, 14)], 1, 0),
     "layer_norm": (layer_norm, [(3, 5, 37), (37,), (37,)], 1, 0),
     # the forward's mean and rstd with the input gradient's row ops in one kernel; the
     # weight's and the bias's gradients are sums over rows, left to ATen
@@ -177,15 +200,17 @@ def kinds(plan) -> list[set[str]]:
 
 def test_llama_trains_like_eager_with_triton_kernels():
     """RMSNorm (one kernel: the residual add, pow, mean, eps, rsqrt and both muls; in the
-    backward, the row sum and what reads it), SwiGLU forward and backward, RoPE's muls and
-    add: fused, and training equals eager fp32."""
+    backward, the row sum and what reads it), SwiGLU forward and backward, RoPE with its
+    ``rotate_half`` forward and backward: fused, and training equals eager fp32."""
     report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, kernels="triton")
     k = kinds(report.plan)
     assert sum({"pow", "mean", "add", "rsqrt", "mul"} <= x for x in k) == 5  # 2 x 2 + final
     assert sum({"mul", "sum"} <= x for x in k) == 5  # their backward's row sums
     assert sum({"silu", "mul"} <= x for x in k) == 2
     assert sum("silu_backward" in x for x in k) == 2
-    assert sum(x == {"mul", "add"} for x in k) >= 4  # RoPE: q and k, in 2 layers
+    rope = {"mul", "slice", "neg", "cat", "add"}  # q * cos + rotate_half(q) * sin
+    assert sum(x == rope for x in k) == 4  # q and k, in 2 layers
+    assert sum(x == {"mul", "slice", "neg", "slice_backward", "add"} for x in k) == 4
     assert "Kernels: " in str(report.plan)
 
 

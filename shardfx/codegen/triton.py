@@ -2,9 +2,12 @@
 
 A group works on rows: its iteration shape ``S`` is a tensor shape, each Triton program
 handles one row (every dimension of ``S`` but the last) and holds the row's ``S[-1]`` columns
-in one block. A value of the group is either *full* (one element per column: a vector in the
-kernel) or a *row value* (shape ``S[:-1] + [1]``: one scalar per row, what a reduction over the
-last dimension gives and what broadcasts back over the columns). Inputs are read through their
+in one block. A value of the group has a *width*, its last dimension: *full* (``S[-1]``, a
+vector in the kernel), a *row value* (1: one scalar per row, what a reduction over the last
+dimension gives and what broadcasts back over the columns), or *narrow* (fewer columns: a
+slice of the row, as RoPE's ``rotate_half`` takes, held in the first columns of a vector).
+Slices, ``cat`` and ``slice_backward`` over the last dimension move columns within the block
+(``tl.gather``), so a row never leaves the program that holds it. Inputs are read through their
 strides as the runtime hands them over (a broadcast dimension has stride 0, a transposed
 operand its own strides), so the kernel makes no assumption about layouts; outputs are
 written contiguous. Every value is computed in fp32 (bool and integer values in their own
@@ -45,8 +48,12 @@ class KernelInput:
     name: str  # x0, x1, ...
     source: str  # the program value it reads, for comments
     dtype: torch.dtype
-    shape: tuple[int, ...]  # as it arrives: broadcast to S at run time
-    row: bool  # one value per row (its last dimension is 1 where S's is not)
+    shape: tuple[int, ...]  # as it arrives: broadcast to S[:-1] + [width] at run time
+    width: int  # its last dimension: S[-1], 1 (a row value) or fewer columns (narrow)
+
+    @property
+    def row(self) -> bool:
+        return self.width == 1
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,11 @@ class KernelOp:
     args: tuple  # Refs and literals
     kwargs: dict
     dtype: torch.dtype
-    row: bool  # a row value
+    width: int  # its last dimension: S[-1], 1 (a row value) or fewer columns (narrow)
+
+    @property
+    def row(self) -> bool:
+        return self.width == 1
 
 
 @dataclass(frozen=True)
@@ -117,10 +128,11 @@ def source(g: Group) -> str:
     lines = ["import triton", "import triton.language as tl", "", HELPERS.strip("\n"), "", "",
              "@triton.jit", f"def {g.name}("]
     for i in g.inputs:
-        kind = "row value" if i.row else "full"
+        kind = "row value" if i.row else "full" if i.width == g.cols else \
+            f"narrow: {i.width} columns"
         lines.append(f"    {i.name}_ptr,  # in: {i.source} {_type(i.dtype, i.shape)} ({kind})")
         lines.append(f"    {', '.join(f'{i.name}_s{d}' for d in range(len(g.shape)))},"
-                     f"  # its strides over {list(g.shape)} (0: broadcast)")
+                     f"  # its strides over {[*g.shape[:-1], i.width]} (0: broadcast)")
     for k, (name, shape) in enumerate(g.outputs):
         op = g.op(name)
         lines.append(f"    out{k}_ptr,  # out: {op.source} {_type(op.dtype, shape)}, contiguous")
@@ -150,7 +162,7 @@ def source(g: Group) -> str:
         else:
             other = "0" if not i.dtype.is_floating_point else "0.0"
             lines.append(f"    {i.name} = tl.load({i.name}_ptr + {offset} + cols * "
-                         f"{i.name}_s{dims}, mask=mask, other={other}){cast}")
+                         f"{i.name}_s{dims}, mask={_mask(i.width, g)}, other={other}){cast}")
     for op in g.ops:
         expr = expression(op, g)
         lines.append(f"    {op.name} = {expr}  # {op.source}: {_target(op.target)}")
@@ -159,9 +171,16 @@ def source(g: Group) -> str:
         value = f"{name}.to({tl_dtype(op.dtype)})"
         if op.row:
             lines.append(f"    tl.store(out{k}_ptr + row, {value})")
-        else:
+        elif op.width == g.cols:
             lines.append(f"    tl.store(out{k}_ptr + row * n_cols + cols, {value}, mask=mask)")
+        else:
+            lines.append(f"    tl.store(out{k}_ptr + row * {op.width} + cols, {value}, "
+                         f"mask={_mask(op.width, g)})")
     return "\n".join(lines) + "\n"
+
+
+def _mask(width: int, g: Group) -> str:
+    return "mask" if width == g.cols else f"cols < {width}"
 
 
 def _type(dtype: torch.dtype, shape) -> str:
@@ -230,13 +249,12 @@ class FusedKernel:
                 _check_interpreter()
             self._fn = compile_source(g.name, self.source)
         args: list = []
-        for x in inputs:  # each with its strides over S (0 where it broadcasts)
-            args += [x, *x.expand(g.shape).stride()]
+        for x, i in zip(inputs, g.inputs):  # with its strides over S (0 where it broadcasts)
+            args += [x, *x.expand(*g.shape[:-1], i.width).stride()]
         outs = []
         for name, shape in g.outputs:
             op = g.op(name)
-            out_shape = (*g.shape[:-1], 1) if op.row else g.shape
-            outs.append(torch.empty(out_shape, dtype=op.dtype, device=device))
+            outs.append(torch.empty((*g.shape[:-1], op.width), dtype=op.dtype, device=device))
         args += outs
         if g.rows:
             self._fn[(g.rows,)](*args, g.cols, BLOCK=_block(g.cols))

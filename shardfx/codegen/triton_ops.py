@@ -3,7 +3,9 @@
 One entry per op: a function from the op's arguments (kernel value names, or Python literals)
 to an expression over a row. Pointwise ops map element by element; reductions over the last
 dimension (``sum``, ``mean``, ``amax``) and the row ops (softmax, log-softmax and their
-backward) use the helpers of ``HELPERS``, which mask the padding columns out. ``fusible``
+backward) use the helpers of ``HELPERS``, which mask the padding columns out. The column ops
+(``slice``, ``cat`` and ``slice_backward`` over the last dimension: RoPE's ``rotate_half`` and
+its gradient) move columns within the row with ``_shift``. ``fusible``
 says whether a node's arguments are ones the table covers (a ``pow`` by 2, not by a tensor).
 """
 
@@ -38,6 +40,13 @@ def _softmax(x, mask):
 def _log_softmax(x, mask):
     shifted = x - _row_max(x, mask)
     return shifted - tl.log(_row_sum(tl.exp(shifted), mask))
+
+
+@triton.jit
+def _shift(x, by, BLOCK: tl.constexpr):
+    # column c of the result is column c + by of x (clamped to the block: callers mask)
+    at = tl.minimum(tl.maximum(tl.arange(0, BLOCK) + by, 0), BLOCK - 1)
+    return tl.gather(x, at, 0)
 
 
 @triton.jit
@@ -133,6 +142,59 @@ ROW_OPS: dict[Any, Callable[..., str]] = {
 }
 
 
+# column ops over the last dimension: op -> (op, group) -> expression (``_columns``)
+COLUMN_OPS = frozenset({aten.slice.Tensor, aten.cat.default, aten.slice_backward.default})
+
+
+def columns(node) -> tuple | None:
+    """A column op's columns over its operands' last dimension, or None if it is not one
+    ``_shift`` can do (another dimension, a step, a single column): ``slice`` ->
+    ``(start, end)``; ``cat`` -> each part's width; ``slice_backward`` -> ``(start, end,
+    width)``."""
+    t, a = node.target, node.args
+    if t not in COLUMN_OPS:
+        return None
+    if t is aten.cat.default:
+        parts = a[0]
+        dim = a[1] if len(a) > 1 else node.kwargs.get("dim", 0)
+        widths = tuple(p.meta["val"].shape[-1] if p.meta["val"].dim() else 0 for p in parts)
+        ok = _is_last(dim, node.meta["val"].dim()) and min(widths, default=0) > 1
+        return widths if ok else None
+    if t is aten.slice.Tensor:
+        x, dim, start, end, step = (*a, *(0, None, None, 1)[len(a) - 1:])
+        width = x.meta["val"].shape[-1] if x.meta["val"].dim() else 0
+    else:
+        _, sizes, dim, start, end, step = a
+        width = sizes[-1] if sizes else 0
+    start, end, _ = slice(start, end).indices(width)
+    if step != 1 or not _is_last(dim, node.meta["val"].dim()) or end - start < 2 or \
+            node.kwargs:
+        return None
+    return (start, end) if t is aten.slice.Tensor else (start, end, width)
+
+
+def _is_last(dim: int, rank: int) -> bool:
+    return rank > 0 and dim in (-1, rank - 1)
+
+
+def _columns(op, args: list[str]) -> str:
+    spec = op.args[-1]  # the ``columns`` spec the fusion pass put in place of the arguments
+    if op.target is aten.slice.Tensor:
+        start, _ = spec
+        return args[0] if start == 0 else f"_shift({args[0]}, {start}, BLOCK)"
+    if op.target is aten.slice_backward.default:
+        start, end, _ = spec
+        moved = args[0] if start == 0 else f"_shift({args[0]}, {-start}, BLOCK)"
+        inside = f"cols < {end}" if start == 0 else f"(cols >= {start}) & (cols < {end})"
+        return f"tl.where({inside}, {moved}, 0.0)"
+    parts, expr, at = args[:-1], "", 0  # cat: each part where its columns are
+    for k, (part, width) in enumerate(zip(parts, spec)):
+        moved = part if at == 0 else f"_shift({part}, {-at}, BLOCK)"
+        at += width
+        expr += moved if k == len(parts) - 1 else f"tl.where(cols < {at}, {moved}, "
+    return expr + ")" * (len(parts) - 1)
+
+
 def reduction_of(target) -> str | None:
     return "reduction" if target in REDUCTIONS else "row" if target in ROW_OPS else None
 
@@ -151,6 +213,8 @@ def fusible(node) -> bool:
         return set(node.kwargs) <= {"memory_format"}
     if t in REDUCTIONS or t in ROW_OPS:
         return _last_dim(node)
+    if t in COLUMN_OPS:
+        return columns(node) is not None
     if t in (aten.add.Tensor, aten.sub.Tensor):
         return set(node.kwargs) <= {"alpha"}
     return t in POINTWISE and not node.kwargs
@@ -182,6 +246,8 @@ def expression(op, group) -> str:
         return REDUCTIONS[op.target](*args)
     if op.target in ROW_OPS:
         return ROW_OPS[op.target](*args)
+    if op.target in COLUMN_OPS:
+        return _columns(op, args)
     if op.target is aten.pow.Tensor_Scalar:
         return _pow(args[0], op.args[1])
     if op.target is operator.getitem:

@@ -4,7 +4,8 @@ Requires: a per-device program's graph (``codegen``): ``meta["val"]`` on every n
           shapes, collectives as ops of their own; PHASE where the IR had it.
 Ensures:  every group of two or more ops ``codegen.triton_ops`` computes (pointwise ops, casts,
           reductions over the last dimension keeping it, softmax and log-softmax and their
-          backward) that share one iteration shape ``S`` is one call_function node whose target
+          backward, slices and ``cat`` over the last dimension and ``slice_backward``) that
+          share one iteration shape ``S`` is one call_function node whose target
           is a ``FusedKernel``, returning a tuple of the values read outside the group, each
           read through ``operator.getitem`` (with the VAL, PHASE and STAGE of the op it stands
           for); the group's other values are never materialized. A group never takes in a
@@ -13,11 +14,12 @@ Ensures:  every group of two or more ops ``codegen.triton_ops`` computes (pointw
           member before it. ``graph.meta``-free: the groups are returned, in program order.
 
 Rows: the kernels (``codegen.triton``) hold one row of ``S`` (its last dimension) per Triton
-program, so a value of a group is either full (``S``) or one value per row (``S[:-1] + [1]``,
-what a reduction over the last dimension leaves); an operand from outside may be anything that
-broadcasts to one of the two. RMSNorm as Hugging Face writes it (``pow``, ``mean``, ``add``,
+program, so a value of a group is full (``S``), one value per row (``S[:-1] + [1]``, what a
+reduction over the last dimension leaves) or narrow (``S[:-1] + [w]``, a slice of the row); an
+operand from outside may be anything that broadcasts to one of them. RMSNorm as Hugging Face writes it (``pow``, ``mean``, ``add``,
 ``rsqrt``, ``mul``, ``mul``) is one group; so are SwiGLU's ``silu`` and ``mul``, a residual add
-with the cast before it, the softmax of eager attention, and LayerNorm with the residual add
+with the cast before it, the softmax of eager attention, RoPE (``q * cos + rotate_half(q) *
+sin``: two slices, a ``neg``, a ``cat``) and its gradient, and LayerNorm with the residual add
 before it, once ``passes.decompose`` has written it as those ops.
 """
 
@@ -30,10 +32,12 @@ import torch
 import torch.fx as fx
 
 from shardfx.codegen.triton import FusedKernel, Group, KernelInput, KernelOp, Ref
-from shardfx.codegen.triton_ops import REDUCTIONS, ROW_OPS, fusible
+from shardfx.codegen.triton_ops import COLUMN_OPS, REDUCTIONS, ROW_OPS, columns, fusible
 from shardfx.ir import meta as M
 from shardfx.ir.graph import inherit_place
 from shardfx.passes.decompose import decompose
+
+aten = torch.ops.aten
 
 
 @dataclass(eq=False)
@@ -41,7 +45,7 @@ class _Building:
     shape: tuple[int, ...]  # S
     phase: object
     nodes: list[fx.Node] = field(default_factory=list)
-    row: dict[fx.Node, bool] = field(default_factory=dict)  # member -> a row value
+    width: dict[fx.Node, int] = field(default_factory=dict)  # member -> its width
     moved: list[fx.Node] = field(default_factory=list)  # aliases moved after the kernel
 
 
@@ -61,8 +65,8 @@ def fuse(graph: fx.Graph, prefix: str = "fused") -> list[Group]:
             producers.insert(0, _merged(producers, order))
         joined = False
         for g in producers:
-            row = _role(node, g) if g.shape else None
-            aliases = _early_aliases(g, node, order) if row is not None else None
+            width = _role(node, g) if g.shape else None
+            aliases = _early_aliases(g, node, order) if width is not None else None
             if aliases is not None:
                 g.moved += [u for u in aliases if u not in g.moved]
                 for n in g.nodes:  # a merge: its groups' members are the merged group's
@@ -73,7 +77,7 @@ def fuse(graph: fx.Graph, prefix: str = "fused") -> list[Group]:
                 if g not in building:
                     building.append(g)
                 g.nodes.append(node)
-                g.row[node] = row
+                g.width[node] = width
                 group_of[node] = g
                 joined = True
                 break
@@ -96,7 +100,7 @@ def _merged(groups: list[_Building], order: dict) -> _Building:
     merged = _Building(first.shape if same else (), first.phase)
     merged.nodes = sorted((n for g in groups for n in g.nodes), key=order.__getitem__)
     for g in groups:
-        merged.row.update(g.row)
+        merged.width.update(g.width)
         merged.moved += g.moved
     return merged
 
@@ -107,61 +111,61 @@ def _val(n) -> torch.Tensor | None:
 
 
 def _start(node: fx.Node) -> _Building | None:
-    """A group of one: its S is the op's full shape (a reduction's operand's)."""
+    """A group of one: its S is the op's full shape (a reduction's operand's; a slice's
+    operand's, the columns it slices)."""
     out = _val(node)
     if out is None or out.dim() == 0:
         return None
-    shape = tuple(_val(node.args[0]).shape) if node.target in REDUCTIONS else tuple(out.shape)
+    shape = tuple(out.shape)
+    if node.target in REDUCTIONS:
+        shape = tuple(_val(node.args[0]).shape)
+    elif node.target is aten.slice.Tensor:
+        shape = (*shape[:-1], _width(node.args[0]))
     g = _Building(shape, node.meta.get(M.PHASE))
-    row = _role(node, g)
-    if row is None:
+    width = _role(node, g)
+    if width is None:
         return None
     g.nodes.append(node)
-    g.row[node] = row
+    g.width[node] = width
     return g
 
 
-def _role(node: fx.Node, g: _Building) -> bool | None:
-    """Whether ``node`` in ``g`` is a row value (True), a full one (False), or cannot join
-    (None)."""
+def _role(node: fx.Node, g: _Building) -> int | None:
+    """The width ``node``'s value has in ``g``: ``S[-1]`` (full), 1 (a row value) or fewer
+    columns (narrow); None if it cannot join."""
     if node.meta.get(M.PHASE) != g.phase:
         return None
     out, S = _val(node), g.shape
-    row_shape = (*S[:-1], 1)
-    if out is None or S[-1] == 1:
+    if out is None or S[-1] == 1 or out.dim() != len(S) or tuple(out.shape[:-1]) != S[:-1]:
         return None
-    if tuple(out.shape) == S:
-        row = False
-    elif tuple(out.shape) == row_shape and node.target not in ROW_OPS:
-        row = True
-    else:
-        return None
-    if node.target in REDUCTIONS and not row:
+    width, t = out.shape[-1], node.target
+    if width > S[-1] or (t in REDUCTIONS and width != 1) or \
+            (t in ROW_OPS and width != S[-1]) or (t in COLUMN_OPS and width == 1):
         return None
     for a in node.all_input_nodes:
-        if a in g.row:  # a member
-            if g.row[a] and (not row and node.target in (*REDUCTIONS, *ROW_OPS)):
-                return None  # a reduction or a row op reads full values
-            if g.row[a] is False and row and node.target not in REDUCTIONS:
-                return None  # a row value made from a full one is a reduction's
-            continue
-        v = _val(a)
-        reads = S if node.target in REDUCTIONS or not row else row_shape  # what it broadcasts to
-        if v is None or not _broadcasts(tuple(v.shape), reads):
+        read = g.width[a] if a in g.width else _width(a)
+        if a not in g.width and not _broadcasts(tuple(_val(a).shape), (*S[:-1], read)):
             return None
-        if node.target in (*REDUCTIONS, *ROW_OPS) and _is_row(tuple(v.shape), S):
+        if t in REDUCTIONS or t in ROW_OPS:
+            ok = read == S[-1]  # they read full rows
+        elif t in COLUMN_OPS:
+            ok = read > 1  # they move columns
+        else:
+            ok = read in (width, 1)  # pointwise: a row value broadcasts over the columns
+        if not ok:
             return None
-    return row
+    return width
+
+
+def _width(a: fx.Node) -> int:
+    v = _val(a)
+    return v.shape[-1] if v is not None and v.dim() else 1
 
 
 def _broadcasts(shape: tuple, to: tuple) -> bool:
     if len(shape) > len(to):
         return False
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(to)))
-
-
-def _is_row(shape: tuple, S: tuple) -> bool:
-    return (len(shape) == 0 or shape[-1] == 1) and S[-1] != 1
 
 
 # Ops that only alias their operand: one that reads a member before the kernel can be moved
@@ -195,18 +199,20 @@ def _replace(graph: fx.Graph, g: _Building, name: str, order: dict) -> Group:
         if a not in names:
             v = _val(a)
             names[a] = f"x{len(inputs)}"
-            inputs.append(KernelInput(names[a], a.name, v.dtype, tuple(v.shape),
-                                      _is_row(tuple(v.shape), g.shape)))
+            inputs.append(KernelInput(names[a], a.name, v.dtype, tuple(v.shape), _width(a)))
             input_nodes.append(a)
         return Ref(names[a])
 
     for node in g.nodes:
         args = fx.node.map_aggregate(node.args, ref)
         kwargs = dict(fx.node.map_aggregate(dict(node.kwargs), ref))
+        if node.target in COLUMN_OPS:  # its operands, then which columns go where
+            parts = node.args[0] if node.target is aten.cat.default else node.args[:1]
+            args = (*(ref(a) for a in parts), columns(node))
         names[node] = f"v{len(ops)}"
         out = _val(node)
         ops.append(KernelOp(names[node], node.name, node.target, tuple(args), kwargs, out.dtype,
-                            g.row[node]))
+                            g.width[node]))
         unfused += out.numel() * out.element_size() + sum(
             _val(a).numel() * _val(a).element_size() for a in node.all_input_nodes)
     leaving = [n for n in g.nodes if any(u not in members for u in n.users)]
