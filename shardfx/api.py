@@ -101,6 +101,7 @@ def partition(
     optimizer: str | None = "adamw",
     precision: str | Precision = "fp32",
     kernels: str = "auto",
+    fused_loss: bool = True,
     *,
     debug: bool | None = None,
 ) -> Plan:
@@ -124,7 +125,10 @@ def partition(
     parameters, gradients and optimizer state stay fp32; fp16 plans scale the loss in the
     runner. ``kernels``: "triton" runs the memory-bound ops between matmuls as fused Triton
     kernels (``passes.fusion``; on CPU through Triton's interpreter, slowly), "aten" as ATen
-    ops, "auto" Triton on CUDA and ATen on CPU. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
+    ops, "auto" Triton on CUDA and ATen on CPU. ``fused_loss``: an LM head whose logits only
+    feed a cross-entropy runs as one op over chunks of rows, forward and backward, so the
+    (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
+    ops. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
@@ -140,7 +144,8 @@ def partition(
                       schedule=schedule, virtual_stages=virtual_stages,
                       memory_budget=parse_bytes(memory_budget),
                       optimizer=optimizer_model(optimizer).name,
-                      precision=Precision.parse(precision), kernels=_kernels(kernels))
+                      precision=Precision.parse(precision), kernels=_kernels(kernels),
+                      fused_loss=bool(fused_loss))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

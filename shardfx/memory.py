@@ -222,8 +222,10 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
                     total += nbytes
                     end = max(last_use.get(value, order[value]), last_use.get(node, i))
                     frees.setdefault(end, []).append((k, nbytes))
-            if total > sum(best.values()):
+            work = _workspace(node)  # what the op allocates for itself while it runs
+            if total + work > sum(best.values()):
                 best, best_node = Counter(live), node
+                best["transient"] += work
         for k, nbytes in frees.pop(i, ()):
             live[k] -= nbytes
             total -= nbytes
@@ -233,6 +235,15 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
         when = f"{phase or 'program'}, at {best_node.name}"
     return {k: best[k] for k in ("gradients", "saved", "transient", "communication")}, \
         best_node, when
+
+
+def _workspace(node: fx.Node) -> int:
+    """Bytes an op allocates beyond its inputs and outputs, where it says so: a
+    ``workspace(*operand values)`` method (``codegen.linear_ce``'s ops: a chunk of logits)."""
+    workspace = getattr(node.target, "workspace", None) if node.op == "call_function" else None
+    if workspace is None:
+        return 0
+    return workspace(*(a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args))
 
 
 def _graph_grads(graph: fx.Graph) -> int:

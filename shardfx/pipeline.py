@@ -22,6 +22,7 @@ from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
+from shardfx.passes.fused_loss import fuse_loss
 from shardfx.passes.fusion import fuse
 from shardfx.passes.manager import Options, PassRecord, run_passes
 from shardfx.passes.mixed_precision import mixed_precision
@@ -80,18 +81,30 @@ def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule
     if options.stages > 1:
         whole = whole_backward(options)
         if options.mesh.only("tp").size == 1:
-            split = split_stages(generate(gm).module, whole)  # the program, cut: F, B, W
+            program = chunked_loss(generate(gm), options)
+            split = split_stages(program.module, whole)  # the program, cut: F, B, W
             return fused_parts(split, options), []
         program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
+        program = chunked_loss(program, options)
         split = split_stages(inherit_stages(program.module), whole)  # ... cut
         return fused_parts(split, options), collectives
     if options.mesh.size == 1:
-        return fused(generate(gm), options), []
+        return fused(chunked_loss(generate(gm), options), options), []
     program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
+    program = chunked_loss(program, options)  # the LM head and its loss, a chunk at a time
     # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
     program, collectives = bucket_gradients(program, collectives,
                                             reduce_dtype=options.precision.narrower_reduce)
     return fused(program, options), collectives
+
+
+def chunked_loss(program: Program, options: Options) -> Program:
+    """``program`` with its LM head and cross-entropy one op over chunks of rows, forward
+    and backward (``passes.fused_loss``), unless ``options.fused_loss`` is off: on any
+    device, before the Triton fusion so the ATen ops it replaces are still there."""
+    if options.fused_loss and fuse_loss(program.module.graph):
+        program.module.recompile()
+    return program
 
 
 def fused(program: Program, options: Options) -> Program:

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, summarize
 from shardfx.budget import Candidate, fit_budget
+from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
@@ -25,6 +26,7 @@ from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
+from shardfx.passes.fused_loss import FusedLoss
 from shardfx.passes.manager import Options, PassRecord
 from shardfx.passes.remat import Choice, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
@@ -269,6 +271,13 @@ class Plan:
             notes.append(f"Kernels: {len(kernels)} fused Triton kernels of {ops} ops, moving "
                          f"{nbytes(moved)} where the ops one by one move {nbytes(unfused)} "
                          "(plan.dump: kernels/, kernels.txt)")
+        for f in self.fused_losses():
+            notes.append(
+                f"Linear + cross-entropy fused: {f.weight} ({f.tokens} tokens x {f.hidden} -> "
+                f"{f.vocab}) in {f.chunks} chunks of {f.rows} rows, forward and backward: the "
+                f"{nbytes(f.logits_bytes)} of logits, their log-softmax and their gradient are "
+                f"never materialised; the backward recomputes a chunk's logits "
+                f"(partition(..., fused_loss=False) keeps the ATen ops)")
         budget = self.options.memory_budget
         if budget is not None:
             if self.remat is None:
@@ -291,10 +300,17 @@ class Plan:
 
     def kernels(self) -> list[FusedKernel]:
         """The fused Triton kernels the programs call (``passes.fusion``), in program order."""
+        return [n.target for n in self._program_nodes() if isinstance(n.target, FusedKernel)]
+
+    def fused_losses(self) -> list[FusedLoss]:
+        """The LM heads computed with their cross-entropy in chunks (``passes.fused_loss``)."""
+        return [FusedLoss.of(n) for n in self._program_nodes()
+                if isinstance(n.target, LinearCrossEntropy)]
+
+    def _program_nodes(self):
         modules = [self.program.module] if self.program is not None else \
             [m for _, m in self.stage_program.named_children()]
-        return [n.target for m in modules for n in m.graph.nodes
-                if isinstance(n.target, FusedKernel)]
+        return (n for m in modules for n in m.graph.nodes)
 
     @property
     def precision(self):

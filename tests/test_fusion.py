@@ -6,13 +6,15 @@ not a power of two, one row) in fp32, bf16 and fp16; whole models trained with
 from __future__ import annotations
 
 import operator
+import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import shardfx
-from shardfx.codegen.triton import FusedKernel
+from shardfx.codegen.triton import FusedKernel, source
 from shardfx.passes.fusion import fuse
 from shardfx.testing import compare_training
 
@@ -235,3 +237,21 @@ def test_unknown_kernels_is_a_named_error():
     (args, targets), = token_batches(1)
     with pytest.raises(shardfx.InputError, match=r"unknown kernels 'cuda'"):
         shardfx.partition(tiny("llama", 2), args, lm_loss, targets, kernels="cuda")
+
+
+GOLDEN = Path(__file__).with_name("golden")
+
+
+@pytest.mark.parametrize("case, dtype", [("rms_norm", "fp32"), ("rope", "bf16"),
+                                         ("softmax_backward", "fp16")])
+def test_kernel_source_matches_its_golden_file(case, dtype):
+    """The generated Triton, character for character: a change to codegen shows up here as a
+    diff to read (``SHARDFX_GOLDEN=update`` rewrites the files after reading it)."""
+    fn, shapes, _, _ = CASES[case]
+    gm = make_fx(fn, tracing_mode="fake")(*inputs(shapes, DTYPES[dtype]))
+    text = "\n\n".join(source(g) for g in fuse(gm.graph))
+    path = GOLDEN / f"{case}-{dtype}.txt"
+    if os.environ.get("SHARDFX_GOLDEN") == "update":
+        path.write_text(text)
+    assert text == path.read_text(), \
+        f"{path.name} differs from the generated source; SHARDFX_GOLDEN=update accepts it"

@@ -62,7 +62,8 @@ def arg_str(a: Any) -> str:
 def target_str(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
-    return f"{target.__module__}.{target.__qualname__}".replace("_operator.", "operator.")
+    name = getattr(target, "__qualname__", None) or target.__name__  # an op object: its name
+    return f"{target.__module__}.{name}".replace("_operator.", "operator.")
 
 
 def node_line(node: fx.Node) -> str:

@@ -51,6 +51,7 @@ class Options:
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
     kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
+    fused_loss: bool = True  # the LM head's matmul and cross-entropy in chunks (passes.fused_loss)
 
     @property
     def slices(self) -> int:

@@ -1,0 +1,126 @@
+"""codegen.linear_ce: the LM head's matmul and cross-entropy, a chunk of rows at a time.
+
+``loss = cross_entropy(h @ w.T, target)`` for ``h`` (tokens, hidden) and ``w`` (vocab,
+hidden) materialises the (tokens, vocab) logits, their log-softmax, and in the backward their
+gradient: for a 128k vocabulary, the largest activations of a training step. Here the rows go
+``rows`` at a time (``chunk_rows``: a chunk's logits about the size of ``h``, as Liger-Kernel
+sizes them), so at most one chunk's logits exist:
+
+- forward: per chunk, ``z = h_c @ w.T`` (the matmul on the vendor library, in ``h``'s dtype;
+  fp32 from there on), its row max, the target's logit, ``exp`` in place, the log-sum-exp.
+  Saved for the backward: the log-sum-exp per row (``tokens`` floats), not the logits.
+- backward: per chunk, ``z`` again (the one matmul recomputed, as Apple's Cut Cross-Entropy
+  does), ``softmax - onehot`` scaled by the loss's gradient in place, then ``grad_h`` and
+  ``grad_w`` from it; ``grad_w`` is summed over chunks in fp32.
+
+Both are program ops (``passes.fused_loss`` puts them in place of the ATen ops they stand
+for), each with the ``workspace`` in bytes it allocates beyond its inputs and outputs, which
+the memory model counts (``memory.walk``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Rows per chunk: a chunk's logits about ``tokens x hidden`` (a power of two of rows)."""
+    chunks = max(1, math.ceil(vocab / max(hidden, 1)))
+    return min(tokens, 1 << max(0, math.ceil(tokens / chunks) - 1).bit_length()) or 1
+
+
+@dataclass(frozen=True)
+class LinearCrossEntropy:
+    """``(loss, total_weight, lse) = op(h, w, target)``: ``nll_loss(log_softmax(h @ w.T),
+    target)`` as ATen's ``nll_loss_forward`` returns it (``reduction``: 1 mean, 2 sum;
+    ``total_weight``: the targets not ``ignore_index``), and each row's log-sum-exp."""
+
+    reduction: int
+    ignore_index: int
+    rows: int
+    name: str = "linear_cross_entropy"
+
+    @property
+    def __name__(self) -> str:  # how the program's code names it
+        return self.name
+
+    def __call__(self, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor):
+        n = h.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        picked = torch.empty(n, dtype=torch.float32, device=h.device)
+        valid = target != self.ignore_index
+        safe = torch.where(valid, target, 0).unsqueeze(1)
+        for s in range(0, n, self.rows):
+            e = min(n, s + self.rows)
+            z = torch.mm(h[s:e], w.t()).float()  # a copy in low precision, z itself in fp32
+            m = z.amax(1)
+            picked[s:e] = z.gather(1, safe[s:e]).squeeze(1)
+            z.sub_(m.unsqueeze(1)).exp_()
+            torch.log(z.sum(1), out=lse[s:e]).add_(m)
+        total = valid.sum().to(torch.float32)
+        loss = ((lse - picked) * valid).sum()
+        if self.reduction == 1:
+            loss = loss / total
+        return loss, total, lse
+
+    def workspace(self, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> int:
+        """Bytes beyond its inputs and outputs: one chunk's logits (fp32, and the matmul's
+        own result first when it is in a narrower dtype), and per-row temporaries."""
+        return _chunk_bytes(self.rows, h, w) + 6 * h.shape[0] * 4
+
+
+@dataclass(frozen=True)
+class LinearCrossEntropyBackward:
+    """``(grad_h, grad_w) = op(grad_loss, h, w, target, total_weight, lse)``: the gradients
+    of ``LinearCrossEntropy``'s loss, ``grad_w`` shaped as ``w`` (``transposed``: as
+    ``w.T``), both in ``h``'s dtype."""
+
+    reduction: int
+    ignore_index: int
+    rows: int
+    transposed: bool = False
+    name: str = "linear_cross_entropy_backward"
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def __call__(self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+                 target: torch.Tensor, total: torch.Tensor, lse: torch.Tensor):
+        n = h.shape[0]
+        scale = grad.reshape(()).float() / total if self.reduction == 1 else \
+            grad.reshape(()).float()
+        valid = target != self.ignore_index
+        per_row = valid.to(torch.float32) * scale  # 0 for an ignored target
+        safe = torch.where(valid, target, 0).unsqueeze(1)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        minus_one = torch.full((1, 1), -1.0, device=h.device)
+        for s in range(0, n, self.rows):
+            e = min(n, s + self.rows)
+            z = torch.mm(h[s:e], w.t()).float()  # the logits again
+            z.sub_(lse[s:e].unsqueeze(1)).exp_()  # softmax
+            z.scatter_add_(1, safe[s:e], minus_one.expand(e - s, 1))  # - onehot
+            z.mul_(per_row[s:e].unsqueeze(1))
+            d = z.to(h.dtype)  # the logits' gradient, as the matmuls take it
+            torch.mm(d, w, out=grad_h[s:e])
+            if h.dtype == torch.float32:
+                grad_w.addmm_(d.t(), h[s:e])
+            else:
+                grad_w.add_(torch.mm(d.t(), h[s:e]))
+        grad_w = grad_w.to(h.dtype)
+        return grad_h, grad_w.t() if self.transposed else grad_w
+
+    def workspace(self, grad, h: torch.Tensor, w: torch.Tensor, *_) -> int:
+        """One chunk's logits and their gradient, the fp32 sum of ``grad_w`` (and each
+        chunk's share before it is added, in a narrower dtype), per-row temporaries."""
+        extra = w.numel() * (4 + h.element_size()) if h.dtype != torch.float32 else 0
+        return _chunk_bytes(self.rows, h, w) + extra + 4 * h.shape[0] * 4
+
+
+def _chunk_bytes(rows: int, h: torch.Tensor, w: torch.Tensor) -> int:
+    logits = rows * w.shape[0]
+    return logits * 4 + (logits * h.element_size() if h.dtype != torch.float32 else 0)

@@ -1,0 +1,110 @@
+"""The LM head and its cross-entropy in chunks (``passes.fused_loss``, ``codegen.linear_ce``):
+training equals eager on one device, in bf16, on dp and across a pipeline cut; ignored targets
+and a summed loss; the logits never exist, and the measured peak drops by at least their size,
+as the memory model predicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfx
+from shardfx.codegen.linear_ce import chunk_rows
+from shardfx.measure import measured_peak
+from shardfx.testing import adamw, compare_training
+
+from models import lm_loss, tiny, token_batches
+
+# what the chunked ops stand for: none of them may be left in the program
+UNFUSED = ("_log_softmax", "nll_loss", "linear_cross_entropy")
+
+
+def head_ops(plan) -> list[str]:
+    return sorted(n.name for n in plan._program_nodes() if n.op == "call_function"
+                  and any(k in n.name for k in UNFUSED) and "getitem" not in n.name)
+
+
+def test_llama_trains_like_eager_with_its_head_fused():
+    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss)
+    assert head_ops(report.plan) == ["linear_cross_entropy", "linear_cross_entropy_backward"]
+    f, = report.plan.fused_losses()
+    assert (f.weight, f.tokens, f.vocab, f.hidden, f.rows) == ("lm_head_weight", 32, 64, 32, 16)
+    assert "Linear + cross-entropy fused: lm_head_weight (32 tokens x 32 -> 64) in 2 chunks" \
+        in str(report.plan)
+
+
+def test_off_keeps_the_aten_ops():
+    (args, targets), = token_batches(1)
+    plan = shardfx.partition(tiny("llama", 1), args, lm_loss, targets, fused_loss=False)
+    assert not plan.fused_losses()
+    assert {"_log_softmax", "_log_softmax_backward_data"} <= set(head_ops(plan))
+
+
+def summed_loss_ignoring(out, targets):
+    """A summed cross-entropy where every third target is padding (-100)."""
+    t = targets.flatten().clone()
+    t[::3] = -100
+    return F.cross_entropy(out.logits.flatten(0, 1), t, reduction="sum")
+
+
+def test_ignored_targets_and_a_summed_loss():
+    report = compare_training(tiny("gpt2", 2), token_batches(2), summed_loss_ignoring)
+    assert len(report.plan.fused_losses()) == 1
+
+
+def test_bf16_trains_within_autocast():
+    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, precision="bf16")
+    assert head_ops(report.plan) == ["linear_cross_entropy", "linear_cross_entropy_backward"]
+
+
+def _dp_and_pp():
+    dp = compare_training(tiny("llama", 2), token_batches(2), lm_loss, mesh={"dp": 2})
+    pp = compare_training(tiny("nanogpt", 2), token_batches(2), lm_loss, mesh={"pp": 2},
+                          microbatches=2)
+    return len(dp.plan.fused_losses()), len(pp.plan.fused_losses())
+
+
+def test_dp_and_a_pipeline_train_like_eager_with_the_head_fused():
+    """dp: the backward scales by the count of targets over all ranks, as eager's mean does;
+    pp: the log-sum-exp crosses from the last stage's forward part to its backward part."""
+    for rank in shardfx.launch(_dp_and_pp, nprocs=2):
+        assert rank == (1, 1)
+
+
+def big_vocab_llama() -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=4096))
+
+
+def _peak(fused: bool) -> tuple[int, int, int]:
+    """(measured, predicted) peak of a second training step, and the logits' bytes."""
+    batches = token_batches(2, batch=8)
+    plan = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1],
+                             fused_loss=fused)
+    runner = plan.runner(adamw)
+    runner.step(*batches[0])
+    (x,), (y,) = batches[1]
+    peak = measured_peak(lambda: runner.step((x,), (y,)), runner, x, y)
+    return peak.total - x.nbytes - y.nbytes, plan.memory_estimate()[0], x.numel() * 4096 * 4
+
+
+def test_the_peak_drops_by_at_least_the_logits():
+    """Vocabulary 4096 over hidden 32: the head dominates the step's activations. Unfused,
+    the logits, their log-softmax and their gradient are live at once; fused, one chunk of
+    rows is. The memory model predicts both."""
+    fused, predicted_fused, logits = _peak(True)
+    unfused, predicted_unfused, _ = _peak(False)
+    assert unfused - fused >= logits, (unfused, fused, logits)
+    for measured, predicted in ((fused, predicted_fused), (unfused, predicted_unfused)):
+        assert abs(predicted - measured) <= 0.05 * measured, (measured, predicted)
+
+
+@pytest.mark.parametrize("tokens,vocab,hidden,rows", [
+    (64, 4096, 32, 1), (32, 64, 32, 16), (8192, 128256, 4096, 256), (5, 10, 100, 5)])
+def test_a_chunk_of_logits_is_about_the_size_of_the_hidden_states(tokens, vocab, hidden, rows):
+    assert chunk_rows(tokens, vocab, hidden) == rows
