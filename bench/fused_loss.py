@@ -35,7 +35,7 @@ import torch
 
 import shardfx
 from bench.common import append_results, count, machine
-from bench.precision import DEFAULT, eager_row, run_row, trained
+from bench.precision import DEFAULT, eager_row, run_row, table, trained
 from bench.remat import MiB, _loss_on_logits, failed, fill_sizes, size_flags, workload
 
 
@@ -60,24 +60,6 @@ def shardfx_row(factory, batch, a, precision: str, fused: bool) -> dict:
         traceback.print_exc()
         return failed(variant, "-", e)
     return row
-
-
-def table(rows: list[dict], title: str, notes: list[str]) -> str:
-    base = rows[0]
-    out = [title, "",
-           "| variant | step s | step / eager fp32 | measured peak MiB | peak / eager fp32 | "
-           "predicted peak MiB | predicted vs measured | loss |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['variant']} | {r['error']} | - | - | - | - | - | - |")
-            continue
-        predicted = "- | -" if "predicted" not in r else \
-            f"{r['predicted'] / MiB:.1f} | {r['predicted'] / r['peak'] - 1:+.1%}"
-        out.append(f"| {r['variant']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | "
-                   f"{r['peak'] / MiB:.1f} | {r['peak'] / base['peak']:.2f} | {predicted} | "
-                   f"{r['loss']:.6f} |")
-    return "\n".join(out + [""] + notes)
 
 
 def checks(rows: list[dict], logits: int) -> list[str]:
@@ -139,7 +121,7 @@ def main() -> None:
         f"wall time: {time.perf_counter() - start:.0f} s",
     ]
     warns = checks(rows, logits)
-    text = table(rows, title, notes + warns)
+    text = table(rows, title, notes + warns, a.train_steps)
     print(text)
     if a.append if a.append is not None else not a.small:
         append_results("bench/fused_loss.py", text, machine())

@@ -135,6 +135,10 @@ def _liger(name: str) -> Callable | None:
     return None
 
 
+def _failure(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:200]
+
+
 # --- timing -----------------------------------------------------------------------------------
 
 def bench_ms(fn: Callable, device: str) -> float:
@@ -219,7 +223,7 @@ def kernel_rows(size: str, s: dict, dtype: torch.dtype, device: str) -> list[dic
                     row["liger"] = bench_ms(lambda: liger(*run_args), device)
             except Exception as e:  # noqa: BLE001 - a row that cannot run is reported
                 traceback.print_exc()
-                row["failed"] = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+                row["failed"] = _failure(e)
     return rows
 
 
@@ -312,7 +316,7 @@ def loss_rows(dtype: torch.dtype, device: str, tokens: int, hidden: int, vocab: 
             row["ms"] = bench_ms(fn, device)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            row["failed"] = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            row["failed"] = _failure(e)
         rows.append(row)
     return rows
 
@@ -402,7 +406,7 @@ def step_rows(a, device: str) -> list[dict]:
                 row["warns"] = trained(model, runner, before)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            row["failed"] = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            row["failed"] = _failure(e)
         rows.append(row)
     return rows
 

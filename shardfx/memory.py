@@ -317,7 +317,8 @@ class _Part:
     bytes."""
 
     peak: dict[str, int]
-    outputs: dict[int, int] = field(default_factory=dict)
+    outputs: dict[int, int] = field(default_factory=dict)  # storage the part allocated
+    values: dict[int, int] = field(default_factory=dict)  # each output's own bytes (a clone's)
 
 
 def _part(part: fx.GraphModule) -> _Part:
@@ -327,12 +328,13 @@ def _part(part: fx.GraphModule) -> _Part:
                       else "transient")
     outs = graph.output_node().args[0]
     base = _bases(graph)
-    sizes, owners = {}, set()
+    sizes, values, owners = {}, {}, set()
     for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
         owner = base.get(v, v) if isinstance(v, fx.Node) else None
         sizes[i] = 0 if owner is None or owner in owners else value_bytes(owner)
+        values[i] = _bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
         owners.add(owner)  # outputs sharing a storage: counted once
-    return _Part(peak, sizes)
+    return _Part(peak, sizes, values)
 
 
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
@@ -376,7 +378,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                 nbytes = info.outputs.get(o.index, 0)
                 for role in o.roles:
                     if role.kind is M.OutputKind.GRAD and role.name not in grads:
-                        grads[role.name] = nbytes  # cloned into an accumulator
+                        # cloned into an accumulator: its own bytes, even where the part
+                        # returns a view of its input (a gradient an earlier part made)
+                        grads[role.name] = info.values.get(o.index, 0)
                         consider(out_bytes, sending, f"{step.name} ({call.part}, gradients)")
                 if o.local:
                     saved[(call.part, o.index, mb)] = nbytes

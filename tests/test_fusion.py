@@ -200,7 +200,7 @@ def kinds(plan) -> list[set[str]]:
     return [{str(o.target).split(".")[1] for o in k.group.ops} for k in plan.kernels()]
 
 
-def test_llama_trains_like_eager_with_triton_kernels():
+def test_llama_trains_like_eager_with_triton_kernels(tmp_path):
     """RMSNorm (one kernel: the residual add, pow, mean, eps, rsqrt and both muls; in the
     backward, the row sum and what reads it), SwiGLU forward and backward, RoPE with its
     ``rotate_half`` forward and backward: fused, and training equals eager fp32."""
@@ -214,6 +214,9 @@ def test_llama_trains_like_eager_with_triton_kernels():
     assert sum(x == rope for x in k) == 4  # q and k, in 2 layers
     assert sum(x == {"mul", "slice", "neg", "slice_backward", "add"} for x in k) == 4
     assert "Kernels: " in str(report.plan)
+    report.plan.dump(tmp_path)  # the dump lists the same kernels, each with its source
+    assert len((tmp_path / "kernels.txt").read_text().splitlines()) == len(k)
+    assert len(list((tmp_path / "kernels").glob("*.py"))) == len(k)
 
 
 def test_gpt2_on_tp2_trains_like_eager_with_triton_kernels():
