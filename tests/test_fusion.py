@@ -219,21 +219,30 @@ def test_llama_trains_like_eager_with_triton_kernels(tmp_path):
     assert len(list((tmp_path / "kernels").glob("*.py"))) == len(k)
 
 
-def test_gpt2_on_tp2_trains_like_eager_with_triton_kernels():
-    """On local shards: the tanh GELU forward and backward of each layer, and LayerNorm (with
-    the residual add before it) forward and backward (``passes.decompose``): 2 per layer and
-    the final one."""
-    for k in shardfx.launch(_gpt2_tp2, nprocs=2):
+def test_gpt2_on_tp2_and_llama_on_pp2_train_like_eager_with_triton_kernels():
+    """GPT-2 on tp=2, on local shards: the tanh GELU forward and backward of each layer, and
+    LayerNorm (with the residual add before it) forward and backward (``passes.decompose``):
+    2 per layer and the final one. Llama on pp=2: the kernels of the one-device plan, each
+    inside one stage's F, B or W part (a kernel never spans a stage cut)."""
+    for k, (names, pp) in shardfx.launch(_tp2_and_pp2, nprocs=2):
         assert sum({"tanh", "pow", "mul", "add"} <= x for x in k) == 2, k
         assert sum({"tanh_backward", "pow", "mul"} <= x for x in k) == 2, k
         assert sum({"mean", "sub", "rsqrt", "mul", "add"} <= x for x in k) == 5, k
         assert sum(x == {"mean", "sub", "mul"} for x in k) == 5, k
+        assert sum({"pow", "mean", "add", "rsqrt", "mul"} <= x for x in pp) == 5, pp
+        assert sum(x == {"mul", "slice", "neg", "cat", "add"} for x in pp) == 4, pp
+        assert sum("silu_backward" in x for x in pp) == 2, pp
+        parts = {n.split("_fused")[0] for n in names}
+        assert {"stage0_F", "stage0_B", "stage1_F", "stage1_B"} <= parts <= {
+            f"stage{s}_{p}" for s in (0, 1) for p in "FBW"}, names
 
 
-def _gpt2_tp2():
-    report = compare_training(tiny("gpt2", 2), token_batches(2), lm_loss, kernels="triton",
-                              mesh={"tp": 2}, shard="megatron")
-    return kinds(report.plan)
+def _tp2_and_pp2():
+    tp = compare_training(tiny("gpt2", 2), token_batches(2), lm_loss, kernels="triton",
+                          mesh={"tp": 2}, shard="megatron")
+    pp = compare_training(tiny("llama", 2), token_batches(2), lm_loss, kernels="triton",
+                          mesh={"pp": 2}, microbatches=2)
+    return kinds(tp.plan), ([k.group.name for k in pp.plan.kernels()], kinds(pp.plan))
 
 
 def test_unknown_kernels_is_a_named_error():

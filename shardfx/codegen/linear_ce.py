@@ -115,9 +115,10 @@ class LinearCrossEntropyBackward:
         return grad_h, grad_w.t() if self.transposed else grad_w
 
     def workspace(self, grad, h: torch.Tensor, w: torch.Tensor, *_) -> int:
-        """One chunk's logits and their gradient, the fp32 sum of ``grad_w`` (and each
-        chunk's share before it is added, in a narrower dtype), per-row temporaries."""
-        extra = w.numel() * (4 + h.element_size()) if h.dtype != torch.float32 else 0
+        """One chunk's logits and their gradient, per-row temporaries, and in a narrower
+        dtype the fp32 sum of ``grad_w`` (each chunk's share before it is added takes the
+        place ``grad_w`` itself takes at the end)."""
+        extra = w.numel() * 4 if h.dtype != torch.float32 else 0
         return _chunk_bytes(self.rows, h, w) + extra + 4 * h.shape[0] * 4
 
 
