@@ -135,8 +135,9 @@ def _match(nll: fx.Node) -> _Head | None:
     if weight is not None or reduction not in (1, 2) or lsm.target is not aten._log_softmax.default:
         return None
     z, dim, half = lsm.args
-    if _val(z) is None or _val(z).dim() != 2 or dim not in (1, -1) or half:
-        return None
+    if _val(z) is None or _val(z).dim() != 2 or _val(z).dtype != torch.float32 or \
+            dim not in (1, -1) or half:
+        return None  # the chunked ops compute the loss in fp32, as mixed precision keeps it
     mm = _back(z)
     if mm.target is not aten.mm.default or tuple(_val(mm).shape) != tuple(_val(z).shape):
         return None
