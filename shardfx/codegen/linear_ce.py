@@ -26,10 +26,18 @@ from dataclasses import dataclass
 import torch
 
 
-def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: a chunk's logits about ``tokens x hidden`` (a power of two of rows)."""
-    chunks = max(1, math.ceil(vocab / max(hidden, 1)))
-    return min(tokens, 1 << max(0, math.ceil(tokens / chunks) - 1).bit_length()) or 1
+def chunk_rows(tokens: int, vocab: int, hidden: int, least: int = 256) -> int:
+    """Rows per chunk, a power of two: a chunk's logits about ``tokens x hidden`` (Liger's
+    rule), but at least ``least`` rows while that leaves 4 chunks or more. Fewer rows make
+    the matmuls that sum the weight's gradient slow (K = rows): 2048 tokens, hidden 1024,
+    vocabulary 32000 took 5.0 s forward and backward in 64-row chunks, 3.9 s in 256-row
+    ones and 3.7 s in one, against eager's 2.9 s (fp32, the 2-core EPYC of bench/)."""
+    liger = math.ceil(tokens / max(1, math.ceil(vocab / max(hidden, 1))))
+    return min(tokens, _pow2(max(liger, min(least, math.ceil(tokens / 4))))) or 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(frozen=True)
