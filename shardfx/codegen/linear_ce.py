@@ -68,6 +68,7 @@ class LinearCrossEntropy:
             picked[s:e] = z.gather(1, safe[s:e]).squeeze(1)
             z.sub_(m.unsqueeze(1)).exp_()
             torch.log(z.sum(1), out=lse[s:e]).add_(m)
+            del z  # before the next chunk's: one chunk of logits at a time
         total = valid.sum().to(torch.float32)
         loss = ((lse - picked) * valid).sum()
         if self.reduction == 1:
@@ -119,6 +120,7 @@ class LinearCrossEntropyBackward:
                 grad_w.addmm_(d.t(), h[s:e])
             else:
                 grad_w.add_(torch.mm(d.t(), h[s:e]))
+            del z, d  # before the next chunk's
         grad_w = grad_w.to(h.dtype)
         return grad_h, grad_w.t() if self.transposed else grad_w
 
