@@ -29,37 +29,22 @@ import argparse
 import gc
 import sys
 import time
-import traceback
 
-import torch
-
-import shardfx
 from bench.common import append_results, count, machine
-from bench.precision import DEFAULT, eager_row, run_row, table, trained
-from bench.remat import MiB, _loss_on_logits, failed, fill_sizes, size_flags, workload
+from bench.precision import DEFAULT, eager_row, table
+from bench.precision import shardfx_row as precision_row
+from bench.remat import MiB, fill_sizes, size_flags, workload
 
 
 def shardfx_row(factory, batch, a, precision: str, fused: bool) -> dict:
-    variant = f"shardfx {precision}, {'fused' if fused else 'ATen'} head"
-    ids, targets = batch
-    model = factory()
-    try:
-        plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
-                                 precision=precision, optimizer="adamw", fused_loss=fused)
-        runner = plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
-        before = {name: p.detach().clone() for name, p in model.named_parameters()}
-        row = run_row(variant, lambda: runner.step((ids,), (targets,)), (runner, ids, targets),
-                      batch, a)
-        row["predicted"] = max(plan.memory_estimate().values())
-        row["warns"] += trained(model, runner, before)
-        heads = plan.fused_losses()
-        if fused != bool(heads):
-            row["warns"].append(f"{len(heads)} heads fused, with fused_loss={fused}")
-        row["notes"] += [f"{f.weight} in {f.chunks} chunks of {f.rows} rows" for f in heads]
-    except Exception as e:  # noqa: BLE001 - a row that cannot run is reported, not fatal
-        traceback.print_exc()
-        return failed(variant, "-", e)
-    return row
+    def heads(plan) -> list[str]:
+        found = plan.fused_losses()
+        return [f"{f.weight} in {f.chunks} chunks of {f.rows} rows" for f in found] or \
+            ["no head fused"]
+
+    return precision_row(factory, batch, a, precision,
+                         f"shardfx {precision}, {'fused' if fused else 'ATen'} head", heads,
+                         fused_loss=fused)
 
 
 def checks(rows: list[dict], logits: int) -> list[str]:

@@ -131,14 +131,16 @@ def eager_row(factory: Callable, batch, a, precision: str) -> dict:
     return row
 
 
-def shardfx_row(factory: Callable, batch, a, precision: str) -> dict:
-    variant = f"shardfx {precision}"
+def shardfx_row(factory: Callable, batch, a, precision: str, variant: str | None = None,
+                describe: Callable | None = None, **partition_kwargs) -> dict:
+    """A shardfx row; ``describe(plan)``: more notes; ``partition_kwargs``: to ``partition``."""
+    variant = variant or f"shardfx {precision}"
     ids, targets = batch
     model = factory()
     try:
         t0 = time.perf_counter()
         plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
-                                 precision=precision, optimizer="adamw")
+                                 precision=precision, optimizer="adamw", **partition_kwargs)
         planned = time.perf_counter() - t0
         runner = plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -149,6 +151,7 @@ def shardfx_row(factory: Callable, batch, a, precision: str) -> dict:
         low, ops = low_dtype_ops(plan, DTYPES[precision])
         row["notes"].append(f"planned in {planned:.1f} s; {low} of {ops} ops of the program "
                             f"output {precision}")
+        row["notes"] += describe(plan) if describe else []
         if precision != "fp32" and low == 0:
             row["warns"].append(f"no op of its program outputs {precision}: it computes in fp32")
         if precision == "fp16":
