@@ -63,6 +63,13 @@ def _kernels(kernels: str) -> str:
     return kernels
 
 
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be True or False, got {value!r}",
+                         where=f"partition(..., {name}=...)", fix=f"{name}=True or {name}=False")
+    return value
+
+
 def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stages) -> None:
     """``microbatches``, ``schedule`` and ``virtual_stages`` are valid, whatever the mesh: a
     setting the plan would ignore or misread is an error, not a surprise later."""
@@ -145,7 +152,7 @@ def partition(
                       memory_budget=parse_bytes(memory_budget),
                       optimizer=optimizer_model(optimizer).name,
                       precision=Precision.parse(precision), kernels=_kernels(kernels),
-                      fused_loss=bool(fused_loss))
+                      fused_loss=_flag(fused_loss, "fused_loss"))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -110,10 +110,7 @@ def chunked_loss(program: Program, options: Options) -> Program:
 def fused(program: Program, options: Options) -> Program:
     """``program`` with its memory-bound ops in Triton kernels (``passes.fusion``), when
     ``options.kernels`` asks for them: "triton", or "auto" on CUDA."""
-    if not uses_triton(options.kernels, program.module.graph):
-        return program
-    fuse(program.module.graph)
-    program.module.recompile()
+    _fuse_module(program.module, options, "fused")
     return program
 
 
@@ -121,10 +118,14 @@ def fused_parts(split: fx.GraphModule, options: Options) -> fx.GraphModule:
     """Each pipeline part's memory-bound ops in Triton kernels, as ``fused`` does a program's:
     a kernel never spans two parts, so never a stage cut."""
     for name, part in split.named_children():
-        if uses_triton(options.kernels, part.graph):
-            fuse(part.graph, prefix=f"{name}_fused")
-            part.recompile()
+        _fuse_module(part, options, f"{name}_fused")
     return split
+
+
+def _fuse_module(module: fx.GraphModule, options: Options, prefix: str) -> None:
+    if uses_triton(options.kernels, module.graph):
+        fuse(module.graph, prefix=prefix)
+        module.recompile()
 
 
 def uses_triton(kernels: str, graph: fx.Graph) -> bool:

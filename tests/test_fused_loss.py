@@ -112,3 +112,9 @@ def test_a_chunk_of_logits_is_about_the_size_of_the_hidden_states(tokens, vocab,
     h), raised to 256 rows where that leaves 4 chunks (the weight gradient's matmuls are slow
     with fewer rows); the tiny test models get 2 and 4 chunks."""
     assert chunk_rows(tokens, vocab, hidden) == rows
+
+
+def test_fused_loss_takes_a_bool():
+    (args, targets), = token_batches(1)
+    with pytest.raises(shardfx.InputError, match=r"fused_loss must be True or False, got 'no'"):
+        shardfx.partition(tiny("llama", 1), args, lm_loss, targets, fused_loss="no")

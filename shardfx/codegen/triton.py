@@ -43,13 +43,9 @@ class Ref:
     name: str
 
 
-@dataclass(frozen=True)
-class KernelInput:
-    name: str  # x0, x1, ...
-    source: str  # the program value it reads, for comments
-    dtype: torch.dtype
-    shape: tuple[int, ...]  # as it arrives: broadcast to S[:-1] + [width] at run time
-    width: int  # its last dimension: S[-1], 1 (a row value) or fewer columns (narrow)
+class _Width:
+    """A kernel value with a ``width``: its last dimension, ``S[-1]`` (full), 1 (a row value)
+    or fewer columns (narrow)."""
 
     @property
     def row(self) -> bool:
@@ -57,18 +53,23 @@ class KernelInput:
 
 
 @dataclass(frozen=True)
-class KernelOp:
+class KernelInput(_Width):
+    name: str  # x0, x1, ...
+    source: str  # the program value it reads, for comments
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # as it arrives: broadcast to S[:-1] + [width] at run time
+    width: int  # ``_Width``
+
+
+@dataclass(frozen=True)
+class KernelOp(_Width):
     name: str  # v0, v1, ...
     source: str  # the program op it replaces (``mul_7``), for comments
     target: Any  # the ATen overload
     args: tuple  # Refs and literals
     kwargs: dict
     dtype: torch.dtype
-    width: int  # its last dimension: S[-1], 1 (a row value) or fewer columns (narrow)
-
-    @property
-    def row(self) -> bool:
-        return self.width == 1
+    width: int  # ``_Width``
 
 
 @dataclass(frozen=True)

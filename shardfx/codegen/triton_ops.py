@@ -195,10 +195,6 @@ def _columns(op, args: list[str]) -> str:
     return expr + ")" * (len(parts) - 1)
 
 
-def reduction_of(target) -> str | None:
-    return "reduction" if target in REDUCTIONS else "row" if target in ROW_OPS else None
-
-
 def fusible(node) -> bool:
     """Whether the table computes ``node`` (its op, and arguments it covers)."""
     t = node.target

@@ -69,6 +69,12 @@ def hashable(x: Any) -> Any:
     return (type(x).__name__, x)
 
 
+def tensor_val(n: Any) -> torch.Tensor | None:
+    """``n``'s FakeTensor value, or None (not a node, no value, or a tuple of values)."""
+    v = n.meta.get(M.VAL) if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
 def inherit_place(src: fx.Node, dst: fx.Node) -> None:
     """``dst``, made to stand for or beside ``src``, goes where ``src`` is: its PHASE, STAGE
     and module (``nn_module_stack``, which names the repeated block)."""

@@ -26,16 +26,15 @@ vocabulary sharded over tp (its collectives sit between the ops).
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from shardfx.codegen.linear_ce import LinearCrossEntropy, LinearCrossEntropyBackward, chunk_rows
 from shardfx.ir import meta as M
-from shardfx.ir.graph import fake_mode_of, fake_value, inherit_place
+from shardfx.ir.graph import fake_mode_of, fake_value, inherit_place, tensor_val as _val
 
 aten = torch.ops.aten
 
@@ -52,7 +51,6 @@ class FusedLoss:
     vocab: int
     hidden: int
     rows: int  # per chunk
-    logits_dtype: torch.dtype = torch.float32  # what the log-softmax read
 
     @classmethod
     def of(cls, node: fx.Node) -> "FusedLoss":
@@ -68,7 +66,7 @@ class FusedLoss:
 
     @property
     def logits_bytes(self) -> int:
-        return self.tokens * self.vocab * self.logits_dtype.itemsize
+        return self.tokens * self.vocab * 4  # fp32: the only log-softmax it replaces
 
 
 @dataclass
@@ -84,7 +82,7 @@ class _Head:
     nll_backward: fx.Node | None = None
     lsm_backward: fx.Node | None = None
     h_backward: fx.Node | None = None  # h as the backward reads it (remat may recompute it)
-    nll_copies: list[fx.Node] = dataclasses.field(default_factory=list)  # remat's
+    nll_copies: list[fx.Node] = field(default_factory=list)  # remat's
 
 
 def fuse_loss(graph: fx.Graph) -> list[FusedLoss]:
@@ -98,11 +96,6 @@ def fuse_loss(graph: fx.Graph) -> list[FusedLoss]:
     return found
 
 
-def _val(n) -> torch.Tensor | None:
-    v = n.meta.get(M.VAL) if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _dead(n: fx.Node) -> bool:
     """A view (or transpose) nothing reads, but such views: mixed precision leaves some."""
     return n.op == "call_function" and n.target in (*_VIEWS, aten.t.default) and \
@@ -113,11 +106,10 @@ def _live_users(n: fx.Node) -> list[fx.Node]:
     return [u for u in n.users if not _dead(u)]
 
 
-def _back(n: fx.Node, casts: bool = True) -> fx.Node:
-    """Up through single-reader views (and casts) to what they view."""
-    while n.op == "call_function" and (n.target in _VIEWS or (
-            casts and n.target is aten._to_copy.default)) and isinstance(n.args[0], fx.Node) \
-            and len(_live_users(n.args[0])) == 1:
+def _back(n: fx.Node) -> fx.Node:
+    """Up through single-reader views and casts to what they view."""
+    while n.op == "call_function" and n.target in (*_VIEWS, aten._to_copy.default) and \
+            isinstance(n.args[0], fx.Node) and len(_live_users(n.args[0])) == 1:
         n = n.args[0]
     return n
 
@@ -265,7 +257,7 @@ def _replace(graph: fx.Graph, head: _Head) -> FusedLoss:
     head.grad_h.replace_all_uses_with(grad_h)
     head.grad_w.replace_all_uses_with(grad_w)
     _erase_dead(graph, old)
-    return dataclasses.replace(FusedLoss.of(call), logits_dtype=_val(head.lsm).dtype)
+    return FusedLoss.of(call)
 
 
 def _items(graph: fx.Graph, call: fx.Node, n: int) -> list[fx.Node]:

@@ -34,7 +34,7 @@ import torch.fx as fx
 from shardfx.codegen.triton import FusedKernel, Group, KernelInput, KernelOp, Ref
 from shardfx.codegen.triton_ops import COLUMN_OPS, REDUCTIONS, ROW_OPS, columns, fusible
 from shardfx.ir import meta as M
-from shardfx.ir.graph import inherit_place
+from shardfx.ir.graph import inherit_place, tensor_val as _val
 from shardfx.passes.decompose import decompose
 
 aten = torch.ops.aten
@@ -103,11 +103,6 @@ def _merged(groups: list[_Building], order: dict) -> _Building:
         merged.width.update(g.width)
         merged.moved += g.moved
     return merged
-
-
-def _val(n) -> torch.Tensor | None:
-    v = n.meta.get(M.VAL) if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _start(node: fx.Node) -> _Building | None:
