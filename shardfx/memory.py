@@ -353,7 +353,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers, optimizer=opt_state)
     parts = {name: _part(getattr(program.module, name)) for name in program.parts}
     steps = program.steps(rank)
-    comm = {r.key: _shape_bytes(r.shape, r.dtype) for s in steps for r in s.receives}
+    comm: dict[tuple, int] = {}  # receive buffers: posted before their step, freed after
     saved: dict[tuple, int] = {}
     grads: dict[str, int] = {}
     best = DeviceMemory(**state)
@@ -369,6 +369,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     sending = 0  # gloo frees a send's buffer only when the step's end waits for it
     for step in steps:
         mb = step.action.microbatch
+        comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in step.receives}
         for call in step.calls:
             info = parts[call.part]
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],

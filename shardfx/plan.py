@@ -235,11 +235,10 @@ class Plan:
                 self._memory = {rank: per_pp[coord[pp]] for rank, coord in enumerate(coords)}
         return self._memory
 
-    def compiled_stages(self, ranks: list[int] | None = None) -> StageProgram:
-        """The per-stage parts and the schedule, compiled into each rank's steps
-        (``runtime.compiled``); ``ranks``: pipeline rank -> global rank (default: the same)."""
-        return StageProgram.of(self.stage_program, self.ir, self.schedule,
-                               ranks or list(range(self.mesh.axis("pp"))))
+    def compiled_stages(self) -> StageProgram:
+        """The per-stage parts and the schedule, compiled into each pipeline rank's steps
+        (``runtime.compiled``)."""
+        return StageProgram.of(self.stage_program, self.ir, self.schedule)
 
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),

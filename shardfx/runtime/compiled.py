@@ -4,10 +4,17 @@
 actions per rank. `StageProgram.steps` turns this rank's action list into `Step` records:
 each action's parts with where every input comes from (a weight, a batch slice, a value an
 earlier part on this rank left, a value another rank sends) and where every output goes (a
-gradient, the loss, a model output, a later part here, other ranks); the values the action
-waits for first (their first reader on this rank) and those it drops after (their last). The
-loop then only looks things up. Built for the training program, and for the forward-only
-program a pipeline plan runs inference with.
+gradient, the loss, a model output, a later part here, other ranks); the receives the rank
+posts before the action and waits for, and the values it drops after (their last reader
+here). The loop then only looks things up. Built for the training program, and for the
+forward-only program a pipeline plan runs inference with.
+
+The messages (every tensor a part sends another rank, keyed by part, output and microbatch)
+are posted as ``schedule.p2p`` orders them for an in-order transport: sends after the action
+that makes them, in the order of its parts and outputs; receives before the first action on
+the receiving rank that reads them, each after the messages its sender sent this rank
+earlier. ``StageProgram.steps`` plays every rank's order (``check_p2p``) before any rank
+runs, so an order that would hang under NCCL is a ``ScheduleError`` at ``plan.runner()``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.schedule import Action, Kind, Schedule
+from shardfx.schedule.p2p import check_p2p
 
 
 @dataclass
@@ -28,7 +36,7 @@ class Output:
     index: int  # which output of the part (a part returns a tuple, even of one)
     roles: tuple[M.OutputRole, ...]  # the program outputs it is (a gradient, the loss, ...)
     local: bool  # read by a later part on this rank
-    sends: list[tuple[int, int]]  # (global rank, tag without the microbatch) to send it to
+    sends: list[int]  # the pipeline ranks it is sent to
 
 
 @dataclass
@@ -42,15 +50,16 @@ class Call:
 @dataclass
 class Receive:
     key: tuple  # (part, output index, microbatch)
-    src: int  # global rank
-    tag: int
+    src: int  # the pipeline rank it comes from
     shape: tuple[int, ...]
     dtype: torch.dtype
 
 
 @dataclass
 class Step:
-    """One action of this rank: its parts, what it waits for first, what it drops after."""
+    """One action of this rank: its parts, the receives it posts and waits for first (its
+    inputs from other ranks, and earlier messages of the same senders: ``schedule.p2p``),
+    what it drops after."""
 
     action: Action
     name: str
@@ -61,22 +70,20 @@ class Step:
 
 class StageProgram:
     @classmethod
-    def of(cls, split: fx.GraphModule, ir: fx.GraphModule, schedule: Schedule,
-           ranks: list[int]) -> "StageProgram":
-        """``split``'s parts run by ``schedule`` on ``ranks``; the IR it was split from gives
-        the outputs' roles and the fake values (shapes to receive into)."""
+    def of(cls, split: fx.GraphModule, ir: fx.GraphModule, schedule: Schedule) -> "StageProgram":
+        """``split``'s parts run by ``schedule``; the IR it was split from gives the outputs'
+        roles and the fake values (shapes to receive into)."""
         vals = {n.name: n.meta[M.VAL] for n in ir.graph.nodes if M.VAL in n.meta}
-        return cls(split, ir.graph.output_node().meta[M.OUTPUTS], schedule, ranks, vals)
+        return cls(split, ir.graph.output_node().meta[M.OUTPUTS], schedule, vals)
 
     def __init__(self, split: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
-                 schedule: Schedule, ranks: list[int], vals: dict[str, Any]):
-        """``split``: the per-stage parts; ``outputs``: the roles of its outputs; ``ranks``:
-        pipeline rank -> global rank; ``vals``: fake values by node name, for shapes the parts'
-        own graphs do not record."""
-        self.module, self.schedule, self.ranks, self._vals = split, schedule, ranks, vals
+                 schedule: Schedule, vals: dict[str, Any]):
+        """``split``: the per-stage parts; ``outputs``: the roles of its outputs; ``vals``: fake
+        values by node name, for shapes the parts' own graphs do not record. Ranks here are
+        places on the pp axis."""
+        self.module, self.schedule, self._vals = split, schedule, vals
         self.parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
         self._stage = {name: int(name[5:].split("_")[0]) for name in self.parts}
-        self._order = {name: i for i, name in enumerate(self.parts)}
         placeholders = split.graph.find_nodes(op="placeholder")
         self.roles = {n.name: n.meta[M.ROLE] for n in placeholders}
         self._input_vals = {n.name: n.meta.get(M.VAL) for n in placeholders}
@@ -87,6 +94,9 @@ class StageProgram:
         self.finals: dict[tuple, list[M.OutputRole]] = defaultdict(list)  # (part, index) -> roles
         for value, role in zip(split.graph.output_node().args[0], outputs):
             self.finals[source(value)].append(role)
+        self._calls = {name: self._call(name, self.rank_of(name)) for name in self.parts}
+        self._first: dict[int, dict[tuple, Action]] = {}
+        self._batches = None  # every rank's messages in posting order, checked (schedule.p2p)
 
     def rank_of(self, part: str) -> int:
         return self.schedule.rank_of(self._stage[part])
@@ -116,28 +126,56 @@ class StageProgram:
         return [p for p in parts if p in self.parts]
 
     def steps(self, rank: int) -> list[Step]:
-        """``rank``'s actions, compiled."""
-        calls = {name: self._call(name, rank) for name in self.parts}
-        steps, first, last = [], {}, {}
-        for i, action in enumerate(self.schedule.actions[rank]):
-            mine = [calls[p] for p in self.parts_of(action)]
-            steps.append(Step(action, str(action), mine))
-            for call in mine:
+        """``rank``'s actions, compiled; raises ScheduleError when the messages of the
+        schedule, posted in order, would not meet (``schedule.p2p``)."""
+        steps = [Step(a, str(a), [self._calls[p] for p in self.parts_of(a)])
+                 for a in self.schedule.actions[rank]]
+        last = {}
+        for i, step in enumerate(steps):
+            for call in step.calls:
                 for src in call.inputs:
                     if src[0] == "value":
-                        key = (*src[1:], action.microbatch)
-                        first.setdefault(key, i)
-                        last[key] = i
-        for key, i in first.items():
-            part, index, mb = key
-            if self.rank_of(part) != rank:
-                val = self.out_val(part, index)
-                steps[i].receives.append(Receive(key, self.ranks[self.rank_of(part)],
-                                                 self.tag(part, index) + mb, tuple(val.shape),
-                                                 val.dtype))
+                        last[(*src[1:], step.action.microbatch)] = i
         for key, i in last.items():
             steps[i].frees.append(key)
+        if self._batches is None:
+            self._batches = check_p2p(self.schedule, self.messages)
+        for batch in self._batches[rank]:
+            for op in batch.ops:
+                if not op.send:  # a receive, posted before the action at batch.index
+                    part, out, _ = op.message
+                    val = self.out_val(part, out)
+                    steps[batch.index].receives.append(
+                        Receive(op.message, op.peer, tuple(val.shape), val.dtype))
         return steps
+
+    def messages(self, action: Action) -> tuple[list, list]:
+        """What ``action`` sends other ranks and what it reads from them first on its rank,
+        each ((part, output, microbatch), pipeline rank), in the order they are posted."""
+        rank, mb = self.schedule.rank_of(action.stage), action.microbatch
+        calls = [self._calls[p] for p in self.parts_of(action)]
+        out = [((c.part, o.index, mb), dst) for c in calls for o in c.outputs for dst in o.sends]
+        seen = self._first_reads(rank)
+        ins = []
+        for c in calls:
+            for src in c.inputs:
+                key = (*src[1:], mb) if src[0] == "value" else None
+                if key and self.rank_of(key[0]) != rank and seen[key] is action \
+                        and (key, self.rank_of(key[0])) not in ins:
+                    ins.append((key, self.rank_of(key[0])))
+        return out, ins
+
+    def _first_reads(self, rank: int) -> dict[tuple, Action]:
+        """(part, output, microbatch) -> the first action on ``rank`` that reads it."""
+        if rank not in self._first:
+            first: dict[tuple, Action] = {}
+            for a in self.schedule.actions[rank]:
+                for p in self.parts_of(a):
+                    for src in self._calls[p].inputs:
+                        if src[0] == "value":
+                            first.setdefault((*src[1:], a.microbatch), a)
+            self._first[rank] = first
+        return self._first[rank]
 
     def _call(self, part: str, rank: int) -> Call:
         call = self.parts[part]
@@ -148,18 +186,13 @@ class StageProgram:
         for index in sorted(set(consumers) | {i for (p, i) in self.finals if p == part}):
             ranks = sorted({self.rank_of(c) for c in consumers.get(index, ())})
             outputs.append(Output(index, tuple(self.finals.get((part, index), ())),
-                                  rank in ranks, [(self.ranks[r], self.tag(part, index))
-                                                  for r in ranks if r != rank]))
+                                  rank in ranks, [r for r in ranks if r != rank]))
         return Call(part, getattr(self.module, part), inputs, outputs)
 
     def out_val(self, part: str, index: int):
         """The fake value (shape, dtype) of a part's output, to receive it into."""
         node = getattr(self.module, part).graph.output_node().args[0][index]
         return node.meta.get(M.VAL, self._vals.get(node.name))
-
-    def tag(self, part: str, index: int) -> int:
-        """The tag of a part's output, plus the microbatch: unique within a step."""
-        return (self._order[part] * 4096 + index) * 1024
 
 
 def source(value: fx.Node) -> tuple[str, int]:

@@ -80,6 +80,30 @@ def _axis_group(grid: torch.Tensor, dim: int, name: str,
     return mine
 
 
+def channels(mesh: DeviceMesh, axis: str) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A process group of two ranks for each ordered pair (i, j) of this rank's places on
+    ``axis``, which i sends to j on and nothing else: one direction per NCCL communicator, so
+    a send its receiver has not reached yet delays no other message (``schedule.p2p``).
+
+    Every rank must call it: each creates every pair group of every line of the axis, in the
+    same order. Ensures: the groups wait as long as the default group (``collective_timeout``).
+    """
+    names = list(mesh.mesh_dim_names)
+    dim = names.index(axis)
+    size = mesh.mesh.size(dim)
+    me, timeout, out = dist.get_rank(), collective_timeout(), {}
+    for line in mesh.mesh.movedim(dim, -1).reshape(-1, size).tolist():
+        for i in range(size):
+            for j in range(size):
+                if i == j:
+                    continue
+                group = dist.new_group([line[i], line[j]], timeout=timeout,
+                                       group_desc=f"{axis}_{i}_to_{j}")
+                if me in (line[i], line[j]):
+                    out[(i, j)] = group
+    return out
+
+
 def coordinate(mesh: DeviceMesh) -> dict[str, int]:
     """This rank's index along each named axis of ``mesh``, e.g. ``{"dp": 1, "tp": 0}``."""
     coord = mesh.get_coordinate()

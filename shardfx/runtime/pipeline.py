@@ -9,18 +9,19 @@ the replicas combine their gradients (and the loss) after the last microbatch.
 For each action the runner gathers the part's inputs: this rank's parameters; the action's
 microbatch slice of the global inputs and targets; values an earlier action of the same rank
 left (saved activations, dropped after their last reader, so a rank holds what
-``schedule.check.in_flight`` counts); values another rank sends, received point-to-point
-(tagged by producer, output and microbatch). What a part produces for other ranks is sent with
-``isend`` at once; a B without W actions sends its input gradient before it computes the weight
-gradient (``simulate(..., send_early=True)``).
+``schedule.check.in_flight`` counts); values another rank sends, received point-to-point.
+What a part produces for other ranks is sent with ``isend`` at once; a B without W actions
+sends its input gradient before it computes the weight gradient (``simulate(...,
+send_early=True)``).
 
-Every receive of a step is posted when the step starts, into a buffer of its own (as
-torch.distributed.pipelining allocates one per microbatch): posting a gloo receive costs a
-fraction of a millisecond, which between two actions would be idle time on the critical path.
-Gloo matches a message to its receive by tag, so the order of posting does not matter; NCCL
-matches in order and would need each action's sends and receives batched in a matching order
-instead (not done). The timeline records compute only: time waiting for data is idle, as the
-schedule simulator counts it.
+Messages go in the order an in-order transport needs (NCCL matches the k-th send of a pair of
+ranks with the k-th receive), on gloo as on NCCL, so CI runs the code GPUs run: before each
+action a rank posts the receives of what the action reads from other ranks, each after those
+its sender sent this rank earlier (``schedule.p2p``, checked for every rank when the runner is
+made: an order that would hang is a ``ScheduleError`` then, never a hang); sends go on a
+process group of their own per direction (``runtime.mesh.channels``), so a send waiting for
+its receiver holds up nothing else. The timeline records compute only: time waiting for data
+is idle, as the schedule simulator counts it.
 
 Gradients are summed over microbatches. The tangent is 1/m when the batch's loss is the mean of
 the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
@@ -50,7 +51,7 @@ from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
-from shardfx.runtime.mesh import coordinate, device_mesh
+from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
 from shardfx.schedule import forward_only
@@ -65,12 +66,7 @@ class PipelineRunner:
         coord = coordinate(mesh)
         self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
         self._pp = mesh.get_group("pp")
-        if dist.get_backend(self._pp) != "gloo":  # see the module docstring
-            raise PipelineError(
-                f"the pipeline runner sends stage to stage over gloo; this run uses "
-                f"{dist.get_backend(self._pp)}, whose in-order matching the runner's early "
-                "receives would deadlock", where="plan.runner()",
-                fix="init_process_group('gloo') (shardfx.launch does), or plan without pp")
+        self._channels = channels(mesh, "pp")  # (from, to) pipeline ranks -> its group
         self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
         self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
@@ -79,7 +75,7 @@ class PipelineRunner:
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up
-        self._program = StageProgram.of(plan.stage_program, plan.ir, self.schedule, self._ranks)
+        self._program = StageProgram.of(plan.stage_program, plan.ir, self.schedule)
         self._steps = self._program.steps(self.rank)
         model = plan.model
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
@@ -156,23 +152,21 @@ class PipelineRunner:
 
     def _execute(self, program: StageProgram, steps: list[Step], flat: list,
                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run this rank's steps once: every receive posted first (see the module docstring),
-        then each action's parts, its span timed once its inputs are here."""
+        """Run this rank's steps once: before each action its receives (see the module
+        docstring), then its parts, the span timed once its inputs are here."""
         self._store: dict[tuple, Any] = {}  # (part, output, microbatch) -> value on this rank
-        self._pending: dict[tuple, tuple] = {}  # posted receives: key -> (work, buffer)
         self._sends: list = []
         self._outputs: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._spans, self._held = [], []
         loss = torch.zeros(())
         for step in steps:
-            for r in step.receives:
-                buf = torch.empty(r.shape, dtype=r.dtype)
-                self._pending[r.key] = (dist.irecv(buf, r.src, tag=r.tag), buf)
-        for step in steps:
+            posted = []
             for r in step.receives:  # other ranks' data first: the span is compute only
-                work, buf = self._pending.pop(r.key)
+                buf = torch.empty(r.shape, dtype=r.dtype)
+                posted.append((r.key, buf, self._recv(buf, r.src)))
+            for key, buf, work in posted:
                 work.wait()
-                self._store[r.key] = buf
+                self._store[key] = buf
             start = time.perf_counter()
             for call in step.calls:
                 loss += self._run(program, call, step.action.microbatch, flat, weights)
@@ -184,6 +178,13 @@ class PipelineRunner:
         for work in self._sends:
             work.wait()
         return loss
+
+    def _send(self, value: torch.Tensor, dst: int):
+        """Post a send to pipeline rank ``dst`` on this direction's own group."""
+        return dist.isend(value, self._ranks[dst], group=self._channels[(self.rank, dst)])
+
+    def _recv(self, buf: torch.Tensor, src: int):
+        return dist.irecv(buf, self._ranks[src], group=self._channels[(src, self.rank)])
 
     def _run(self, program: StageProgram, call, mb: int, flat: list,
              weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -210,8 +211,7 @@ class PipelineRunner:
                 self._store[(call.part, o.index, mb)] = value
             if o.sends:
                 value = value.contiguous()
-                for dst, tag in o.sends:
-                    self._sends.append(dist.isend(value, dst, tag=tag + mb))
+                self._sends += [self._send(value, dst) for dst in o.sends]
         return loss
 
     def _input(self, program: StageProgram, src: tuple, mb: int, flat: list,
@@ -268,7 +268,7 @@ class PipelineRunner:
         else:
             schedule = forward_only(self.schedule.ranks, self.m,
                                     self.schedule.stages // self.schedule.ranks)
-            program = StageProgram.of(split, ir, schedule, self._ranks)
+            program = StageProgram.of(split, ir, schedule)
             steps = program.steps(self.rank)
         outputs = []
         for (part, index), roles in program.finals.items():
@@ -324,10 +324,10 @@ class PipelineRunner:
             p = self._params.get(fqn)
             for r in readers:
                 if r != owner and self.rank == owner:
-                    dist.send(p.detach().contiguous(), self._ranks[r], tag=1 << 30)
+                    self._send(p.detach().contiguous(), r).wait()
                 elif r == self.rank and r != owner:
                     buf = torch.empty_like(p)
-                    dist.recv(buf, self._ranks[owner], tag=1 << 30)
+                    self._recv(buf, owner).wait()
                     with torch.no_grad():
                         p.copy_(buf)
 

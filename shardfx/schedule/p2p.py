@@ -20,12 +20,18 @@ its receives: with one shared queue, interleaved 1F1B on 2 ranks and 4 microbatc
 raises ``ScheduleError`` on a receive that would take another message's data (a mismatch)
 or on receives that wait for each other (a hang), naming the ranks, the messages and the
 action, with the grid marked: a planning error, never a hang at run time.
+
+A message here is by default what one action sends the next stage (``messages_out``,
+``messages_in``); the pipeline runner passes its own, every tensor one part sends another
+rank (``runtime.compiled``), since a value may also skip stages (a mask made in stage 0 and
+read by every stage) and an action may send several.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 from shardfx.schedule.actions import Action, Kind, Schedule, ScheduleError
 
@@ -47,7 +53,7 @@ class Message:
 class Op:
     send: bool
     peer: int
-    message: Message
+    message: Hashable  # a Message, or the runner's (part, output, microbatch)
 
     def __str__(self) -> str:
         return f"{'send' if self.send else 'recv'} {self.message} {'to' if self.send else 'from'} rank {self.peer}"
@@ -82,14 +88,25 @@ def messages_in(schedule: Schedule, a: Action) -> list[tuple[Message, int]]:
     return []
 
 
-def batches(schedule: Schedule) -> list[list[Batch]]:
+Messages = Callable[[Action], tuple[list[tuple[Hashable, int]], list[tuple[Hashable, int]]]]
+
+
+def stage_messages(schedule: Schedule) -> Messages:
+    """What each action sends and receives when only neighbouring stages talk."""
+    return lambda a: (messages_out(schedule, a), messages_in(schedule, a))
+
+
+def batches(schedule: Schedule, messages: Messages | None = None) -> list[list[Batch]]:
     """Each rank's groups, in the order it posts them (the module docstring). A receive
     goes in the sender's order: where an action needs a message its sender sent after
-    others to this rank, those are received first (early, into buffers of their own)."""
-    order: dict[tuple[int, int], list[Message]] = defaultdict(list)  # (src, dst) -> sends
+    others to this rank, those are received first (early, into buffers of their own).
+    ``messages(action)``: what it sends and what it receives, each as (message, peer rank),
+    in the order it posts them (default: ``stage_messages``)."""
+    messages = messages or stage_messages(schedule)
+    order: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> sends, in order
     for rank, acts in enumerate(schedule.actions):
         for a in acts:
-            for m, peer in messages_out(schedule, a):
+            for m, peer in messages(a)[0]:
                 order[(rank, peer)].append(m)
     out = []
     for rank, acts in enumerate(schedule.actions):
@@ -97,26 +114,31 @@ def batches(schedule: Schedule) -> list[list[Batch]]:
         taken: dict[int, int] = defaultdict(int)  # src -> messages from it received so far
         for i, a in enumerate(acts):
             ops = [Op(True, peer, m) for m, peer in pending]
-            for m, src in messages_in(schedule, a):
+            for m, src in messages(a)[1]:
                 sent = order[(src, rank)]
-                upto = sent.index(m) + 1
+                if m not in sent:
+                    raise ScheduleError(
+                        f"rank {rank} waits before {a} for {m} from rank {src}, which never "
+                        "sends it", where="shardfx.schedule.p2p.batches",
+                        fix="every message an action reads is one its sender sends to its rank")
+                upto = sent.index(m) + 1  # <= taken[src] if it came early: nothing to post
                 ops += [Op(False, src, x) for x in sent[taken[src]:upto]]
                 taken[src] = max(taken[src], upto)
             if ops:
                 mine.append(Batch(a, i, ops))
-            pending = messages_out(schedule, a)
+            pending = messages(a)[0]
         if pending:
             mine.append(Batch(None, len(acts), [Op(True, peer, m) for m, peer in pending]))
         out.append(mine)
     return out
 
 
-def check_p2p(schedule: Schedule) -> list[list[Batch]]:
+def check_p2p(schedule: Schedule, messages: Messages | None = None) -> list[list[Batch]]:
     """Play every rank's groups with in-order matching per (sender, receiver) pair; returns
     the groups, or raises ScheduleError on a mismatch or a hang (module docstring)."""
     from shardfx.schedule.check import grid
 
-    groups = batches(schedule)
+    groups = batches(schedule, messages)
     at = [0] * schedule.ranks  # the group each rank is in
     sends: dict[tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> posted, unmet
     recvs: dict[tuple[int, int], deque] = defaultdict(deque)
