@@ -23,6 +23,7 @@ from shardfx.passes.manager import Options, PassRecord, dump_failure
 from shardfx.pipeline import deferred_codegen
 from shardfx.plan import Plan
 from shardfx.precision import Precision
+from shardfx.runtime.device import choose_device
 from shardfx.schedule import GENERATORS, Schedule
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -110,6 +111,7 @@ def partition(
     kernels: str = "auto",
     fused_loss: bool = True,
     *,
+    device: str | torch.device | None = None,
     debug: bool | None = None,
 ) -> Plan:
     """Trace ``model`` on ``example_args`` (one global batch) and plan it for ``mesh``.
@@ -135,7 +137,10 @@ def partition(
     ops, "auto" Triton on CUDA and ATen on CPU. ``fused_loss``: an LM head whose logits only
     feed a cross-entropy runs as one op over chunks of rows, forward and backward, so the
     (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
-    ops. ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
+    ops. ``device``: where this process's programs run (``runtime.device``): by default
+    ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
+    CPU or on meta is planned all the same, and the runner puts its weights there.
+    ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
@@ -152,7 +157,8 @@ def partition(
                       memory_budget=parse_bytes(memory_budget),
                       optimizer=optimizer_model(optimizer).name,
                       precision=Precision.parse(precision), kernels=_kernels(kernels),
-                      fused_loss=_flag(fused_loss, "fused_loss"))
+                      fused_loss=_flag(fused_loss, "fused_loss"),
+                      device=choose_device(device, model, example_args))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
@@ -30,6 +29,7 @@ from shardfx.passes.rng import rng_dropout
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
 from shardfx.passes.stage_cut import stage_cut
+from shardfx.runtime.device import place
 
 
 def deferred_codegen():
@@ -77,7 +77,14 @@ def whole_backward(options: Options) -> bool:
 
 def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule, list[Collective]]:
     """The program(s) every device runs, from the planned IR: one program for one device or a
-    dp/tp mesh; under pp, the per-stage parts (F, B, W). Run again after ``passes.remat``."""
+    dp/tp mesh; under pp, the per-stage parts (F, B, W). Run again after ``passes.remat``.
+    Every tensor they make is made on ``options.device`` (``runtime.device.place``)."""
+    program, collectives = _emit(gm, options)
+    place(program if isinstance(program, fx.GraphModule) else program.module, options.device)
+    return program, collectives
+
+
+def _emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule, list[Collective]]:
     if options.stages > 1:
         whole = whole_backward(options)
         if options.mesh.only("tp").size == 1:
@@ -123,17 +130,16 @@ def fused_parts(split: fx.GraphModule, options: Options) -> fx.GraphModule:
 
 
 def _fuse_module(module: fx.GraphModule, options: Options, prefix: str) -> None:
-    if uses_triton(options.kernels, module.graph):
+    if uses_triton(options):
         fuse(module.graph, prefix=prefix)
         module.recompile()
 
 
-def uses_triton(kernels: str, graph: fx.Graph) -> bool:
-    if kernels == "auto":
-        device = next((v.device for n in graph.nodes
-                       if isinstance(v := n.meta.get(M.VAL), torch.Tensor)), None)
-        return device is not None and device.type == "cuda"
-    return kernels == "triton"
+def uses_triton(options: Options) -> bool:
+    """Fused Triton kernels: asked for, or "auto" on a plan that runs on CUDA."""
+    if options.kernels == "auto":
+        return options.device.type == "cuda"
+    return options.kernels == "triton"
 
 
 def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):

@@ -74,13 +74,10 @@ class Plan:
 
     @property
     def device(self) -> torch.device:
-        """Where the weights are, so a step's inputs too: the model's device (a model planned
-        on meta, once materialized: where it was put); while it is still on meta, the example
-        inputs' device, else CPU (what a meta model is traced as)."""
-        tensors = itertools.chain(self.model.parameters(), self.model.buffers(),
-                                  pytree.tree_leaves(self._example_args))
-        return next((t.device for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta),
-                    torch.device("cpu"))
+        """Where this process's programs run, weights and batch slices included
+        (``runtime.device``: ``partition(..., device=)``, else ``cuda:LOCAL_RANK`` under NCCL,
+        else the model's device when it was planned)."""
+        return self.options.device
 
     # --- running ----------------------------------------------------------------------------
 
@@ -127,8 +124,8 @@ class Plan:
 
     def check_inputs(self, args: Any, targets: Any, inference: bool = False) -> list[torch.Tensor]:
         """Flatten a step's inputs, checking them against what the plan was captured with:
-        structure, then each tensor's shape, dtype and device (and that a training step has a
-        training plan)."""
+        structure, then each tensor's shape, dtype and device (the plan's, or the CPU), and that
+        a training step has a training plan."""
         where = "runner.forward" if inference else "runner.step"
         if not inference and self.mode is not M.Mode.TRAIN:
             raise InputError("this plan was built for inference (no loss_fn)",
@@ -149,11 +146,12 @@ class Plan:
                     where=s.name,
                     fix="shapes are static: call partition() again with example inputs of this "
                     "shape (or pad/batch your data to the planned shape)")
-            if t.device != self.device:
+            if t.device != self.device and t.device.type != "cpu":  # the runner moves CPU ones
                 raise InputError(
-                    f"{s.name} is on {t.device}; the plan's weights are on {self.device}",
+                    f"{s.name} is on {t.device}; the plan runs on {self.device}",
                     where=f"{where}, {s.name}",
-                    fix=f"move the inputs to the weights' device: x.to({str(self.device)!r})")
+                    fix=f"pass CPU tensors (each rank moves its slice) or tensors on "
+                        f"{self.device}: x.to({str(self.device)!r})")
         return flat
 
     @staticmethod

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from shardfx.errors import PassError, ShardfxError, VerifyError
@@ -52,6 +53,7 @@ class Options:
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
     kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
     fused_loss: bool = True  # the LM head's matmul and cross-entropy in chunks (passes.fused_loss)
+    device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
 
     @property
     def slices(self) -> int:

@@ -124,7 +124,7 @@ def mixed_precision(gm: fx.GraphModule, options) -> fx.GraphModule:
     precision = options.precision
     if not precision.low:
         return gm
-    edit = _Edit(gm, precision.dtype)
+    edit = _Edit(gm, precision.dtype, options.device)
     for node in op_nodes(gm.graph):
         edit.visit(node)
     edit.outputs()
@@ -136,15 +136,14 @@ def mixed_precision(gm: fx.GraphModule, options) -> fx.GraphModule:
 
 
 class _Edit:
-    def __init__(self, gm: fx.GraphModule, low: torch.dtype):
+    def __init__(self, gm: fx.GraphModule, low: torch.dtype, device: torch.device):
         self.graph, self.low = gm.graph, low
         self.mode = fake_mode_of(gm.graph)
         self.traced = {n: n.meta.get(M.VAL) for n in gm.graph.nodes}  # dtypes as captured
         self.casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         self.counts: Counter = Counter()
         self.stayed: Counter = Counter()
-        self.device = next((v.device for v in self.traced.values()
-                            if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        self.device = device  # where the ops run: their kernels are tried there
 
     # --- one op -----------------------------------------------------------------------------
 

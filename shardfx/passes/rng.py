@@ -174,6 +174,9 @@ def draw_seed() -> int:
     torch.distributed is initialized: call it on every rank."""
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from shardfx.runtime.device import collective_device
+
+        seed = seed.to(collective_device())
         dist.broadcast(seed, src=0)
     return int(seed)
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.errors import InputError, ShardfxError
+from shardfx.runtime.device import collective_device
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan
@@ -80,9 +81,8 @@ class SameBatch:
         if not self.spans_ranks or (self.checked and not self.debug):
             return
         self.checked = True
-        mine = torch.stack([_checksum(t) for t in flat])  # (inputs, 4), on the CPU
-        if dist.get_backend() == "nccl":
-            mine = mine.cuda()
+        mine = torch.stack([_checksum(t).cpu() for t in flat])  # (inputs, 4)
+        mine = mine.to(collective_device())  # NCCL's collectives take GPU tensors
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         for i, name in enumerate(self.names):

@@ -318,10 +318,9 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs))
     try:
         _set_threads(nprocs, launcher_threads)
-        if backend == "nccl":
-            torch.cuda.set_device(r)
+        gpu = _gpu(backend, r)
         dist.init_process_group(backend, init_method="env://", rank=r, world_size=nprocs,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout), device_id=gpu)
         value = fn(*args)
         try:
             message = pickle.dumps(("ok", value))
@@ -406,9 +405,8 @@ def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) 
     if owned:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         backend = backend or _default_backend(local)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        gpu = _gpu(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=gpu)
     try:
         if dist.get_world_size() != nprocs:
             raise LaunchError(
@@ -421,6 +419,15 @@ def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) 
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _gpu(backend: str, local_rank: int) -> torch.device | None:
+    """Under NCCL, this process's GPU (``cuda:LOCAL_RANK``), made current and bound to the
+    process group (its communicators start at once, on the right device); else None."""
+    if "nccl" not in backend:
+        return None
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def _default_backend(nprocs: int) -> str:

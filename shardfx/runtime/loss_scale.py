@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.errors import InputError
+from shardfx.runtime.device import collective_device
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class LossScaler:
             torch._foreach_mul_(grads, 1.0 / self.scale)
         # a sum is inf or nan when any element is (fp32 sums of unscaled gradients do not
         # overflow), and costs no tensor of a gradient's size
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=collective_device())
         if grads:
             bad[0] = float(not bool(torch.stack([g.sum().float() for g in grads]).isfinite().all()))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

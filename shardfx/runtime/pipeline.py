@@ -77,13 +77,16 @@ class PipelineRunner:
         self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up
         self._program = StageProgram.of(plan.stage_program, plan.ir, self.schedule)
         self._steps = self._program.steps(self.rank)
+        self.device = plan.device
         model = plan.model
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         reads = self._program.reads(self.rank).values()
-        # this rank's weights, by FQN: its tp shards, or the model's own tensors
+        # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors
         self._params = {r.name: self._local(r.name, params[r.name]) for r in reads
                         if r.kind is M.InputKind.PARAM}
-        self._buffers = {r.name: buffers[r.name] for r in reads if r.kind is M.InputKind.BUFFER}
+        self._buffers = {r.name: buffers[r.name].to(self.device) for r in reads
+                         if r.kind is M.InputKind.BUFFER}
+        self._constants: dict[tuple, torch.Tensor] = {}  # (program, name) -> on this device
         self._owned = {fqn for fqn in self._params
                        if self._program.producer(M.OutputKind.GRAD, fqn) == self.rank}
         owned = [self._params[fqn] for fqn in sorted(self._owned)]
@@ -108,12 +111,17 @@ class PipelineRunner:
         return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
-        """This rank's tp shard of a parameter, or the model's own when the stage is whole."""
+        """This rank's tp shard of a parameter, or the model's own when the stage is whole
+        and on this rank's device (else a copy there: the stage's weights alone move)."""
         placements = self._program.placements.get(fqn, ())
         if self._tp is None or not any(isinstance(p, Shard) for p in placements):
-            return param
-        local = self._tp.local(param.detach(), placements).clone()
-        return torch.nn.Parameter(local, requires_grad=param.requires_grad)
+            if param.device == self.device:
+                return param
+            local = param.detach()
+        else:
+            local = self._tp.local(param.detach(), placements)
+        return torch.nn.Parameter(local.to(self.device, copy=True),
+                                  requires_grad=param.requires_grad)
 
     def _full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""
@@ -158,11 +166,11 @@ class PipelineRunner:
         self._sends: list = []
         self._outputs: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._spans, self._held = [], []
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         for step in steps:
             posted = []
             for r in step.receives:  # other ranks' data first: the span is compute only
-                buf = torch.empty(r.shape, dtype=r.dtype)
+                buf = torch.empty(r.shape, dtype=r.dtype, device=self.device)
                 posted.append((r.key, buf, self._recv(buf, r.src)))
             for key, buf, work in posted:
                 work.wait()
@@ -191,7 +199,7 @@ class PipelineRunner:
         inputs = [self._input(program, src, mb, flat, weights) for src in call.inputs]
         with torch.no_grad():
             outs = call.module(*inputs)  # a tuple, even of one output
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         for o in call.outputs:
             value = outs[o.index]
             for role in o.roles:
@@ -223,15 +231,19 @@ class PipelineRunner:
             return weights[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(mean, or sum, of m losses)/d(one of them)
             return torch.full((), (1.0 / self.m if self._mean else 1.0) * seed(self.loss_scaler),
-                              dtype=program.input_val(name).dtype)
+                              dtype=program.input_val(name).dtype, device=self.device)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)
         if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
-            return program.constants[name]
+            key = (id(program), name)
+            if key not in self._constants:
+                self._constants[key] = program.constants[name].to(self.device)
+            return self._constants[key]
         if role.kind is M.InputKind.RNG:  # slice: this replica's microbatch mb, in batch order
-            return rng_value(self._seed, self._step_count, self._dp_index * self.m + mb)
+            return rng_value(self._seed, self._step_count,
+                             self._dp_index * self.m + mb).to(self.device)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
-        return mine.chunk(self.m)[mb]
+        return mine.chunk(self.m)[mb].to(self.device)  # moved: only this microbatch's
 
     # --- inference --------------------------------------------------------------------------
 
@@ -250,7 +262,7 @@ class PipelineRunner:
             if self.rank == owner:
                 mine = torch.cat([self._outputs[role.index][mb] for mb in range(self.m)])
             else:
-                mine = torch.empty(shape, dtype=val.dtype)
+                mine = torch.empty(shape, dtype=val.dtype, device=self.device)
             dist.broadcast(mine, src=self._ranks[owner], group=self._pp)
             if self._dp is not None:  # every replica's rows, in order
                 parts = [torch.empty_like(mine) for _ in range(self._dp_size)]
@@ -290,7 +302,7 @@ class PipelineRunner:
         for role in program.reads(self.rank).values():
             fqn = role.name
             if role.kind is M.InputKind.BUFFER:
-                out[fqn] = self._buffers.get(fqn, buffers[fqn])
+                out[fqn] = self._buffers.get(fqn, buffers[fqn]).to(self.device)
             elif role.kind is M.InputKind.PARAM:
                 if fqn not in self._params:
                     raise PipelineError(
@@ -432,7 +444,7 @@ class PipelineRunner:
             owner = self._holder(fqn)
             val = shapes[fqn]
             t = mine[fqn].detach().clone() if self.rank == owner and mine.get(fqn) is not None \
-                else torch.empty(val.shape, dtype=val.dtype)
+                else torch.empty(val.shape, dtype=val.dtype, device=self.device)
             dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
         return out

@@ -3,10 +3,11 @@
 On one device the runner binds the program's parameter and buffer inputs to the model's own
 tensors and updates them in place, as an eager training loop would: the user's optimizer gets
 the model's ``nn.Parameter`` objects, their ``.grad`` holds the last step's gradients, and the
-model sees the trained weights. On a mesh each rank keeps its own shard of every parameter (new
-``nn.Parameter`` objects: the optimizer steps on shards), cuts its slice of each global batch,
-and ``state_dict`` gathers full tensors. The program itself, not the original module, computes
-the step.
+model sees the trained weights (moved to ``plan.device`` first, when they are elsewhere). On a
+mesh each rank keeps its own shard of every parameter on its device (new ``nn.Parameter``
+objects: the optimizer steps on shards), cuts its slice of each global batch and moves it
+there, and ``state_dict`` gathers full tensors. The program itself, not the original module,
+computes the step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.codegen.program import Program
@@ -25,6 +27,7 @@ from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
+from shardfx.runtime.device import move
 from shardfx.runtime.shards import Shards
 
 if TYPE_CHECKING:
@@ -48,12 +51,22 @@ class Runner:
                     fix="materialize the model before plan.runner(): "
                     "model.to_empty(device='cpu') then initialize or load weights",
                 )
+        self.device = plan.device
         self._shards = Shards(plan.mesh) if plan.mesh.size > 1 else None
         self._placements = _placements(plan.program)
-        if self._shards is not None:
+        if self._shards is None:
+            if any(t.device != self.device for t in [*self._params.values(),
+                                                     *self._buffers.values()]):
+                move(model, self.device)  # on CUDA the same Parameter objects
+                self._params = dict(model.named_parameters())
+                self._buffers = dict(model.named_buffers())
+        else:
             self._params = {name: torch.nn.Parameter(
-                self._shards.local(p.detach(), self._placements.get(name, ())).clone(),
-                requires_grad=p.requires_grad) for name, p in self._params.items()}
+                self._shards.local(p.detach(), self._placements.get(name, ())).to(
+                    self.device, copy=True), requires_grad=p.requires_grad)
+                for name, p in self._params.items()}
+            self._buffers = {name: b.to(self.device) for name, b in self._buffers.items()}
+        self._constants: dict[fx.Node, torch.Tensor] = {}  # on this device, made once
         self.optimizer = make_optimizer(optimizer, list(self._params.values()))
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
@@ -114,16 +127,19 @@ class Runner:
         if role.kind is M.InputKind.BUFFER:
             return self._buffers[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss), times the loss scale
-            return torch.full((), seed(self.loss_scaler), dtype=node.meta[M.VAL].dtype)
+            return torch.full((), seed(self.loss_scaler), dtype=node.meta[M.VAL].dtype,
+                              device=self.device)
         if role.kind is M.InputKind.MESH:
             return self._shards.mesh_input(role)
         if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
-            return node.meta[M.CONSTANT].value
+            if node not in self._constants:
+                self._constants[node] = node.meta[M.CONSTANT].value.to(self.device)
+            return self._constants[node]
         if role.kind is M.InputKind.RNG:  # the same on every device: masks follow global places
-            return rng_value(self._seed, self._steps)
-        if self._shards is not None:
-            return self._shards.local(flat[role.index], node.meta[M.ANNOTATION])
-        return flat[role.index]
+            return rng_value(self._seed, self._steps).to(self.device)
+        if self._shards is not None:  # this rank's slice, then moved: not the whole batch
+            return self._shards.local(flat[role.index], node.meta[M.ANNOTATION]).to(self.device)
+        return flat[role.index].to(self.device)
 
     # --- state ------------------------------------------------------------------------------
 
