@@ -341,7 +341,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     dp: int = 1, device: torch.device = torch.device("cpu")) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
     ``runtime.compiled.StageProgram`` the pipeline runner runs)."""
-    from shardfx.codegen.bucketing import BUCKET_BYTES
+    from shardfx.runtime.buckets import final_gradients
 
     reads = program.reads(rank)
     params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
@@ -367,13 +367,16 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             best = now
 
     sending = 0  # gloo frees a send's buffer only when the step's end waits for it
-    for step in steps:
+    reducing = 0  # dp buckets started (counted to the step's end: an upper bound)
+    final = final_gradients(steps)
+    for index, step in enumerate(steps):
         mb = step.action.microbatch
         comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in step.receives}
         for call in step.calls:
             info = parts[call.part]
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
-                     info.peak["communication"] + sending, f"{step.name} ({call.part})")
+                     info.peak["communication"] + sending + reducing,
+                     f"{step.name} ({call.part})")
             out_bytes = sum(info.outputs.values())  # all live until the call's outputs go
             for o in call.outputs:
                 nbytes = info.outputs.get(o.index, 0)
@@ -382,7 +385,8 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                         # cloned into an accumulator: its own bytes, even where the part
                         # returns a view of its input (a gradient an earlier part made)
                         grads[role.name] = info.values.get(o.index, 0)
-                        consider(out_bytes, sending, f"{step.name} ({call.part}, gradients)")
+                        consider(out_bytes, sending + reducing,
+                                 f"{step.name} ({call.part}, gradients)")
                 if o.local:
                     saved[(call.part, o.index, mb)] = nbytes
                 elif o.sends:
@@ -390,10 +394,12 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         for key in step.frees:
             saved.pop(key, None)
             comm.pop(key, None)
+        if dp > 1:  # final here: flattened into a bucket, all-reduced across replicas
+            reducing += sum(grads.get(fqn, 0) for fqn in final[index])
+    if reducing:
+        consider(0, sending + reducing, "dp all-reduce")
     comm.clear()
-    sending = 0
-    if dp > 1 and grads:  # replicas average their gradients, a bucket at a time
-        consider(0, min(BUCKET_BYTES, max(grads.values()) + BUCKET_BYTES), "dp all-reduce")
+    sending = reducing = 0
     if train and optimizer.name != "none":
         consider(optimizer_temporaries(owned, optimizer, device), 0, "optimizer step")
     return best

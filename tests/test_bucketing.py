@@ -188,3 +188,49 @@ def _bucketed_vs_unbucketed(make: str, bucket_bytes: int) -> list[str]:
 def test_bucketed_program_computes_the_same_bits(make, bucket_bytes):
     assert shardfx.launch(_bucketed_vs_unbucketed, make, bucket_bytes, nprocs=2, timeout=60) \
         == [[], []]
+
+
+def _pipeline_buckets():
+    """On each of 2 replicas: gradients of mixed dtypes added one at a time with a 100-byte
+    cap; buckets start before the last is added, and every gradient ends as the mean."""
+    import torch.distributed as dist
+
+    from shardfx.runtime.buckets import GradBuckets
+
+    rank = dist.get_rank()
+    grads = [torch.full((n,), float(rank + i), dtype=dtype)
+             for i, (n, dtype) in enumerate([(8, torch.float32), (16, torch.float32),
+                                             (4, torch.bfloat16), (40, torch.float32)])]
+    buckets = GradBuckets(dist.group.WORLD, 2, mean=True, bucket_bytes=100)
+    started = []
+    for g in grads:
+        buckets.add(g)
+        started.append(len(buckets._flying) + buckets._done)
+    reduces = buckets.finish()
+    means = [g.float().unique().tolist() for g in grads]
+    return started, reduces, means
+
+
+def test_pipeline_replicas_reduce_each_bucket_once_it_is_final():
+    """runtime.buckets: fp32 8 + 16 floats (96 bytes) wait for more until the bf16 one, of
+    another dtype, starts them; the 160-byte one, over the cap, starts the bf16 bucket and then
+    itself: all three are under way before finish, and each gradient is the mean of the two
+    replicas' (rank + i and rank + 1 + i)."""
+    for started, reduces, means in shardfx.launch(_pipeline_buckets, nprocs=2):
+        assert started == [0, 0, 1, 3] and reduces == 3
+        assert means == [[0.5], [1.5], [2.5], [3.5]]
+
+
+def test_interleaved_stages_finish_their_gradients_at_different_actions():
+    """With two stages per rank, a rank's later stage has its gradients final actions before
+    the rank's last: their buckets reduce while it still computes."""
+    from shardfx.runtime.buckets import final_gradients
+
+    from models import lm_loss, tiny, token_batches
+
+    (x,), (y,) = token_batches(1)[0]
+    plan = shardfx.partition(tiny("llama", 4), (x,), lm_loss, (y,), mesh={"pp": 2},
+                             microbatches=2, schedule="interleaved-1f1b")
+    steps = plan.compiled_stages().steps(0)
+    done_at = [i for i, names in enumerate(final_gradients(steps)) if names]
+    assert len(done_at) == 2 and done_at[0] < len(steps) - 1, done_at

@@ -20,8 +20,9 @@ action a rank posts the receives of what the action reads from other ranks, each
 its sender sent this rank earlier (``schedule.p2p``, checked for every rank when the runner is
 made: an order that would hang is a ``ScheduleError`` then, never a hang); sends go on a
 process group of their own per direction (``runtime.mesh.channels``), so a send waiting for
-its receiver holds up nothing else. The timeline records compute only: time waiting for data
-is idle, as the schedule simulator counts it.
+its receiver holds up nothing else. The timeline records compute only, on the device's clock
+(``runtime.timing``: CUDA events on a GPU): time waiting for data is idle, as the schedule
+simulator counts it.
 
 Gradients are summed over microbatches. The tangent is 1/m when the batch's loss is the mean of
 the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
@@ -33,7 +34,6 @@ stage that owns its gradient to the others after each step.
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -42,18 +42,19 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Shard
 
-from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.memory import check_optimizer
 from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
+from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
+from shardfx.runtime.timing import Clock
 from shardfx.schedule import forward_only
 
 if TYPE_CHECKING:
@@ -101,7 +102,11 @@ class PipelineRunner:
         self._step_count = 0
         self._tied = self._tied_parameters()
         self._grads: dict[str, torch.Tensor] = {}
-        self._spans: list[tuple[str, float, float]] = []
+        self._final = final_gradients(self._steps)  # step index -> gradients done there
+        self._buckets: GradBuckets | None = None
+        self.all_reduces = 0  # dp buckets the last step reduced
+        self._clock = Clock(self.device)  # device time: CUDA events on a GPU
+        self._spans: list[tuple[str, Any, Any]] = []  # (action, start, end) marks of the clock
         self._held: list[int] = []
         self._forward: tuple | None = None  # the inference program, compiled on first use
 
@@ -138,19 +143,15 @@ class PipelineRunner:
         for p in self._params.values():  # the last step's gradients go now, not at the end
             p.grad = None
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
+        # replicas combine their gradients (average, as DDP, or sum), each bucket reduced as
+        # soon as its gradients are final (runtime.buckets)
+        self._buckets = None if self._dp is None else GradBuckets(
+            self._dp, self._dp_size, self._mean, self._reduce_dtype)
         loss = self._execute(self._program, self._steps, flat, weights)
         self._step_count += 1
-        if self._dp is not None:  # replicas combine their gradients: average (as DDP) or sum
-            for bucket in _buckets([self._grads[f] for f in sorted(self._grads)]):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                if self._reduce_dtype is not None and flat.is_floating_point():
-                    flat = flat.to(self._reduce_dtype)  # Precision.reduce: summed narrower
-                dist.all_reduce(flat, group=self._dp)
-                flat = flat.to(bucket[0].dtype)
-                if self._mean:
-                    flat /= self._dp_size
-                for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                    g.copy_(part.view_as(g))
+        if self._buckets is not None:
+            self.all_reduces = self._buckets.finish()
+            self._buckets = None
         for fqn, p in self._params.items():
             p.grad = self._grads.get(fqn) if fqn in self._owned else None
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
@@ -166,8 +167,9 @@ class PipelineRunner:
         self._sends: list = []
         self._outputs: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
         self._spans, self._held = [], []
+        self._clock.start()
         loss = torch.zeros((), device=self.device)
-        for step in steps:
+        for index, step in enumerate(steps):
             posted = []
             for r in step.receives:  # other ranks' data first: the span is compute only
                 buf = torch.empty(r.shape, dtype=r.dtype, device=self.device)
@@ -175,14 +177,19 @@ class PipelineRunner:
             for key, buf, work in posted:
                 work.wait()
                 self._store[key] = buf
-            start = time.perf_counter()
+            start = self._clock.now()
             for call in step.calls:
                 loss += self._run(program, call, step.action.microbatch, flat, weights)
-            self._spans.append((step.name, start, time.perf_counter()))
+            self._spans.append((step.name, start, self._clock.now()))
             for key in step.frees:  # its last reader on this rank ran: let it go
                 del self._store[key]
+            if program is self._program and self._buckets is not None:
+                for fqn in self._final[index]:  # no later action adds to them
+                    self._buckets.add(self._grads[fqn])
             self._held.append(len({mb for part, _, mb in self._store if part.endswith("_F")}))
             self._sends = [w for w in self._sends if not w.is_completed()]
+            if self._buckets is not None:
+                self._buckets.retire()  # those reduced by now: written back, buffers freed
         for work in self._sends:
             work.wait()
         return loss
@@ -357,8 +364,9 @@ class PipelineRunner:
     def timeline(self) -> list[list[tuple[str, float, float]]]:
         """Every rank's (action, start, end) of the last step, in seconds from the step's start
         (a collective: call it on every rank)."""
+        mine = [(a, self._clock.seconds(b), self._clock.seconds(e)) for a, b, e in self._spans]
         spans: list = [None] * len(self._ranks)
-        dist.all_gather_object(spans, self._spans, group=self._pp)
+        dist.all_gather_object(spans, mine, group=self._pp)
         t0 = min(s[1] for rank in spans for s in rank)  # clocks of one machine; see trace()
         return [[(a, b - t0, e - t0) for a, b, e in rank] for rank in spans]
 
@@ -448,19 +456,3 @@ class PipelineRunner:
             dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
         return out
-
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Gradients in groups of one dtype and at most ``BUCKET_BYTES`` (a larger one alone): one
-    all-reduce per group instead of one per parameter."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if not out or out[-1][0].dtype != g.dtype or size + nbytes > BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(g)
-        size += nbytes
-    return out

@@ -1,0 +1,100 @@
+"""Gradient buckets across data-parallel replicas of a pipeline, reduced while the step runs.
+
+    buckets = GradBuckets(group, size=2, mean=True)
+    buckets.add(g)      # after the action that made g's last contribution on this rank
+    ...
+    buckets.finish()    # after the last action: wait, then every g holds the replicas' mean
+
+A gradient is final on a pipeline rank after the last action that adds to it (its stage's last
+microbatch's backward: ``final_gradients``). ``add`` packs final gradients, in the order they become final, into
+buckets of one dtype and at most ``BUCKET_BYTES`` (a larger one alone), and starts a bucket's
+all-reduce (``async_op``) as soon as it is full: the reduction of the last stages' gradients
+runs while the rank computes the backward of earlier microbatches and stages, as DDP overlaps
+its buckets with the backward (Li et al. 2020). On NCCL the all-reduce runs on the process
+group's own CUDA stream, and the default stream waits for it only in ``finish``; on gloo it
+runs on gloo's thread. A bucket whose all-reduce has completed is written back between actions
+(``retire``), so its buffer goes early. Every replica of a pipeline rank runs the same actions, so their buckets
+are the same gradients in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.ir import meta as M
+
+
+def final_gradients(steps: list) -> list[list[str]]:
+    """Per step, the gradients whose last contribution on this rank it makes, in the order
+    its parts return them: they can be reduced across replicas from then on."""
+    last: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        for call in step.calls:
+            for o in call.outputs:
+                for role in o.roles:
+                    if role.kind is M.OutputKind.GRAD:
+                        last.pop(role.name, None)
+                        last[role.name] = i
+    out: list[list[str]] = [[] for _ in steps]
+    for fqn, i in last.items():
+        out[i].append(fqn)
+    return out
+
+
+class GradBuckets:
+    def __init__(self, group: dist.ProcessGroup, size: int, mean: bool,
+                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
+        """``mean``: average over the ``size`` replicas (as DDP), else sum; ``reduce_dtype``:
+        a narrower dtype to sum in (``Precision.reduce``)."""
+        self.group, self.size, self.mean = group, size, mean
+        self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
+        self._open: list[torch.Tensor] = []
+        self._bytes = 0
+        self._flying: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []  # in order
+        self._done = 0  # buckets written back before finish
+
+    def add(self, grad: torch.Tensor) -> None:
+        """``grad`` is final on this rank: bucket it, and start the bucket once full."""
+        nbytes = grad.numel() * grad.element_size()
+        if self._open and (self._open[0].dtype != grad.dtype
+                           or self._bytes + nbytes > self.bucket_bytes):
+            self._start()
+        self._open.append(grad)
+        self._bytes += nbytes
+        if self._bytes >= self.bucket_bytes:
+            self._start()
+
+    def _start(self) -> None:
+        bucket, self._open, self._bytes = self._open, [], 0
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        if self.reduce_dtype is not None and flat.is_floating_point():
+            flat = flat.to(self.reduce_dtype)  # summed narrower, widened back in finish
+        self._flying.append((bucket, flat, dist.all_reduce(flat, group=self.group,
+                                                           async_op=True)))
+
+    def retire(self) -> None:
+        """Write back the buckets whose all-reduce has completed (without waiting), so their
+        buffers go before the step ends."""
+        while self._flying and self._flying[0][2].is_completed():
+            self._write_back(*self._flying.pop(0))
+            self._done += 1
+
+    def finish(self) -> int:
+        """Start the last bucket, wait for every one, and write the results back into the
+        gradients. Returns how many all-reduces the step took."""
+        if self._open:
+            self._start()
+        for bucket, flat, work in self._flying:
+            self._write_back(bucket, flat, work)
+        done, self._done, self._flying = self._done + len(self._flying), 0, []
+        return done
+
+    def _write_back(self, bucket: list[torch.Tensor], flat: torch.Tensor, work) -> None:
+        work.wait()
+        flat = flat.to(bucket[0].dtype)
+        if self.mean:
+            flat /= self.size
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
