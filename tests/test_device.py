@@ -139,3 +139,20 @@ def test_inputs_on_another_accelerator_are_refused():
         runner.step((x.to("meta"),), (y,))
     assert "args[0] is on meta; the plan runs on cpu" in info.value.cause
     assert "CPU tensors" in info.value.fix
+
+
+def test_a_tp_group_that_spans_nodes_is_a_warning(monkeypatch):
+    """torchrun numbers ranks node by node, tp varies fastest: tp=4 on 2 GPUs per node puts
+    each tp group on two nodes; tp=2 fits."""
+    from shardfx.mesh import MeshSpec
+    from shardfx.runtime.mesh import _check_nodes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.warns(UserWarning, match="tp x ep = 4 does not divide the 2 processes per node"):
+        _check_nodes(MeshSpec.parse("dp=2,tp=4"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check_nodes(MeshSpec.parse("dp=4,tp=2"))
+        _check_nodes(MeshSpec.parse("pp=4,dp=2"))

@@ -121,9 +121,13 @@ def test_python_block(source: str, tmp_path: Path):
 
 @pytest.mark.parametrize("argv", sh_lines())
 def test_sh_line(argv: list[str], tmp_path: Path):
-    assert argv[0] == "shardfx", f"no way to run {shlex.join(argv)!r}: teach test_readme.py"
-    script = Path(sys.executable).with_name("shardfx")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "shardfx"]
+    assert argv[0] in ("shardfx", "torchrun"), \
+        f"no way to run {shlex.join(argv)!r}: teach test_readme.py"
+    if argv[0] == "torchrun":  # the same entry point as the torchrun script
+        command = [sys.executable, "-m", "torch.distributed.run"]
+    else:
+        script = Path(sys.executable).with_name("shardfx")
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "shardfx"]
     (tmp_path / "examples").symlink_to(REPO / "examples", target_is_directory=True)
     done = subprocess.run(command + argv[1:], cwd=tmp_path, env=env(), capture_output=True,
                           text=True, timeout=TIMEOUT_S)

@@ -7,6 +7,14 @@ The mesh's dimensions are the spec's axes, in the spec's order (dp, pp, tp, ep) 
 names, so ``mesh["tp"]`` is this rank's tensor-parallel group. Ranks are laid out row-major:
 the last axis varies fastest, as in ``torch.arange(world).view(sizes)``.
 
+Across nodes: torchrun numbers ranks node by node (node n holds ranks n*G .. n*G + G-1 for G
+processes per node), and the last axis varies fastest, so with ``tp`` no larger than G, and
+dividing it, every tp group lies inside one node, on NVLink; pp neighbours come next, dp
+outermost, across nodes. That is the order of their traffic: tp all-reduces activations twice
+per layer, forward and backward, on the critical path; pp sends one activation (or its
+gradient) per microbatch and cut, point to point; dp all-reduces the gradients once per step,
+overlapped with the backward. A tp axis that a node cannot hold is a warning naming the fix.
+
 Every group of the mesh waits as long as the default group: its timeout, set by
 ``init_process_group(timeout=...)`` (``shardfx.launch(timeout=...)`` passes it there), is
 read back from the default group and given to each group the mesh creates. A rank that
@@ -16,6 +24,8 @@ stops before a tp all-reduce then fails its peers after that timeout, not torch'
 
 from __future__ import annotations
 
+import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -44,12 +54,25 @@ def device_mesh(spec: MeshSpec | dict[str, int] | str) -> DeviceMesh:
     if world != spec.size:
         raise MeshError(f"mesh {spec} needs {spec.size} processes, this run has {world}",
                         where="shardfx.runtime.mesh.device_mesh", fix=run_with)
+    _check_nodes(spec)
     # A one-device spec has no axes, but a DeviceMesh needs one dimension: give it dp=1.
     names, sizes = zip(*(spec.axes or (("dp", 1),)))
     grid = torch.arange(world).view(sizes)
     timeout = collective_timeout()
     groups = [_axis_group(grid, dim, name, timeout) for dim, name in enumerate(names)]
     return DeviceMesh.from_group(groups, _device_type(), grid, mesh_dim_names=names)
+
+
+def _check_nodes(spec: MeshSpec) -> None:
+    """Warn when tp groups would span nodes (``LOCAL_WORLD_SIZE``: processes per node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    inner = spec.axis("tp") * spec.axis("ep")
+    if local and spec.size > local and inner > 1 and local % inner:
+        warnings.warn(
+            f"mesh {spec}: tp x ep = {inner} does not divide the {local} processes per node, "
+            "so some tp groups span two nodes and their per-layer all-reduces cross the "
+            "network; choose tp (x ep) dividing the GPUs per node, and scale across nodes "
+            "with dp or pp", stacklevel=3)
 
 
 def collective_timeout() -> timedelta | None:
