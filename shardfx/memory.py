@@ -353,7 +353,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers, optimizer=opt_state)
     parts = {name: _part(getattr(program.module, name)) for name in program.parts}
     steps = program.steps(rank)
-    comm: dict[tuple, int] = {}  # receive buffers: posted before their step, freed after
+    comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
     saved: dict[tuple, int] = {}
     grads: dict[str, int] = {}
     best = DeviceMemory(**state)
@@ -371,7 +371,8 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     final = final_gradients(steps)
     for index, step in enumerate(steps):
         mb = step.action.microbatch
-        comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in step.receives}
+        for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
+            comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
         for call in step.calls:
             info = parts[call.part]
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],

@@ -15,10 +15,12 @@ sends its input gradient before it computes the weight gradient (``simulate(...,
 send_early=True)``).
 
 Messages go in the order an in-order transport needs (NCCL matches the k-th send of a pair of
-ranks with the k-th receive), on gloo as on NCCL, so CI runs the code GPUs run: before each
-action a rank posts the receives of what the action reads from other ranks, each after those
-its sender sent this rank earlier (``schedule.p2p``, checked for every rank when the runner is
-made: an order that would hang is a ``ScheduleError`` then, never a hang); sends go on a
+ranks with the k-th receive), on gloo as on NCCL, so CI runs the code GPUs run: a rank posts
+the receives of what an action reads from other ranks, each after those its sender sent this
+rank earlier (``schedule.p2p``, checked for every rank when the runner is made: an order that
+would hang is a ``ScheduleError`` then, never a hang), one action ahead: while it computes
+an action, the next one's data comes in (posting is not waiting, so the order of waits, and
+the check, are unchanged); sends go on a
 process group of their own per direction (``runtime.mesh.channels``), so a send waiting for
 its receiver holds up nothing else. The timeline records compute only, on the device's clock
 (``runtime.timing``: CUDA events on a GPU): time waiting for data is idle, as the schedule
@@ -169,14 +171,16 @@ class PipelineRunner:
         self._spans, self._held = [], []
         self._clock.start()
         loss = torch.zeros((), device=self.device)
+        posted: dict[tuple, tuple] = {}  # key -> (buffer, work) of receives under way
         for index, step in enumerate(steps):
-            posted = []
+            if index == 0:
+                self._post(step, posted)
             for r in step.receives:  # other ranks' data first: the span is compute only
-                buf = torch.empty(r.shape, dtype=r.dtype, device=self.device)
-                posted.append((r.key, buf, self._recv(buf, r.src)))
-            for key, buf, work in posted:
+                buf, work = posted.pop(r.key)
                 work.wait()
-                self._store[key] = buf
+                self._store[r.key] = buf
+            if index + 1 < len(steps):  # the next action's data comes in during this one
+                self._post(steps[index + 1], posted)
             start = self._clock.now()
             for call in step.calls:
                 loss += self._run(program, call, step.action.microbatch, flat, weights)
@@ -193,6 +197,12 @@ class PipelineRunner:
         for work in self._sends:
             work.wait()
         return loss
+
+    def _post(self, step: Step, posted: dict[tuple, tuple]) -> None:
+        """Post ``step``'s receives, each into a buffer of its own."""
+        for r in step.receives:
+            buf = torch.empty(r.shape, dtype=r.dtype, device=self.device)
+            posted[r.key] = (buf, self._recv(buf, r.src))
 
     def _send(self, value: torch.Tensor, dst: int):
         """Post a send to pipeline rank ``dst`` on this direction's own group."""
@@ -414,6 +424,7 @@ class PipelineRunner:
         model = self._plan.model
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         tensors |= {fqn: self._full(fqn, p) for fqn, p in self._params.items()}
+        tensors |= self._buffers  # this rank's copies, on its device, updated by its steps
         mine = {fqn: t for fqn, t in tensors.items() if self._holder(fqn) == self.rank}
         full = self._gather(mine, self._state_shapes())
         return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
@@ -451,7 +462,8 @@ class PipelineRunner:
         for fqn in sorted(shapes):
             owner = self._holder(fqn)
             val = shapes[fqn]
-            t = mine[fqn].detach().clone() if self.rank == owner and mine.get(fqn) is not None \
+            t = mine[fqn].detach().to(self.device, copy=True) \
+                if self.rank == owner and mine.get(fqn) is not None \
                 else torch.empty(val.shape, dtype=val.dtype, device=self.device)
             dist.broadcast(t, src=self._ranks[owner], group=self._pp)
             out[fqn] = t
