@@ -28,8 +28,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Every benchmark, each appending its table to bench/RESULTS.md (the GPU ones, gpu and
+# kernels, say they need CUDA and skip on a machine without it). One: `make bench B=plan`.
+BENCHES := capture plan spmd pipeline fuzz precision remat fused_loss kernels gpu
+B ?= $(BENCHES)
+
 bench: $(STAMP)
-	$(BIN)/python bench/capture.py
+	set -e; for b in $(B); do echo "== bench.$$b"; $(BIN)/python -m bench.$$b; done
 
 pins:
 	rm -rf $(PINS_VENV)
