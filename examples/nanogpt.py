@@ -146,14 +146,26 @@ def get_batch(text, batch_size: int, seq_len: int, gen: torch.Generator):
 
 
 def workload(batch_size: int = 8, seq_len: int | None = None, seed: int = 0, **overrides):
-    """The factory ``shardfx inspect examples/nanogpt.py:workload`` calls: a model, one batch of
-    example inputs and targets, and the loss. Keyword overrides go to ``GPTConfig``."""
+    """The factory ``shardfx inspect examples/nanogpt.py:workload`` (and ``shardfx run``)
+    calls: a model, one batch of example inputs and targets, the loss, and an endless stream
+    of training batches from the same text (``run`` trains on them). Keyword overrides go to
+    ``GPTConfig``."""
     cfg = GPTConfig(**overrides)
     torch.manual_seed(seed)
     model = GPT(cfg)
     gen = torch.Generator().manual_seed(seed)
-    idx, targets = get_batch(make_text(cfg), batch_size, seq_len or cfg.block_size, gen)
-    return {"model": model, "args": (idx,), "loss_fn": loss_fn, "targets": (targets,)}
+    text, T = make_text(cfg), seq_len or cfg.block_size
+    idx, targets = get_batch(text, batch_size, T, gen)
+    return {"model": model, "args": (idx,), "loss_fn": loss_fn, "targets": (targets,),
+            "batches": batches(text, batch_size, T, seed + 1)}
+
+
+def batches(text, batch_size: int, seq_len: int, seed: int):
+    """Training batches ``((idx,), (targets,))``, forever, the same sequence for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        idx, targets = get_batch(text, batch_size, seq_len, gen)
+        yield (idx,), (targets,)
 
 
 # --- the demo ------------------------------------------------------------------------------

@@ -17,6 +17,14 @@ import torch as _torch
 if "triton" not in _sys.modules and not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled  # noqa: E402
+from importlib.metadata import version as _version  # noqa: E402
+
+try:
+    __version__ = _version("shardfx")
+except _NotInstalled:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
+
 from shardfx.api import partition  # noqa: E402
 from shardfx.errors import (CaptureError, InputError, LossError, MemoryBudgetError, MeshError,
                             PassError, ShardfxError, ShardingError, VerifyError)

@@ -1,14 +1,21 @@
 """The ``shardfx`` command line.
 
-    shardfx inspect MODULE:FACTORY [--mesh dp=1,tp=1] [--infer] [--dump DIR]
+    shardfx inspect MODULE:FACTORY [--mesh dp=1,tp=1] [--microbatches M] [--schedule NAME]
+                                   [--virtual-stages V] [--infer] [--dump DIR]
+    shardfx run MODULE:FACTORY [--mesh ...] [--steps N] [--lr LR] [--seed S] [--precision P]
+                               [pipeline options] [--save DIR] [--resume DIR] [--trace FILE]
+    shardfx --version
 
 ``inspect`` imports MODULE (a dotted module such as ``mypkg.models``, or a path to a .py file
 such as ``examples/nanogpt.py``), calls FACTORY() with no arguments, plans what it returns with
-``shardfx.partition`` and prints the plan; nothing runs. FACTORY returns either
+``shardfx.partition`` and prints the plan (with a pp axis, the schedule's grid too); nothing
+runs. FACTORY returns either
 
     {"model": nn.Module, "args": tuple, "loss_fn": callable or None, "targets": tuple}
 
 (``loss_fn`` and ``targets`` optional) or the tuple ``(model, args[, loss_fn[, targets]])``.
+``run`` trains it (``shardfx.train``); its dict may add ``"batches"``, an iterable of
+``(args, targets)`` to train on instead of synthetic batches.
 
 Exit codes: 0 planned; 1 shardfx rejected the model (a ``ShardfxError``, message printed);
 2 the command line is wrong (bad MODULE:FACTORY, bad ``--mesh``, unknown option). Errors print
@@ -35,7 +42,7 @@ import shardfx
 from shardfx.errors import MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
 
-FACTORY_KEYS = ("model", "args", "loss_fn", "targets")
+FACTORY_KEYS = ("model", "args", "loss_fn", "targets", "batches")
 FACTORY_SHAPE = ('return {"model": module, "args": (x,), "loss_fn": fn, "targets": (y,)} '
                  "or (module, (x,), fn, (y,)); loss_fn and targets are optional")
 _MISSING = object()
@@ -53,6 +60,7 @@ class Job:
     args: tuple
     loss_fn: Callable[..., torch.Tensor] | None = None
     targets: tuple = ()
+    batches: Any = None  # for run: an iterable of (args, targets)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardfx", description="A compiler for distributed training of PyTorch models.")
+    parser.add_argument("--version", action="version", version=f"shardfx {shardfx.__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     p = commands.add_parser(
@@ -86,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
                    "(examples/nanogpt.py:make) and the factory function in it")
     p.add_argument("--mesh", type=_mesh, default=MeshSpec(), metavar="AXIS=N,...",
                    help="device mesh, e.g. dp=2,tp=2 (default: one device)")
+    p.add_argument("--microbatches", type=int, metavar="M",
+                   help="with a pp axis: slices of the batch the pipeline runs (default 1)")
+    p.add_argument("--schedule", metavar="NAME",
+                   help="with a pp axis: gpipe | 1f1b | interleaved-1f1b | zero-bubble "
+                   "(default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="with a pp axis: stages per rank (interleaved-1f1b: default 2)")
     p.add_argument("--infer", action="store_true",
                    help="plan inference only: ignore the factory's loss_fn and targets")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
@@ -96,7 +112,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dump", metavar="DIR",
                    help="also write the IR after every pass, the program and the plan to DIR")
     p.set_defaults(command=inspect_command, name="inspect")
+
+    r = commands.add_parser(
+        "run", help="train a model factory on a mesh for N steps",
+        description="Import MODULE, call FACTORY() on every rank, plan it and train it with "
+        "AdamW, printing a line per step; spawns the mesh's processes unless run under torchrun. "
+        f"FACTORY must {FACTORY_SHAPE}; it may add \"batches\": an iterable of (args, targets) "
+        "(else synthetic batches shaped like the example).")
+    r.add_argument("spec", metavar="MODULE:FACTORY", help="as for inspect")
+    r.add_argument("--mesh", type=_mesh, default=MeshSpec(), metavar="AXIS=N,...",
+                   help="device mesh, e.g. dp=2,tp=2 (default: one device)")
+    r.add_argument("--steps", type=_positive, default=10, help="steps in all (default 10)")
+    r.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate (3e-4)")
+    r.add_argument("--seed", type=int, default=0,
+                   help="seeds the factory's weights and the synthetic batches (0)")
+    r.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    r.add_argument("--microbatches", type=int, metavar="M", help="with a pp axis")
+    r.add_argument("--schedule", metavar="NAME", help="with a pp axis")
+    r.add_argument("--virtual-stages", type=int, metavar="V", help="with a pp axis")
+    r.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR after the last step")
+    r.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR")
+    r.add_argument("--trace", metavar="FILE", help="write the last step as a Chrome trace")
+    r.set_defaults(command=run_command, name="run")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _mesh(text: str) -> MeshSpec:
@@ -112,12 +160,36 @@ def inspect_command(ns: argparse.Namespace) -> int:
         job.model, job.args,
         loss_fn=None if ns.infer else job.loss_fn,
         example_targets=() if ns.infer else job.targets,
-        mesh=dict(ns.mesh.axes), precision=ns.precision, memory_budget=ns.budget)
+        mesh=dict(ns.mesh.axes), precision=ns.precision, memory_budget=ns.budget,
+        **pipeline_kwargs(ns))
     print(str(plan).rstrip("\n"))
+    if plan.schedule is not None:
+        print(f"\nSchedule ({plan.schedule.ranks} ranks, {plan.schedule.microbatches} "
+              f"microbatches):\n{plan.schedule}")
     if ns.dump:
         out = plan.dump(ns.dump)
         print(f"dumped the IR after every pass, the program and plan.txt to {out}/")
     return 0
+
+
+def run_command(ns: argparse.Namespace) -> int:
+    from shardfx.train import RunConfig, run
+
+    if ns.mesh.size > 1 and not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
+        load_job(ns.spec)  # before spawning: a wrong MODULE:FACTORY is said once, exit code 2
+    mesh = ",".join(f"{axis}={n}" for axis, n in ns.mesh.axes)  # "" for one device
+    run(RunConfig(spec=ns.spec, mesh=mesh, steps=ns.steps, lr=ns.lr, seed=ns.seed,
+                  precision=ns.precision, pipeline=tuple(pipeline_kwargs(ns).items()),
+                  save=ns.save, resume=ns.resume, trace=ns.trace))
+    return 0
+
+
+def pipeline_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline options given on the command line (``partition`` checks them, and says
+    when one is given without a pp axis)."""
+    given = {"microbatches": ns.microbatches, "schedule": ns.schedule,
+             "virtual_stages": ns.virtual_stages}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 # --- MODULE:FACTORY -> Job ------------------------------------------------------------------

@@ -75,15 +75,16 @@ def python_blocks():
 
 
 def sh_lines():
-    """Each command of the sh blocks, with its comment stripped."""
+    """Each command of the sh blocks, with its comment stripped, and its block's number: the
+    lines of one block run one after another in one directory (``--save`` then ``--resume``)."""
     params = []
-    for name, (line,) in named([(h, line) for h, lang, t in fenced_blocks() if lang == "sh"
-                                for line in t.splitlines()
-                                if line.strip() and not line.lstrip().startswith("#")]):
+    lines = [(h, line, str(i)) for i, (h, lang, t) in enumerate(fenced_blocks()) if lang == "sh"
+             for line in t.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    for name, (line, block) in named(lines):
         argv = shlex.split(line, comments=True)
         marks = [pytest.mark.skip(reason="make builds .venv and runs the demo or this suite: "
                                          "the set-up CI itself runs")] if argv[0] == "make" else []
-        params.append(pytest.param(argv, id=f"{name}: {shlex.join(argv)}", marks=marks))
+        params.append(pytest.param(argv, block, id=f"{name}: {shlex.join(argv)}", marks=marks))
     return params
 
 
@@ -119,8 +120,8 @@ def test_python_block(source: str, tmp_path: Path):
     check(done, f"this README block:\n{source}\n")
 
 
-@pytest.mark.parametrize("argv", sh_lines())
-def test_sh_line(argv: list[str], tmp_path: Path):
+@pytest.mark.parametrize("argv, block", sh_lines())
+def test_sh_line(argv: list[str], block: str, tmp_path_factory: pytest.TempPathFactory):
     assert argv[0] in ("shardfx", "torchrun"), \
         f"no way to run {shlex.join(argv)!r}: teach test_readme.py"
     if argv[0] == "torchrun":  # the same entry point as the torchrun script
@@ -128,7 +129,10 @@ def test_sh_line(argv: list[str], tmp_path: Path):
     else:
         script = Path(sys.executable).with_name("shardfx")
         command = [str(script)] if script.exists() else [sys.executable, "-m", "shardfx"]
-    (tmp_path / "examples").symlink_to(REPO / "examples", target_is_directory=True)
+    tmp_path = tmp_path_factory.getbasetemp() / f"readme-sh-block-{block}"
+    if not tmp_path.exists():
+        tmp_path.mkdir()
+        (tmp_path / "examples").symlink_to(REPO / "examples", target_is_directory=True)
     done = subprocess.run(command + argv[1:], cwd=tmp_path, env=env(), capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     check(done, f"the README command {shlex.join(argv)!r}")

@@ -101,7 +101,7 @@ class PipelineRunner:
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
-        self._step_count = 0
+        self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
         self._tied = self._tied_parameters()
         self._grads: dict[str, torch.Tensor] = {}
         self._final = final_gradients(self._steps)  # step index -> gradients done there
@@ -150,7 +150,7 @@ class PipelineRunner:
         self._buckets = None if self._dp is None else GradBuckets(
             self._dp, self._dp_size, self._mean, self._reduce_dtype)
         loss = self._execute(self._program, self._steps, flat, weights)
-        self._step_count += 1
+        self.step_count += 1
         if self._buckets is not None:
             self.all_reduces = self._buckets.finish()
             self._buckets = None
@@ -257,7 +257,7 @@ class PipelineRunner:
                 self._constants[key] = program.constants[name].to(self.device)
             return self._constants[key]
         if role.kind is M.InputKind.RNG:  # slice: this replica's microbatch mb, in batch order
-            return rng_value(self._seed, self._step_count,
+            return rng_value(self._seed, self.step_count,
                              self._dp_index * self.m + mb).to(self.device)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
         return mine.chunk(self.m)[mb].to(self.device)  # moved: only this microbatch's

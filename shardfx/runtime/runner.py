@@ -74,7 +74,7 @@ class Runner:
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.program.module) else 0
-        self._steps = 0
+        self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
 
     # --- training and inference -------------------------------------------------------------
 
@@ -85,7 +85,7 @@ class Runner:
         for p in self._params.values():  # the last step's gradients go before this one's come
             p.grad = None
         outs = self._run(self._plan.program, flat)
-        self._steps += 1
+        self.step_count += 1
         loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
         grads = {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD}
         for name, p in self._params.items():
@@ -136,7 +136,7 @@ class Runner:
                 self._constants[node] = node.meta[M.CONSTANT].value.to(self.device)
             return self._constants[node]
         if role.kind is M.InputKind.RNG:  # the same on every device: masks follow global places
-            return rng_value(self._seed, self._steps).to(self.device)
+            return rng_value(self._seed, self.step_count).to(self.device)
         if self._shards is not None:  # this rank's slice, then moved: not the whole batch
             return self._shards.local(flat[role.index], node.meta[M.ANNOTATION]).to(self.device)
         return flat[role.index].to(self.device)
