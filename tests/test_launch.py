@@ -336,3 +336,18 @@ def test_device_mesh_needs_torch_distributed():
     with pytest.raises(MeshError, match="not initialized") as err:
         device_mesh("tp=2")
     assert "shardfx.launch(..., nprocs=2)" in str(err.value)
+
+
+def rank_0_returns_first() -> int:
+    """Rank 0 is done at once; rank 1 still reads the rendezvous store (which rank 0's process
+    hosts) half a second later, as it does while making a process group."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        store = dist.distributed_c10d._get_default_store()
+        store.set("late", "1")
+        return int(store.get("late"))
+    return 0
+
+
+def test_rank_0_keeps_the_store_until_every_rank_is_done():
+    assert launch(rank_0_returns_first, nprocs=2) == [0, 1]

@@ -335,7 +335,25 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
     pipe.send_bytes(message)
     pipe.close()
     if dist.is_initialized():
+        _leave_together(nprocs, timeout)
         dist.destroy_process_group()
+
+
+def _leave_together(nprocs: int, timeout: float) -> None:
+    """Rank 0 hosts the rendezvous store that every process group is made through: it stays
+    until every rank is done with it, or ``timeout``. (A rank still making a group, the
+    pipeline's pair groups say, when rank 0 returns early fails with "Connection reset by
+    peer".) Each rank counts itself done in the store; one that died never does, and the
+    launcher stops rank 0 once it has every outcome."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("shardfx/done", 1)
+        if dist.get_rank() == 0:
+            end = time.monotonic() + timeout
+            while store.add("shardfx/done", 0) < nprocs and time.monotonic() < end:
+                time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
+        pass
 
 
 def _communication_error(e: BaseException | None) -> bool:
