@@ -72,7 +72,7 @@ def _devices_made(module) -> set:
             for n in gm.graph.nodes if isinstance(n.kwargs.get("device"), torch.device)}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "nanogpt"])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])  # gpt2: a tied LM head
 def test_a_cpu_traced_model_trains_on_another_device_from_cpu_batches(name):
     """Traced on the CPU, run on meta: the programs' factory ops (positions, masks) are made
     there, the model's weights move there, and the CPU batch is moved by the runner."""
