@@ -132,3 +132,17 @@ def test_a_cpu_model_planned_for_the_gpu_trains_there_from_cpu_batches():
         assert loss.device.type == "cuda"
         assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()) + 1e-6
     assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+def test_a_gpu_model_is_not_dragged_to_a_cpu_plan():
+    """A model planned for the CPU, then put on the GPU: the runner says so rather than move
+    its weights back."""
+    from shardfx.errors import InputError
+
+    nanogpt = example("nanogpt")
+    w = nanogpt.workload()
+    plan = shardfx.partition(w["model"], w["args"], nanogpt.loss_fn, w["targets"])
+    w["model"].to(CUDA)
+    with pytest.raises(InputError, match="the plan runs on cpu") as info:
+        plan.runner()
+    assert "device='cuda:0'" in info.value.fix

@@ -99,8 +99,9 @@ def _devices_made_traced(name: str) -> set:
 
 
 def test_dropout_and_constants_follow_the_device():
-    """The dropout seed and a constant the program holds (an index list), on the plan's
-    device."""
+    """A constant the program holds (an index list) is put on the plan's device (without it
+    the index op mixes devices). The dropout seed is moved too, but the program reads it as
+    0-dim scalars, which CUDA, and this check, accept from the CPU."""
     torch.manual_seed(0)
 
     class Model(nn.Module):

@@ -97,6 +97,23 @@ def place(module: fx.GraphModule, device: torch.device) -> int:
     return changed
 
 
+def check_weights(model: torch.nn.Module, device: torch.device) -> None:
+    """The model's tensors can go to ``device``: each is there, or on the CPU (the runner
+    copies it). One on meta has no values; one on another accelerator would be dragged off it
+    (a model planned on meta, then materialized on a GPU the plan was not told of): both are
+    an InputError naming the tensor and the fix."""
+    for fqn, t in [*model.named_parameters(), *model.named_buffers()]:
+        where = f"{type(model).__name__}.{fqn}"
+        if t.is_meta:
+            raise InputError(f"{fqn} is on the meta device: there are no values to train",
+                             where=where, fix="materialize the model before plan.runner(): "
+                             "model.to_empty(device='cpu') then initialize or load weights")
+        if t.device != device and t.device.type != "cpu":
+            raise InputError(f"{fqn} is on {t.device}; the plan runs on {device}",
+                             where=where, fix=f"plan for the model's device: partition(..., "
+                             f"device={str(t.device)!r}), or keep the model on the CPU")
+
+
 def move(model: torch.nn.Module, device: torch.device) -> None:
     """Move ``model``'s parameters and buffers to ``device`` in place, a tied weight once and
     still tied. CPU to CUDA and back keeps the Parameter objects (their data is swapped, as

@@ -53,6 +53,7 @@ from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
+from shardfx.runtime.device import check_weights
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
@@ -82,6 +83,7 @@ class PipelineRunner:
         self._steps = self._program.steps(self.rank)
         self.device = plan.device
         model = plan.model
+        check_weights(model, self.device)
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         reads = self._program.reads(self.rank).values()
         # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors
@@ -163,8 +165,9 @@ class PipelineRunner:
 
     def _execute(self, program: StageProgram, steps: list[Step], flat: list,
                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run this rank's steps once: before each action its receives (see the module
-        docstring), then its parts, the span timed once its inputs are here."""
+        """Run this rank's steps once: each action's receives posted one action ahead and
+        waited for before it (see the module docstring), then its parts, the span timed once
+        its inputs are here."""
         self._store: dict[tuple, Any] = {}  # (part, output, microbatch) -> value on this rank
         self._sends: list = []
         self._outputs: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -172,9 +175,9 @@ class PipelineRunner:
         self._clock.start()
         loss = torch.zeros((), device=self.device)
         posted: dict[tuple, tuple] = {}  # key -> (buffer, work) of receives under way
+        if steps:
+            self._post(steps[0], posted)
         for index, step in enumerate(steps):
-            if index == 0:
-                self._post(step, posted)
             for r in step.receives:  # other ranks' data first: the span is compute only
                 buf, work = posted.pop(r.key)
                 work.wait()

@@ -27,7 +27,7 @@ from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
-from shardfx.runtime.device import move
+from shardfx.runtime.device import check_weights, move
 from shardfx.runtime.shards import Shards
 
 if TYPE_CHECKING:
@@ -43,15 +43,8 @@ class Runner:
         model = plan.model
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
-        for fqn, t in [*self._params.items(), *self._buffers.items()]:
-            if t.is_meta:
-                raise InputError(
-                    f"{fqn} is on the meta device: there are no values to train",
-                    where=f"{type(model).__name__}.{fqn}",
-                    fix="materialize the model before plan.runner(): "
-                    "model.to_empty(device='cpu') then initialize or load weights",
-                )
         self.device = plan.device
+        check_weights(model, self.device)
         self._shards = Shards(plan.mesh) if plan.mesh.size > 1 else None
         self._placements = _placements(plan.program)
         if self._shards is None:

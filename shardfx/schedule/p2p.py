@@ -11,6 +11,10 @@ needs:
     rank before it (received early, held until their action); it waits for the receives, then
     computes; after its last action, it posts its last sends, and waits for every send.
 
+(The pipeline runner posts each group's receives one action earlier, while it computes the
+action before. Posting waits for nothing: the receives meet the same sends in the same order,
+and a rank waits where the model says, so the check below holds for it too.)
+
 Sends travel on a communicator of their own per direction (one group per ordered pair of
 ranks), so a send the receiver has not reached yet holds up neither the sender's compute nor
 its receives: with one shared queue, interleaved 1F1B on 2 ranks and 4 microbatches hangs
@@ -171,7 +175,7 @@ def check_p2p(schedule: Schedule, messages: Messages | None = None) -> list[list
                         f"{src} -> {dst} messages in the order they are posted",
                         where=f"rank {dst}, before {g.action}",
                         fix="order the schedule so that each rank consumes what another sends "
-                            "it in the order it is sent, or run the pipeline over gloo",
+                            "it in the order it is sent",
                         grid=grid(schedule, [(dst, g.index)] if g.action else []))
                 unmet[dst] -= 1
                 progress = True
@@ -193,7 +197,8 @@ def check_p2p(schedule: Schedule, messages: Messages | None = None) -> list[list
             "the stage-to-stage receives wait for each other (an in-order transport would "
             "hang):\n  " + "\n  ".join(lines),
             where="shardfx.schedule.p2p.check_p2p",
-            fix="reorder the schedule's actions, or run the pipeline over gloo",
+            fix="reorder the schedule's actions so that no two ranks each wait for the "
+                "other's later message",
             grid=grid(schedule, [(r, groups[r][at[r]].index) for r in stuck
                                  if groups[r][at[r]].action is not None]))
     return groups
