@@ -6,6 +6,7 @@ pass), and what the user can do about it. Catch ``ShardfxError`` to catch them a
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -69,15 +70,26 @@ class MemoryBudgetError(ShardfxError, ValueError):
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n?[ \t]*([^\n]*)')
 
 
-def user_line(stack_trace: str | None) -> str | None:
-    """Where in the user's code a traced node comes from: the innermost frame of its
-    ``stack_trace`` (the node meta torch.export records) outside torch and shardfx, as
-    ``file:line in fn: code``; None when there is none."""
+def user_frame(stack_trace: str | None) -> tuple[str, int, str, str] | None:
+    """The innermost frame of ``stack_trace`` (the node meta torch.export records) outside
+    torch and shardfx: ``(file, line, function, code)``; None when there is none."""
+    return _user_frame(stack_trace or "")
+
+
+@functools.lru_cache(maxsize=4096)  # dumps print every op after every pass; traces repeat
+def _user_frame(stack_trace: str) -> tuple[str, int, str, str] | None:
     import torch  # not at the top: this module is imported before anything else of shardfx
 
     skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
-    frames = [f for f in _FRAME.findall(stack_trace or "") if not f[0].startswith(skip)]
+    frames = [f for f in _FRAME.findall(stack_trace) if not f[0].startswith(skip)]
     if not frames:
         return None
     file, line, fn, code = frames[-1]
-    return f"{file}:{line} in {fn}: {code.strip()}"
+    return file, int(line), fn, code.strip()
+
+
+def user_line(stack_trace: str | None) -> str | None:
+    """Where in the user's code a traced node comes from, as ``file:line in fn: code``; None
+    when its stack trace has no frame outside torch and shardfx."""
+    frame = user_frame(stack_trace)
+    return None if frame is None else "{}:{} in {}: {}".format(*frame)

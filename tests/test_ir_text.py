@@ -72,8 +72,8 @@ def _inputs(gm: fx.GraphModule, model: torch.nn.Module, args: tuple, targets: tu
 
 def test_captured_graph_round_trips(captured):
     *_, gm = captured
-    text = ir_to_text(gm)
-    parsed = text_to_ir(text)
+    text = ir_to_text(gm, people=False)
+    parsed = text_to_ir(ir_to_text(gm))  # the cost and origin after | are for people only
     verify(parsed)
     assert ir_to_text(parsed) == text
     assert _structure(parsed) == _structure(gm)
@@ -81,7 +81,7 @@ def test_captured_graph_round_trips(captured):
 
     # A pass runs on the parsed graph, and its annotations (here PHASE) round trip too.
     phased = assign_phase(parsed, Options())
-    text = ir_to_text(phased)
+    text = ir_to_text(phased, people=False)
     assert "  # fwd" in text and "  # bwd" in text
     again = text_to_ir(text)
     assert ir_to_text(again) == text
@@ -211,7 +211,7 @@ def test_sharded_ir_round_trips_and_placements_are_checked():
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     plan = shardfx.partition(model, (x,), torch.nn.functional.mse_loss, (y,),
                              mesh={"dp": 2, "tp": 2}, shard={"0.weight": [Replicate(), Shard(0)]})
-    text = ir_to_text(plan.ir)
+    text = ir_to_text(plan.ir, people=False)
     assert text.splitlines()[0] == "graph train Sequential mesh dp=2,tp=2"
     assert "  args_0: f32[4, 4] = input args[0]  # S(0)R" in text
     assert ir_to_text(text_to_ir(text)) == text

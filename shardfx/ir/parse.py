@@ -155,7 +155,8 @@ class _Reader:
             raise self._error(f"torch.fx cannot name a node {name!r} (it would be {node.name!r})",
                               fix="rename it: no Python builtins or keywords")
         self.nodes[name] = node
-        notes = (m["notes"] or "").strip()  # what text.node_notes writes: phase, placements
+        notes = (m["notes"] or "").split("|")[0].strip()  # text.node_notes's part: phase,
+        # stage, placements; cost and origin after "|" are for people
         word = notes.split(" ", 1)[0]
         if word in {p.value for p in M.Phase}:
             node.meta[M.PHASE] = M.Phase(word)

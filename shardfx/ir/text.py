@@ -16,15 +16,23 @@ Python literals. ``# fwd``/``# bwd`` is the node's PHASE; ``@1`` its pipeline ST
 graph planned for a mesh (``graph train M mesh dp=2,tp=2``), its placements, one per mesh axis
 (``S(0)R``: Shard(0) on dp, Replicate on tp; ``P`` a partial sum). ``shardfx.ir.parse.text_to_ir``
 reads this form back, so tests can be written in it.
+
+After ``|`` come what the parser ignores, for a person reading a dump: the op's estimated cost
+(``1.02 MFLOP 8.0 KiB``, once ``estimate_cost`` ran) and where it comes from, the module's path
+in the model and the source line (``model.layers.3.mlp.down_proj modeling_llama.py:155``)::
+
+      mm_9: f32[16, 32] = aten.mm.default(view_27, t_9)  # fwd | 32.77 KFLOP 2.0 KiB | model.layers.0.mlp.down_proj modeling_llama.py:155
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from shardfx.errors import user_frame
 from shardfx.ir import meta as M
 
 DTYPE_ABBR = {
@@ -66,7 +74,7 @@ def target_str(target: Any) -> str:
     return f"{target.__module__}.{name}".replace("_operator.", "operator.")
 
 
-def node_line(node: fx.Node) -> str:
+def node_line(node: fx.Node, people: bool = True) -> str:
     ty = type_str(node.meta.get(M.VAL))
     if node.op == "placeholder":
         role = node.meta.get(M.ROLE)
@@ -81,8 +89,39 @@ def node_line(node: fx.Node) -> str:
         operands = [arg_str(a) for a in node.args]
         operands += [f"{k}={arg_str(v)}" for k, v in node.kwargs.items()]
         rhs = f"{target_str(node.target)}({', '.join(operands)})"
-    notes = node_notes(node)
-    return f"{node.name}: {ty} = {rhs}" + (f"  # {notes}" if notes else "")
+    notes = [node_notes(node)]
+    if people:  # after |: what parse ignores
+        notes += [cost_str(node.meta.get(M.COST)), origin(node)]
+    while notes and not notes[-1]:
+        notes.pop()
+    return f"{node.name}: {ty} = {rhs}" + (f"  # {' | '.join(notes)}" if notes else "")
+
+
+def cost_str(cost: M.NodeCost | None) -> str:
+    """``1.02 MFLOP 8.0 KiB``: an op's estimated FLOPs and the bytes it makes (each left out
+    when 0; ``-`` for a view, which has neither); '' before ``estimate_cost`` ran."""
+    if cost is None:
+        return ""
+    if not (cost.flops or cost.out_bytes):
+        return "-"
+    from shardfx.report import flops, nbytes  # report renders plans; it imports the IR
+
+    work = flops(cost.flops)
+    parts = [f"{work}FLOP" if work[-1].isalpha() else f"{work} FLOP"] if cost.flops else []
+    return " ".join(parts + ([nbytes(cost.out_bytes)] if cost.out_bytes else []))
+
+
+def origin(node: fx.Node) -> str:
+    """Where an op comes from: the path in the model of the module that ran it (torch.export's
+    ``nn_module_stack``; a backward op: the module whose forward it differentiates; the model's
+    class name for its own ops, ``(loss)`` the loss function's) and the source line, ``file:line`` in the user's code or the library
+    the model is from (the innermost frame of ``stack_trace`` outside torch and shardfx).
+    '' when neither is known (an op shardfx made, a graph parsed from text)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    module = _module(list(stack.values())[-1]) if stack else ""
+    frame = user_frame(node.meta.get("stack_trace")) if node.op == "call_function" else None
+    line = f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
+    return f"{module} {line}".strip()
 
 
 INLINE_CONSTANT = 16  # constants of at most this many elements are printed with their values
@@ -110,8 +149,19 @@ def node_notes(node: fx.Node) -> str:
     return " ".join(notes)
 
 
-def ir_to_text(gm: fx.GraphModule, mark: fx.Node | None = None) -> str:
-    """The whole graph as text; ``mark`` puts ``>>`` in front of one node's line."""
+def _module(entry: tuple[str, str]) -> str:
+    """An ``nn_module_stack`` entry, ``(path, qualified class)``, as ``origin`` names it: the
+    path, or for the model itself its class name, ``(loss)`` for the loss function."""
+    path, cls = entry
+    if path:
+        return path
+    return "(loss)" if cls.endswith("._LossOf") else cls.rsplit(".", 1)[-1]
+
+
+def ir_to_text(gm: fx.GraphModule, mark: fx.Node | None = None, people: bool = True) -> str:
+    """The whole graph as text; ``mark`` puts ``>>`` in front of one node's line.
+    ``people=False`` leaves out each op's cost and origin (the part after ``|``, which
+    ``parse`` ignores): the text ``parse`` reads back to the same text."""
     info = gm.meta.get(M.GRAPH)
     header = f"graph {info.mode} {info.model}" if info else "graph"
     if info and info.mesh:
@@ -124,5 +174,5 @@ def ir_to_text(gm: fx.GraphModule, mark: fx.Node | None = None) -> str:
                 lines.append(f"  output {role.kind} {role.name} = {arg_str(value)}")
             continue
         prefix = ">> " if node is mark else "  "
-        lines.append(prefix + node_line(node))
+        lines.append(prefix + node_line(node, people))
     return "\n".join(lines) + "\n"

@@ -70,7 +70,49 @@ class Options:
 @dataclass
 class PassRecord:
     name: str
-    text: str  # the IR after the pass
+    text: str  # the IR after the pass, under a header of what the pass changed
+
+
+Snapshot = tuple[dict[str, dict[str, int]], dict[str, int]]  # per node, graph: meta key -> id
+
+
+def snapshot(gm: fx.GraphModule) -> Snapshot:
+    """What ``changes`` compares: each node's and the graph's meta values, by identity (passes
+    write new values rather than mutate them: the meta values are frozen dataclasses)."""
+    nodes = {n.name: {k: id(v) for k, v in n.meta.items() if _ours(k)} for n in gm.graph.nodes}
+    return nodes, {k: id(v) for k, v in gm.meta.items() if _ours(k)}
+
+
+def _ours(key: str) -> bool:
+    return key.startswith("shardfx.") or key == "val"
+
+
+def changes(name: str, before: Snapshot, gm: fx.GraphModule) -> str:
+    """A comment header for the IR text after pass ``name``: the nodes it added and removed, and
+    the meta keys it wrote on how many nodes (``# wrote cost on 547 nodes``), so a dump shows
+    what each pass did even where the printed IR looks alike."""
+    nodes, graph = before
+    after, graph_after = snapshot(gm)
+    added = [n for n in after if n not in nodes]
+    removed = [n for n in nodes if n not in after]
+    wrote: dict[str, int] = {}
+    for node, keys in after.items():
+        old = nodes.get(node, {})
+        for key, value in keys.items():
+            if old.get(key) != value:
+                wrote[key] = wrote.get(key, 0) + 1
+    lines = [f"# after {name}: {len(added)} nodes added, {len(removed)} removed"]
+    for label, names in (("added", added), ("removed", removed)):
+        if names:
+            lines.append(f"#   {label}: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+    for key, count in wrote.items():
+        lines.append(f"#   wrote {key.removeprefix('shardfx.')} on {count} nodes{_totals(key, gm)}")
+    for key in graph_after:
+        if graph.get(key) != graph_after[key]:
+            lines.append(f"#   wrote the graph's {key.removeprefix('shardfx.')}")
+    if len(lines) == 1:
+        lines.append("#   the IR is unchanged")
+    return "\n".join(lines) + "\n"
 
 
 def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
@@ -81,6 +123,7 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
     for p in passes:
         name = p.__name__
         before = [r.name for r in history]
+        state = snapshot(gm)
         try:
             gm = p(gm, options)
             if options.debug:
@@ -102,7 +145,7 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             error.__cause__ = e
             dump_failure(error, history)
             raise error from e
-        history.append(PassRecord(name, ir_to_text(gm)))
+        history.append(PassRecord(name, changes(name, state, gm) + ir_to_text(gm)))
         log.debug("ran %s", name)
     return gm
 
@@ -110,6 +153,30 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
 def _where(name: str, before: list[str], inner: str | None) -> str:
     s = f"pass {name} (after {', '.join(before) or 'capture'})"
     return f"{s}; {inner}" if inner else s
+
+
+def _totals(key: str, gm: fx.GraphModule) -> str:
+    """What the written values add up to, for the keys where a sum says something: the
+    estimated FLOPs per phase, the ops per pipeline stage, the ops no sharding rule covered."""
+    from shardfx.ir import meta as M
+    from shardfx.report import flops
+
+    values = [(n, n.meta[key]) for n in gm.graph.nodes if key in n.meta]
+    if key == M.COST:
+        per: dict[str, int] = {}
+        for n, cost in values:
+            phase = str(n.meta.get(M.PHASE, "-"))
+            per[phase] = per.get(phase, 0) + cost.flops
+        return ": " + ", ".join(f"{phase} {flops(f)}FLOP" for phase, f in per.items())
+    if key == M.STAGE:
+        per_stage: dict[int, int] = {}
+        for n, stage in values:
+            if n.op == "call_function":
+                per_stage[stage] = per_stage.get(stage, 0) + 1
+        return ": ops per stage " + ", ".join(f"{s}: {c}" for s, c in sorted(per_stage.items()))
+    if key == M.SHARDING:
+        return f": {sum(1 for _, v in values if v.replicated)} ops without a rule run replicated"
+    return ""
 
 
 def report_fix() -> str:
