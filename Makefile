@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 PIN := -c constraints.txt
 PINS_VENV := build/pins-venv
 
-.PHONY: demo test bench clean pins
+.PHONY: demo test bench clean pins browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,18 @@ demo: $(STAMP)
 	$(BIN)/python examples/nanogpt.py
 	$(BIN)/python examples/parallel.py
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# tests/test_html.py opens plan.html in headless Chromium: Debian's package, installed when
+# missing and this is root on a machine with apt-get (CI); elsewhere that one test skips.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's chromium for the plan.html browser test"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq chromium >/dev/null; \
+	  else echo "no /usr/bin/chromium: the plan.html browser test will skip"; fi; fi
 
 # Every benchmark, each appending its table to bench/RESULTS.md (the GPU ones, gpu and
 # kernels, say they need CUDA and skip on a machine without it). One: `make bench B=plan`.

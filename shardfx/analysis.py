@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Shard
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
@@ -100,6 +101,35 @@ def _liveness(graph: fx.Graph, size=lambda n: n.meta[M.COST].out_bytes,
                 peak_bwd = max(peak_bwd, live)
         live -= frees.pop(i, 0)
     return peak_fwd, peak_bwd, saved
+
+
+def work_split(node: fx.Node, sizes: tuple[int, ...]) -> int:
+    """Among how many devices an op's work is divided: the product of the mesh axes (``sizes``,
+    in the IR's mesh order) on which it reads a shard or makes a shard or a partial sum. An op
+    with no placements (one device) or none sharded runs whole on every device."""
+    sharding = node.meta.get(M.SHARDING)
+    if sharding is None:
+        return 1
+    outs = sharding.out if sharding.out and isinstance(sharding.out[0], tuple) else (sharding.out,)
+    split = 1
+    for axis, size in enumerate(sizes):
+        placed = [p[axis] for p in (*outs, *(i for i in sharding.inputs if i)) if len(p) > axis]
+        if any(isinstance(x, (Shard, Partial)) for x in placed):
+            split *= size
+    return split
+
+
+def device_flops(gm: fx.GraphModule, stage_rank=None) -> dict[int, tuple[int, int]]:
+    """Estimated FLOPs one device runs per traced batch, forward and backward: each op's cost
+    divided by ``work_split``. Keyed by pp rank (``stage_rank(stage)``) on a pipeline plan,
+    else ``{0: ...}``; a pipeline's rank runs this once per microbatch."""
+    sizes = tuple(n for _, n in gm.meta[M.GRAPH].mesh or ())
+    totals: dict[int, list[int]] = {}
+    for node in op_nodes(gm.graph):
+        rank = stage_rank(node.meta[M.STAGE]) if stage_rank else 0
+        row = totals.setdefault(rank, [0, 0])
+        row[node.meta[M.PHASE] is not M.Phase.FORWARD] += node.meta[M.COST].flops // work_split(node, sizes)
+    return {rank: tuple(row) for rank, row in sorted(totals.items())}
 
 
 def _bytes(t: torch.Tensor) -> int:

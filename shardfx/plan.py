@@ -13,11 +13,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from shardfx.analysis import Summary, summarize
+from shardfx.analysis import Summary, device_flops, summarize
 from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
+from shardfx.html import plan_html
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
@@ -27,7 +28,7 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.fused_loss import FusedLoss
-from shardfx.passes.manager import Options, PassRecord
+from shardfx.passes.manager import Options, PassRecord, changes, snapshot
 from shardfx.passes.remat import Choice, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.pipeline import compile_ir, deferred_codegen
@@ -202,9 +203,11 @@ class Plan:
                     where="partition(..., memory_budget=...)",
                     fix="a larger budget, or shard the model over a tp or pp axis")
             return
+        before = snapshot(self.ir)
         fit_budget(self, budget)
         if self.remat is not None:
-            self.history.append(PassRecord("remat", ir_to_text(self.ir)))
+            self.history.append(PassRecord("remat", changes("remat", before, self.ir)
+                                           + ir_to_text(self.ir)))
 
     def memory_estimate(self) -> dict[int, int]:
         """Predicted peak bytes per device (global rank): ``memory_breakdown()``'s totals."""
@@ -242,18 +245,36 @@ class Plan:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self._memory_rows(),
-                      notes=self._memory_notes())
+                      notes=self._memory_notes(), compute=self.compute_rows(),
+                      slices=self.options.slices if self.stage_program is not None else 1)
 
     def _memory_rows(self) -> dict[str, DeviceMemory]:
         """``memory_breakdown`` grouped: one row for an SPMD plan's devices, one per pp rank."""
         per_rank = self.memory_breakdown()
         if self.stage_program is None:
-            return {f"all {self.mesh.size}" if self.mesh.size > 1 else "the device": per_rank[0]}
+            return {f"each of {self.mesh.size}" if self.mesh.size > 1 else "the device":
+                    per_rank[0]}
         pp = [a for a, _ in self.mesh.axes].index("pp")
         rows: dict[str, DeviceMemory] = {}
         coords = itertools.product(*(range(n) for _, n in self.mesh.axes))
         for rank, coord in enumerate(coords):
             rows.setdefault(f"pp rank {coord[pp]}", per_rank[rank])
+        return rows
+
+    def compute_rows(self) -> dict[str, tuple[int, int]]:
+        """Estimated FLOPs of one step, forward and backward: the whole model's (every slice of
+        the batch), then one device's, grouped as the memory table groups them (a pipeline: per
+        pp rank, its stages' ops for each of its microbatches; tp: each op's share)."""
+        s = self.summary
+        if self.stage_program is None:
+            rows = {"whole model": (s.flops_fwd, s.flops_bwd)}
+            if self.mesh.size > 1:
+                rows[f"each of {self.mesh.size}"] = device_flops(self.ir)[0]
+            return rows
+        slices, m = self.options.slices, self.options.microbatches  # traced on one slice
+        rows = {"whole model": (s.flops_fwd * slices, s.flops_bwd * slices)}
+        for rank, (fwd, bwd) in device_flops(self.ir, self.schedule.rank_of).items():
+            rows[f"pp rank {rank}"] = (fwd * m, bwd * m)
         return rows
 
     def _memory_notes(self) -> list[str]:
@@ -324,8 +345,11 @@ class Plan:
         return f"<shardfx.Plan {self.summary.model} {self.mode} mesh={self.mesh}>"
 
     def dump(self, directory: str | os.PathLike) -> Path:
-        """Write the IR after every pass, the generated program (for a pipeline plan: each
-        stage's F, B and W parts and the schedule), and the summary."""
+        """Write the IR after every pass (each file headed by what that pass changed; each op
+        with its cost, module path and source line), the generated program (for a pipeline
+        plan: each stage's F, B and W parts and the schedule), the summary (``plan.txt``) and
+        ``plan.html``: one self-contained page with the layers and their placements, the
+        stages, the memory, the collectives and the schedule."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for i, record in enumerate(self.history):
@@ -339,6 +363,7 @@ class Plan:
             (out / "schedule.txt").write_text(f"{self.schedule}\n\n"
                                               f"{self.schedule.format_lists()}\n")
         (out / "plan.txt").write_text(str(self))
+        (out / "plan.html").write_text(plan_html(self))  # one page, no network: open it
         kernels = self.kernels()
         if kernels:
             (out / "kernels").mkdir(exist_ok=True)

@@ -14,7 +14,11 @@ from shardfx.memory import KINDS, DeviceMemory
 
 def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
            replicated: list[str] = (), stages: list[dict] = (), traced: str = "",
-           memory: dict[str, DeviceMemory] | None = None, notes: list[str] = ()) -> str:
+           memory: dict[str, DeviceMemory] | None = None, notes: list[str] = (),
+           compute: dict[str, tuple[int, int]] | None = None, slices: int = 1) -> str:
+    """The plan as text tables. Each says whose numbers it holds: the whole model (the
+    parameters, the compute of a step, the activations of the traced batch) or one device
+    (``compute``'s other columns, the memory at the peak, the communication)."""
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     s = summary
@@ -26,16 +30,26 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
     for kind, n in s.nodes.items():
         nodes.add_row(kind, str(n))
 
-    cost = Table(title="Cost per step (one device)", title_justify="left")
+    work = Table(title="Compute per step (estimated FLOPs)", title_justify="left")
+    work.add_column("")
+    rows = compute or {"whole model": (s.flops_fwd, s.flops_bwd)}
+    for who in rows:
+        work.add_column(who if who == "whole model" else f"per device: {who}", justify="right")
+    work.add_row("forward", *(flops(f) for f, _ in rows.values()))
+    if s.mode == "train":
+        work.add_row("backward", *(flops(b) for _, b in rows.values()))
+
+    per = "one slice of the batch" if slices > 1 else "the whole batch"
+    cost = Table(title=f"Activations of the whole model on one device, {per} (per device: "
+                 "the memory table)", title_justify="left")
     cost.add_column("")
     cost.add_column("forward", justify="right")
     cost.add_column("backward", justify="right")
-    cost.add_row("FLOPs", flops(s.flops_fwd), flops(s.flops_bwd) if s.mode == "train" else "-")
     cost.add_row("peak activations", nbytes(s.peak_fwd_bytes),
                  nbytes(s.peak_bwd_bytes) if s.mode == "train" else "-")
     cost.add_row("saved for backward", nbytes(s.saved_bytes) if s.mode == "train" else "-", "")
 
-    state = Table(title="State", title_justify="left")
+    state = Table(title="State of the whole model", title_justify="left")
     state.add_column("")
     state.add_column("count", justify="right")
     state.add_column("bytes", justify="right")
@@ -51,7 +65,7 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
     console.print(title)
     if traced:
         console.print(f"Traced: {traced}")
-    for table in (nodes, state, cost, ops):
+    for table in (nodes, state, work, cost, ops):
         console.print(table)
     if memory:
         console.print(_memory(memory))
