@@ -1,7 +1,8 @@
 """The ``shardfx`` command line.
 
     shardfx inspect MODULE:FACTORY [--mesh dp=1,tp=1] [--microbatches M] [--schedule NAME]
-                                   [--virtual-stages V] [--infer] [--dump DIR]
+                                   [--virtual-stages V] [--infer] [--precision P]
+                                   [--budget SIZE] [--dump DIR]
     shardfx run MODULE:FACTORY [--mesh ...] [--steps N] [--lr LR] [--seed S] [--precision P]
                                [pipeline options] [--save DIR] [--resume DIR] [--trace FILE]
     shardfx --version

@@ -1,8 +1,9 @@
 """codegen: the IR becomes the program a device runs.
 
 On one device the program is the IR itself, stripped of analysis metadata, compiled by torch.fx to
-Python that calls ATen ops in order. Later stages of the compiler add here: local shapes,
-explicit collectives and send/recv (spmd), and Triton kernels for fused groups. The runner only
+Python that calls ATen ops in order. Later stages of the compiler add here: local shapes
+and explicit collectives (spmd; a pipeline's sends and receives are the runner's), and Triton
+kernels for fused groups. The runner only
 knows ``Program``: a callable with a list of input roles and a list of output roles.
 
 Layouts. The strides in the IR (``meta["val"]``) are FakeTensor's prediction, and a real kernel

@@ -14,7 +14,7 @@ reader can find in one place what a key means and which pass produces it.
     COST              call_function      NodeCost       passes.estimate_cost
     ANNOTATION        placeholders       Placements     passes.shard_annotate
     SHARDING          call_function      NodeSharding   passes.shard_propagate
-    STAGE             forward ops, inputs  int          passes.stage_cut
+    STAGE             ops, inputs        int            passes.stage_cut
     REMAT             recomputed copies  str (original) passes.remat
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``; what
