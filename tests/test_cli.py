@@ -94,7 +94,7 @@ def test_inspect_prints_the_training_plan(factories, capsys):
     out = capsys.readouterr().out
     assert "shardfx plan: TinyMLP (train, mesh 1 device)" in out
     assert row(out, "parameters")[1] == PARAMS
-    assert row(out, "FLOPs")[1:] == [FWD_FLOPS, BWD_FLOPS]
+    assert [row(out, p)[1] for p in ("forward", "backward")] == [FWD_FLOPS, BWD_FLOPS]
     assert "mse_loss.default" in out
 
 
@@ -104,7 +104,7 @@ def test_inspect_by_dotted_name_tuple_factory_and_mesh(factories, capsys, monkey
     assert main(["inspect", "cli_factories:as_tuple", "--mesh", "dp=1,tp=1"]) == 0
     out = capsys.readouterr().out
     assert "shardfx plan: TinyMLP (train, mesh dp=1,tp=1)" in out
-    assert row(out, "FLOPs")[1:] == [FWD_FLOPS, BWD_FLOPS]
+    assert [row(out, p)[1] for p in ("forward", "backward")] == [FWD_FLOPS, BWD_FLOPS]
 
 
 def test_precision_and_budget(factories, capsys):
@@ -118,7 +118,9 @@ def test_infer_ignores_the_loss(factories, capsys):
     assert main(["inspect", f"{factories}:factory", "--infer"]) == 0
     out = capsys.readouterr().out
     assert "shardfx plan: TinyMLP (infer, mesh 1 device)" in out
-    assert row(out, "FLOPs")[1:] == [FWD_FLOPS, "-"]
+    assert row(out, "forward")[1] == FWD_FLOPS
+    with pytest.raises(AssertionError, match="no row 'backward'"):
+        row(out, "backward")
     assert "mse_loss" not in out
 
 
@@ -171,4 +173,4 @@ def test_python_dash_m_shardfx(factories):
     done = subprocess.run([sys.executable, "-m", "shardfx", "inspect", f"{factories}:factory"],
                           cwd=repo, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert row(done.stdout, "FLOPs")[1:] == [FWD_FLOPS, BWD_FLOPS]
+    assert [row(done.stdout, p)[1] for p in ("forward", "backward")] == [FWD_FLOPS, BWD_FLOPS]

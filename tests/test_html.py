@@ -133,6 +133,9 @@ def test_page_says_what_the_ir_says(plans):
     assert len(page.cells_of("action")) == len(compute_actions(pp)) == 2 * 4 * 3  # F, B, W
     assert page.cells_of("idle")  # zero-bubble still waits at the start
     assert len(page.rows_of("stage")) == 2
+    rows = pp.compute_rows()  # each op runs on one pp rank, once per microbatch: the sum is all
+    assert [sum(r[i] for k, r in rows.items() if k != "whole model") for i in (0, 1)] == \
+        list(rows["whole model"])
 
     assert "no collectives" in plan_html(pp)  # pp=2 alone sends, but runs no collectives
 

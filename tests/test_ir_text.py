@@ -219,3 +219,36 @@ def test_sharded_ir_round_trips_and_placements_are_checked():
     wrong = relu.rsplit(" ", 1)[0] + " RR"
     with pytest.raises(VerifyError, match="propagation gives"):
         text_to_ir(text.replace(relu, wrong))
+
+
+def test_dump_says_where_each_op_comes_from_and_what_each_pass_did(tmp_path):
+    """A person reads a dump: each op names its module and source line (a backward op, the
+    module whose forward it differentiates; a stamped layer, its own index), and each per-pass
+    file begins with what that pass changed, so two files whose ops read alike still differ."""
+    import shardfx
+    from models import SEQ, VOCAB, lm_loss, tiny
+
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    plan = shardfx.partition(tiny("llama", layers=4), (ids,), lm_loss, (ids,), mesh="tp=2")
+    assert "stamped" in plan.capture_path  # layers 1..3 are copies of a traced block
+    out = plan.dump(tmp_path)
+    text = (out / "06-shard_propagate.txt").read_text()
+    for layer in range(4):
+        down = [line for line in text.splitlines() if " = aten.mm.default(" in line
+                and line.endswith(f"| model.layers.{layer}.mlp.down_proj modeling_llama.py:164")]
+        phases = sorted(d.split("  # ")[1].split()[0] for d in down)
+        assert phases == ["bwd", "bwd", "fwd"], down  # the matmul, its input and weight grads
+    assert "| (loss)" in text  # the loss function's own ops (its cross-entropy)
+
+    headers = {f.name: [line for line in f.read_text().splitlines() if line.startswith("#")]
+               for f in sorted(out.glob("0*.txt"))}
+    assert headers["00-capture.txt"] == []
+    ops = sum(1 for n in plan.ir.graph.nodes if n.op == "call_function")
+    assert headers["02-assign_phase.txt"][1] == f"#   wrote phase on {ops} nodes"
+    cost = headers["04-estimate_cost.txt"]
+    assert cost[0] == "# after estimate_cost: 0 nodes added, 0 removed"
+    assert cost[1].startswith("#   wrote cost on ") and ": fwd " in cost[1] and "FLOP" in cost[1]
+    assert headers["01-rng_dropout.txt"][1] == "#   the IR is unchanged"  # no dropout in it
+    assert "without a rule run replicated" in headers["06-shard_propagate.txt"][1]
+    # the IR under the header parses back: the header and the text after | are for people
+    assert len(text_to_ir(text).graph.nodes) == len(plan.ir.graph.nodes)

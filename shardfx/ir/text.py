@@ -118,7 +118,7 @@ def origin(node: fx.Node) -> str:
     the model is from (the innermost frame of ``stack_trace`` outside torch and shardfx).
     '' when neither is known (an op shardfx made, a graph parsed from text)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    module = _module(list(stack.values())[-1]) if stack else ""
+    module = _module(next(reversed(stack.values()))) if stack else ""
     frame = user_frame(node.meta.get("stack_trace")) if node.op == "call_function" else None
     line = f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
     return f"{module} {line}".strip()

@@ -73,33 +73,35 @@ class PassRecord:
     text: str  # the IR after the pass, under a header of what the pass changed
 
 
-Snapshot = tuple[dict[str, dict[str, int]], dict[str, int]]  # per node, graph: meta key -> id
+Snapshot = tuple[dict[str, dict[str, Any]], dict[str, Any]]  # per node, graph: meta key -> value
 
 
 def snapshot(gm: fx.GraphModule) -> Snapshot:
-    """What ``changes`` compares: each node's and the graph's meta values, by identity (passes
-    write new values rather than mutate them: the meta values are frozen dataclasses)."""
-    nodes = {n.name: {k: id(v) for k, v in n.meta.items() if _ours(k)} for n in gm.graph.nodes}
-    return nodes, {k: id(v) for k, v in gm.meta.items() if _ours(k)}
+    """What ``changes`` compares: each node's and the graph's meta values, held (so none is
+    freed and its id reused) and compared by identity: passes write new values rather than
+    mutate them (the meta values are frozen dataclasses)."""
+    nodes = {n.name: {k: v for k, v in n.meta.items() if _ours(k)} for n in gm.graph.nodes}
+    return nodes, {k: v for k, v in gm.meta.items() if _ours(k)}
 
 
 def _ours(key: str) -> bool:
     return key.startswith("shardfx.") or key == "val"
 
 
-def changes(name: str, before: Snapshot, gm: fx.GraphModule) -> str:
+def changes(name: str, before: Snapshot, gm: fx.GraphModule, after: Snapshot | None = None
+            ) -> str:
     """A comment header for the IR text after pass ``name``: the nodes it added and removed, and
     the meta keys it wrote on how many nodes (``# wrote cost on 547 nodes``), so a dump shows
     what each pass did even where the printed IR looks alike."""
     nodes, graph = before
-    after, graph_after = snapshot(gm)
+    after, graph_after = after or snapshot(gm)
     added = [n for n in after if n not in nodes]
     removed = [n for n in nodes if n not in after]
     wrote: dict[str, int] = {}
     for node, keys in after.items():
         old = nodes.get(node, {})
         for key, value in keys.items():
-            if old.get(key) != value:
+            if old.get(key) is not value:
                 wrote[key] = wrote.get(key, 0) + 1
     lines = [f"# after {name}: {len(added)} nodes added, {len(removed)} removed"]
     for label, names in (("added", added), ("removed", removed)):
@@ -108,7 +110,7 @@ def changes(name: str, before: Snapshot, gm: fx.GraphModule) -> str:
     for key, count in wrote.items():
         lines.append(f"#   wrote {key.removeprefix('shardfx.')} on {count} nodes{_totals(key, gm)}")
     for key in graph_after:
-        if graph.get(key) != graph_after[key]:
+        if graph.get(key) is not graph_after[key]:
             lines.append(f"#   wrote the graph's {key.removeprefix('shardfx.')}")
     if len(lines) == 1:
         lines.append("#   the IR is unchanged")
@@ -120,10 +122,10 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
     """Apply ``passes`` in order; append the IR text after each one to ``history``."""
     if options.debug:
         verify(gm)
+    state = snapshot(gm)  # each pass's "after" is the next one's "before"
     for p in passes:
         name = p.__name__
         before = [r.name for r in history]
-        state = snapshot(gm)
         try:
             gm = p(gm, options)
             if options.debug:
@@ -145,7 +147,9 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             error.__cause__ = e
             dump_failure(error, history)
             raise error from e
-        history.append(PassRecord(name, changes(name, state, gm) + ir_to_text(gm)))
+        after = snapshot(gm)
+        history.append(PassRecord(name, changes(name, state, gm, after) + ir_to_text(gm)))
+        state = after
         log.debug("ran %s", name)
     return gm
 
