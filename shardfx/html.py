@@ -1,12 +1,12 @@
 """``plan.html``: what shardfx decided for a plan, as one page to open in a browser.
 
-The page shows, top to bottom: the model, mode, mesh and device with the headline numbers of
-``plan.summary``; every parameter as a row, grouped under its module in model order, with its
-full shape, its placement on each mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its
-bytes per device; the pipeline stages (time share, parameters, saved activations, memory of
-their pp rank); the predicted memory per device; the collectives, totalled per axis and kind,
-then one by one with the reason for each; and a pipeline plan's schedule as a grid of ranks by
-time slots, every action one slot wide as ``str(schedule)`` draws it.
+The page shows, top to bottom: the model, mode, mesh and device, and the FLOPs of a step for
+the whole model and per device; a pipeline plan's stages (time share, parameters, saved
+activations, memory of their pp rank) and its schedule as a grid of ranks by time slots, every
+action one slot wide as ``str(schedule)`` draws it; the predicted memory per device; the
+collectives, totalled per axis and kind, then one by one with the reason for each; and every
+parameter as a row, under its layer in model order, with its full shape, its placement on each
+mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its bytes per device.
 
 The file is self-contained: inline CSS, no script, no fonts, images or anything fetched, so it
 opens offline and can be attached to a bug report. ``shardfx.report`` is the same plan as text.
@@ -49,12 +49,10 @@ def plan_html(plan) -> str:
     """The whole page for ``plan`` (a ``shardfx.Plan``)."""
     s = plan.summary
     title = f"shardfx plan: {s.model} ({s.mode}, mesh {plan.mesh})"
-    parts = [_header(plan), _layers(plan)]
+    parts = [_header(plan)]  # the short sections first, the long table of weights last
     if plan.schedule is not None:
-        parts.append(_stages(plan))
-    parts += [_memory(plan), _collectives(plan.collectives)]
-    if plan.schedule is not None:
-        parts.append(_schedule(plan.schedule))
+        parts += [_stages(plan), _schedule(plan.schedule)]
+    parts += [_memory(plan), _collectives(plan.collectives), _layers(plan)]
     return (f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{escape(title)}"
             f"</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
             + "\n</body></html>\n")

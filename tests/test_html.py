@@ -92,8 +92,8 @@ def compute_actions(plan) -> list[str]:
 def check_page(plan, page: Page) -> None:
     """What both the parsed source and Chromium's DOM must show for ``plan``."""
     pipeline = plan.schedule is not None
-    assert page.sections == ["layers", *(["stages"] * pipeline), "memory", "collectives",
-                             *(["schedule"] * pipeline)]
+    assert page.sections == [*(["stages", "schedule"] * pipeline), "memory", "collectives",
+                             "layers"]
     rows = {r["data-fqn"]: r for r in page.rows_of("param")}
     assert list(rows) == [n.meta[M.ROLE].name for n in params(plan)]  # all, in model order
     assert len(page.rows_of("collective")) == len(plan.collectives)
