@@ -128,7 +128,8 @@ def device_flops(gm: fx.GraphModule, stage_rank=None) -> dict[int, tuple[int, in
     for node in op_nodes(gm.graph):
         rank = stage_rank(node.meta[M.STAGE]) if stage_rank else 0
         row = totals.setdefault(rank, [0, 0])
-        row[node.meta[M.PHASE] is not M.Phase.FORWARD] += node.meta[M.COST].flops // work_split(node, sizes)
+        backward = node.meta[M.PHASE] is not M.Phase.FORWARD
+        row[backward] += node.meta[M.COST].flops // work_split(node, sizes)
     return {rank: tuple(row) for rank, row in sorted(totals.items())}
 
 

@@ -23,7 +23,7 @@ from shardfx.ir import meta as M
 from shardfx.memory import KINDS
 from shardfx.passes.stage_cut import stage_report
 from shardfx.report import flops, nbytes
-from shardfx.schedule.check import _run
+from shardfx.schedule.check import simulate
 
 CSS = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#222;max-width:1300px}
@@ -149,7 +149,7 @@ def _stages(plan) -> str:
     the predicted peak of the pp rank that runs it."""
     stages = stage_report(plan.ir)
     total = sum(s["time"] for s in stages) or 1.0
-    memory = plan._memory_rows()
+    memory = plan.memory_rows()
     rows = []
     for s in stages:
         rank = plan.schedule.rank_of(s["stage"])
@@ -170,7 +170,7 @@ def _stages(plan) -> str:
 
 def _memory(plan) -> str:
     """The predicted peak per device (one column per group of devices that run alike)."""
-    memory = plan._memory_rows()
+    memory = plan.memory_rows()
     devices = list(memory.values())
 
     def row(label: str, values: list, cls: str = "num") -> str:
@@ -209,8 +209,8 @@ def _collectives(collectives) -> str:
 def _schedule(schedule) -> str:
     """Ranks by time slots, each F, B and W one slot wide (sends and receives take none), laid
     out as ``shardfx.schedule.check.grid`` does."""
-    spans, _ = _run(schedule, lambda a: 0.0 if a.kind.is_comm else 1.0)
-    spans = [s for s in spans if not s.action.kind.is_comm]
+    timeline = simulate(schedule, lambda a: 0.0 if a.kind.is_comm else 1.0)
+    spans = [s for s in timeline.spans if not s.action.kind.is_comm]
     slots = int(max((s.end for s in spans), default=0))
     cells = [['<td class="idle"></td>'] * slots for _ in range(schedule.ranks)]
     for s in spans:

@@ -18,8 +18,8 @@ from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
-from shardfx.html import plan_html
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
+from shardfx.html import plan_html
 from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
 from shardfx.memory import DeviceMemory, optimizer_model, pipeline_memory, program_memory
@@ -244,11 +244,11 @@ class Plan:
     def __str__(self) -> str:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
-                      traced=self.capture_path, memory=self._memory_rows(),
+                      traced=self.capture_path, memory=self.memory_rows(),
                       notes=self._memory_notes(), compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1)
 
-    def _memory_rows(self) -> dict[str, DeviceMemory]:
+    def memory_rows(self) -> dict[str, DeviceMemory]:
         """``memory_breakdown`` grouped: one row for an SPMD plan's devices, one per pp rank."""
         per_rank = self.memory_breakdown()
         if self.stage_program is None:

@@ -15,8 +15,8 @@ shardfx may round differently from eager PyTorch (it sums in another order acros
 microbatches), but not by more than a small multiple of what fp32 rounding costs eager
 PyTorch itself on the same tensor from the same weights; ``rtol`` is the floor under which any
 difference is accepted. ``compare_inference`` applies the same rule to a forward pass. This is
-shardfx's correctness contract (docs/architecture.md); the test suite checks every capability with it, and a
-user can run it on their own model before trusting a plan.
+shardfx's correctness contract (docs/architecture.md); the test suite checks every capability
+with it, and a user can run it on their own model before trusting a plan.
 
 The optimizer step is checked by replay: the eager fp32 copy's optimizer (built by the same
 factory over its parameters) is stepped with shardfx's gradients (``p.grad`` set to shardfx's

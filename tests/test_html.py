@@ -172,8 +172,8 @@ def test_chromium_renders_the_page(plans, tmp_path):
         check_page(plan, Page(dom))
 
     png = tmp_path / "pp.png"
-    chromium(f"--screenshot={png}", "--window-size=1400,2000", (tmp_path / "pp" / "plan.html").as_uri(),
-             profile=tmp_path / "profile")
+    page = (tmp_path / "pp" / "plan.html").as_uri()
+    chromium(f"--screenshot={png}", "--window-size=1400,2000", page, profile=tmp_path / "profile")
     width, height, pixels = png_pixels(png)
     assert (width, height) == (1400, 2000)
     assert png.stat().st_size > 20_000  # a blank page of this size compresses to a few KiB

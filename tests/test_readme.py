@@ -34,7 +34,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 TIMEOUT_S = 300  # per block; each takes 10 to 30 s on two cores
-KNOWN = {"python", "sh", "text", ""}  # "", "text": plain text (the layout tree, an excerpt), not run
+KNOWN = {"python", "sh", "text", ""}  # "", "text": plain text (the layout, an excerpt): not run
 FENCE = re.compile(r"^```(\S*)\s*$")
 HEADING = re.compile(r"^#{1,6}\s+(.*\S)\s*$")
 

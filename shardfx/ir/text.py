@@ -114,8 +114,9 @@ def cost_str(cost: M.NodeCost | None) -> str:
 def origin(node: fx.Node) -> str:
     """Where an op comes from: the path in the model of the module that ran it (torch.export's
     ``nn_module_stack``; a backward op: the module whose forward it differentiates; the model's
-    class name for its own ops, ``(loss)`` the loss function's) and the source line, ``file:line`` in the user's code or the library
-    the model is from (the innermost frame of ``stack_trace`` outside torch and shardfx).
+    class name for its own ops, ``(loss)`` the loss function's) and the source line,
+    ``file:line`` in the user's code or the library the model is from (the innermost frame of
+    ``stack_trace`` outside torch and shardfx).
     '' when neither is known (an op shardfx made, a graph parsed from text)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     module = _module(next(reversed(stack.values()))) if stack else ""
