@@ -21,7 +21,7 @@ from html import escape
 from shardfx.codegen.spmd import local_shape
 from shardfx.ir import meta as M
 from shardfx.memory import KINDS
-from shardfx.passes.stage_cut import stage_report
+from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.report import flops, nbytes
 from shardfx.schedule.check import simulate
 
@@ -101,6 +101,7 @@ def _layers(plan) -> str:
     axes = [a for a, _ in plan.mesh.axes if a != "pp"]  # pp's "placement" is the stage column
     pipeline = plan.schedule is not None
     head = ["parameter", "shape", "dtype", *axes, *(["stage"] * pipeline), "bytes / device"]
+    stages = weight_stages(plan.ir) if pipeline else {}  # a tied weight: every stage using it
     rows, group = [], None
     for node in plan.ir.graph.find_nodes(op="placeholder"):
         role = node.meta[M.ROLE]
@@ -120,7 +121,7 @@ def _layers(plan) -> str:
             kind = {"S": "shard", "R": "replicate"}.get(text[0], "partial")
             cells.append(_td(text, f"placement {kind}", data_axis=axis))
         if pipeline:
-            cells.append(_td(node.meta.get(M.STAGE, "-"), "num"))
+            cells.append(_td(", ".join(map(str, stages.get(role.name, ()))) or "-", "num"))
         local = math.prod(local_shape(val.shape, placements, annotated)) * val.element_size()
         cells.append(_td(nbytes(local), "num"))
         rows.append(f'<tr class="param" data-fqn="{escape(role.name)}">{"".join(cells)}</tr>')

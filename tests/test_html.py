@@ -140,6 +140,16 @@ def test_page_says_what_the_ir_says(plans):
     assert "no collectives" in plan_html(pp)  # pp=2 alone sends, but runs no collectives
 
 
+def test_a_tied_weight_shows_every_stage_using_it():
+    """GPT-2's embedding is its LM head too: stage 0 embeds, the last stage projects."""
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    plan = shardfx.partition(tiny("gpt2"), (ids,), lm_loss, (ids,), mesh="pp=2", microbatches=2)
+    row = next(r for r in Page(plan_html(plan)).rows_of("param")
+               if r["data-fqn"] == "transformer.wte.weight")
+    assert row["cells"][0]["text"] == "transformer.wte.weight  (= lm_head.weight)"
+    assert "0, 1" in [c["text"] for c in row["cells"]]
+
+
 def chromium(*flags: str, profile: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
