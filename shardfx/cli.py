@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SIZE",
                    help="memory per device, e.g. 8GiB: recompute activations until it fits")
     p.add_argument("--dump", metavar="DIR",
-                   help="also write the IR after every pass, the program and the plan to DIR")
+                   help="also write the IR after every pass, the program, plan.txt and "
+                        "plan.html (the plan as a page) to DIR")
     p.set_defaults(command=inspect_command, name="inspect")
 
     r = commands.add_parser(
@@ -169,7 +170,8 @@ def inspect_command(ns: argparse.Namespace) -> int:
               f"microbatches):\n{plan.schedule}")
     if ns.dump:
         out = plan.dump(ns.dump)
-        print(f"dumped the IR after every pass, the program and plan.txt to {out}/")
+        print(f"dumped the IR after every pass, the program and plan.txt to {out}/; "
+              f"open {out / 'plan.html'} in a browser to look at the plan")
     return 0
 
 

@@ -128,7 +128,7 @@ def test_dump_writes_the_ir_program_and_plan(factories, tmp_path, capsys):
     out_dir = tmp_path / "dump"
     assert main(["inspect", f"{factories}:factory", "--dump", str(out_dir)]) == 0
     assert str(out_dir) in capsys.readouterr().out
-    for name in ("00-capture.txt", "program_train.py", "plan.txt"):
+    for name in ("00-capture.txt", "program_train.py", "plan.txt", "plan.html"):
         assert (out_dir / name).is_file(), sorted(p.name for p in out_dir.iterdir())
     assert "TinyMLP" in (out_dir / "plan.txt").read_text()
 
