@@ -176,9 +176,10 @@ def inspect_command(ns: argparse.Namespace) -> int:
 
 
 def run_command(ns: argparse.Namespace) -> int:
+    from shardfx.runtime.launch import under_torchrun
     from shardfx.train import RunConfig, run
 
-    if ns.mesh.size > 1 and not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
+    if ns.mesh.size > 1 and not under_torchrun():
         load_job(ns.spec)  # before spawning: a wrong MODULE:FACTORY is said once, exit code 2
     mesh = ",".join(f"{axis}={n}" for axis, n in ns.mesh.axes)  # "" for one device
     run(RunConfig(spec=ns.spec, mesh=mesh, steps=ns.steps, lr=ns.lr, seed=ns.seed,

@@ -15,14 +15,13 @@ opens offline and can be attached to a bug report. ``shardfx.report`` is the sam
 from __future__ import annotations
 
 import math
-from collections import Counter
 from html import escape
 
 from shardfx.codegen.spmd import local_shape
 from shardfx.ir import meta as M
 from shardfx.memory import KINDS
 from shardfx.passes.stage_cut import stage_report, weight_stages
-from shardfx.report import flops, nbytes
+from shardfx.report import collective_totals, flops, nbytes
 from shardfx.schedule.check import simulate
 
 CSS = """
@@ -190,12 +189,8 @@ def _collectives(collectives) -> str:
     """Totals per (axis, kind), then every collective with why it is there."""
     if not collectives:
         return '<section id="collectives"><h2>Collectives</h2><p>no collectives</p></section>'
-    count, size = Counter(), Counter()
-    for c in collectives:
-        count[c.axis, c.kind] += 1
-        size[c.axis, c.kind] += c.nbytes
-    totals = [f"<tr>{_td(axis)}{_td(kind)}{_td(count[axis, kind], 'num')}"
-              f"{_td(nbytes(size[axis, kind]), 'num')}</tr>" for axis, kind in sorted(count)]
+    totals = [f"<tr>{_td(axis)}{_td(kind)}{_td(n, 'num')}{_td(nbytes(b), 'num')}</tr>"
+              for (axis, kind), (n, b) in collective_totals(collectives).items()]
     each = [f'<tr class="collective">{_td(c.kind)}{_td(c.axis)}{_td(nbytes(c.nbytes), "num")}'
             f'{_td(c.reason, "mono")}</tr>' for c in collectives]
     return ('<section id="collectives"><h2>Collectives</h2>'

@@ -115,14 +115,19 @@ def _communication(collectives: list[Collective]) -> Table:
     table = Table(title="Communication per step (per device, bytes in)", title_justify="left")
     for col in ("axis", "collective", "count", "bytes"):
         table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+    for (axis, kind), (n, b) in collective_totals(collectives).items():
+        table.add_row(axis, kind, str(n), nbytes(b))
+    return table
+
+
+def collective_totals(collectives: list[Collective]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(axis, kind) -> (count, bytes in), sorted by axis and kind."""
     totals: dict[tuple[str, str], list[int]] = {}
     for c in collectives:
         t = totals.setdefault((c.axis, c.kind), [0, 0])
         t[0] += 1
         t[1] += c.nbytes
-    for (axis, kind), (n, b) in sorted(totals.items()):
-        table.add_row(axis, kind, str(n), nbytes(b))
-    return table
+    return {key: (n, b) for key, (n, b) in sorted(totals.items())}
 
 
 def _largest(collectives: list[Collective], n: int = 8) -> Table:

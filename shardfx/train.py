@@ -32,8 +32,8 @@ actions), else ``torch.profiler`` on rank 0.
 
 from __future__ import annotations
 
+import itertools
 import json
-import os
 import resource
 import statistics
 import time
@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 import shardfx
 from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
-from shardfx.runtime.launch import rank
+from shardfx.runtime.launch import rank, under_torchrun, world_size
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,7 @@ def run(config: RunConfig) -> list[float]:
     if config.resume:
         _resume_meta(config)  # a checkpoint this run cannot continue is said before spawning
     size = MeshSpec.parse(config.mesh).size
-    under_torchrun = {"RANK", "WORLD_SIZE"} <= os.environ.keys()
-    if size == 1 and not under_torchrun:
+    if size == 1 and not under_torchrun():
         return train(config)
     return shardfx.launch(train, config, nprocs=size, timeout=300)[0]
 
@@ -116,10 +115,7 @@ def train(config: RunConfig) -> list[float]:
 def _data(job, seed: int, start: int) -> Iterator[tuple[tuple, tuple]]:
     """The batches from ``start`` on: the factory's, or synthetic ones (module docstring)."""
     if getattr(job, "batches", None) is not None:
-        it = iter(job.batches)
-        for _ in range(start):
-            next(it)
-        yield from it
+        yield from itertools.islice(job.batches, start, None)  # the resumed run's from start
         raise InputError("the factory's batches ran out before the last step", where="batches",
                          fix="give as many batches as --steps (or an endless iterator)")
     step = start
@@ -181,7 +177,7 @@ def save_checkpoint(config: RunConfig, runner, step: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.cpu() for k, v in state.items()}, out / "model.pt")
         scaler = runner.loss_scaler.state_dict() if runner.loss_scaler is not None else None
-        meta = dict(step=step, mesh=config.mesh, world=_world(), spec=config.spec,
+        meta = dict(step=step, mesh=config.mesh, world=world_size(), spec=config.spec,
                     seed=config.seed, loss_scaler=scaler)
         (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     _barrier()  # the directory exists
@@ -221,12 +217,8 @@ def _resume_meta(config: RunConfig) -> dict[str, Any]:
     return meta
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _barrier() -> None:
-    if _world() > 1:
+    if world_size() > 1:
         dist.barrier()
 
 

@@ -26,7 +26,9 @@ import torch.fx as fx
 from shardfx.errors import PassError, ShardfxError, VerifyError
 from shardfx.mesh import MeshSpec
 from shardfx.precision import Precision
+from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
+from shardfx.report import flops
 from shardfx.ir.verify import verify
 
 log = logging.getLogger("shardfx.passes")
@@ -162,9 +164,6 @@ def _where(name: str, before: list[str], inner: str | None) -> str:
 def _totals(key: str, gm: fx.GraphModule) -> str:
     """What the written values add up to, for the keys where a sum says something: the
     estimated FLOPs per phase, the ops per pipeline stage, the ops no sharding rule covered."""
-    from shardfx.ir import meta as M
-    from shardfx.report import flops
-
     values = [(n, n.meta[key]) for n in gm.graph.nodes if key in n.meta]
     if key == M.COST:
         per: dict[str, int] = {}

@@ -99,6 +99,12 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def under_torchrun() -> bool:
+    """Whether this process is already one rank of a job: torchrun's ``RANK`` and
+    ``WORLD_SIZE`` are set, or the default process group is up."""
+    return _initialized() or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
+
+
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None = None,
            timeout: float = 60.0, deadline: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` ranks; return their results in rank order.
@@ -110,8 +116,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive int, got {nprocs!r}",
                           where="shardfx.launch(..., nprocs=...)", fix="e.g. nprocs=4")
-    if _initialized() or {"RANK", "WORLD_SIZE"} <= os.environ.keys():
-        return _run_in_process(fn, args, nprocs, backend, timeout)  # under torchrun
+    if under_torchrun():
+        return _run_in_process(fn, args, nprocs, backend, timeout)
     where = f"shardfx.launch({getattr(fn, '__qualname__', fn)!r}, nprocs={nprocs})"
     backend = backend or _default_backend(nprocs)
     deadline = math.inf if deadline is None else deadline
