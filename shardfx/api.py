@@ -71,6 +71,25 @@ def _flag(value: object, name: str) -> bool:
     return value
 
 
+def _zero(zero: object, spec: MeshSpec) -> int:
+    """``zero`` is a ZeRO stage this mesh can run (``passes.zero``)."""
+    where = f"partition(..., zero={zero!r}) on mesh {spec}"
+    if not isinstance(zero, int) or isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise InputError(f"zero must be 0, 1, 2 or 3, got {zero!r}", where=where,
+                         fix="0: replicas keep everything; 1: shard the optimizer state over "
+                             "dp; 2: and the gradients; 3: and the parameters")
+    if zero and spec.axis("dp") == 1:
+        raise InputError(f"zero={zero} shards over the dp axis, and the mesh has none",
+                         where=where, fix="add a dp axis to the mesh (mesh={'dp': 2, ...}), "
+                                          "or drop zero")
+    if zero == 3 and spec.axis("pp") > 1:
+        raise InputError("zero=3 inside a pipeline is not supported: each stage would gather "
+                         "its parameters once per microbatch", where=where,
+                         fix="use zero=1 or zero=2 with pp (the optimizer state and gradients "
+                             "sharded over dp), or zero=3 without pp")
+    return zero
+
+
 def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stages) -> None:
     """``microbatches``, ``schedule`` and ``virtual_stages`` are valid, whatever the mesh: a
     setting the plan would ignore or misread is an error, not a surprise later."""
@@ -110,6 +129,7 @@ def partition(
     precision: str | Precision = "fp32",
     kernels: str = "auto",
     fused_loss: bool = True,
+    zero: int = 0,
     *,
     device: str | torch.device | None = None,
     debug: bool | None = None,
@@ -157,7 +177,7 @@ def partition(
                       memory_budget=parse_bytes(memory_budget),
                       optimizer=optimizer_model(optimizer).name,
                       precision=Precision.parse(precision), kernels=_kernels(kernels),
-                      fused_loss=_flag(fused_loss, "fused_loss"),
+                      fused_loss=_flag(fused_loss, "fused_loss"), zero=_zero(zero, spec),
                       device=choose_device(device, model, example_args))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)

@@ -148,7 +148,8 @@ def _step_seconds(plan, schedule: Schedule, recomputing: bool = True) -> float:
 def _evaluate(plan) -> dict:
     """Emit the program(s) from the IR as it stands; each budget group's predicted memory
     (one group for an SPMD plan, one per pp rank)."""
-    program, collectives = emit(plan.ir, plan.options)
+    plan.program_records = []  # the program passes of the last emission, for plan.history
+    program, collectives = emit(plan.ir, plan.options, plan.program_records)
     if plan.stage_program is not None:
         plan.stage_program = program
     else:

@@ -12,19 +12,17 @@ import dataclasses
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program, generate
 from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.spmd import generate_spmd
-from shardfx.codegen.stages import inherit_stages, split_stages
+from shardfx.codegen.stages import inherit_stages
 from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
-from shardfx.passes.fused_loss import fuse_loss
-from shardfx.passes.fusion import fuse
-from shardfx.passes.manager import Options, PassRecord, run_passes
+from shardfx.passes.manager import Options, PassRecord, run_passes, run_program_passes
 from shardfx.passes.mixed_precision import mixed_precision
+from shardfx.passes.program import program_passes
 from shardfx.passes.rng import rng_dropout
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
@@ -57,7 +55,7 @@ def compile_ir(gm: fx.GraphModule, options: Options
            shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
            ] if sharded else []),
     ], options, history)
-    program, collectives = emit(gm, options)
+    program, collectives = emit(gm, options, history)
     return gm, program, history, collectives
 
 
@@ -75,71 +73,31 @@ def whole_backward(options: Options) -> bool:
     return not parsed.split_backward
 
 
-def emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule, list[Collective]]:
-    """The program(s) every device runs, from the planned IR: one program for one device or a
-    dp/tp mesh; under pp, the per-stage parts (F, B, W). Run again after ``passes.remat``.
-    Every tensor they make is made on ``options.device`` (``runtime.device.place``)."""
-    program, collectives = _emit(gm, options)
-    place(program if isinstance(program, fx.GraphModule) else program.module, options.device)
-    return program, collectives
+def emit(gm: fx.GraphModule, options: Options, history: list[PassRecord] | None = None
+         ) -> tuple[Program | fx.GraphModule, list[Collective]]:
+    """The program(s) every device runs, from the planned IR: code generation, then the program
+    passes (``passes.program.program_passes``), each one's program text appended to
+    ``history``. One program for one device or a dp/tp mesh; under pp, the per-stage parts
+    (F, B, W). Run again after ``passes.remat``. Every tensor they make is made on
+    ``options.device`` (``runtime.device.place``)."""
+    program = run_program_passes(generate_program(gm, options), program_passes(options),
+                                 options, [] if history is None else history)
+    module = program.module
+    place(module, options.device)
+    return (module if options.stages > 1 else program), list(program.collectives)
 
 
-def _emit(gm: fx.GraphModule, options: Options) -> tuple[Program | fx.GraphModule, list[Collective]]:
+def generate_program(gm: fx.GraphModule, options: Options) -> Program:
+    """Code generation: the IR as the program one device runs (``codegen.program``), or, over a
+    dp/tp mesh (a pipeline's tp), with local shapes and explicit collectives (``codegen.spmd``);
+    a pipeline's ops inserted by codegen given a stage to run in (``codegen.stages``)."""
+    sharded = options.mesh.only("tp") if options.stages > 1 else options.mesh
+    if sharded.size == 1:
+        return generate(gm)
+    program = generate_spmd(gm)
     if options.stages > 1:
-        whole = whole_backward(options)
-        if options.mesh.only("tp").size == 1:
-            program = chunked_loss(generate(gm), options)
-            split = split_stages(program.module, whole)  # the program, cut: F, B, W
-            return fused_parts(split, options), []
-        program, collectives = generate_spmd(gm)  # one tp program for the whole model ...
-        program = chunked_loss(program, options)
-        split = split_stages(inherit_stages(program.module), whole)  # ... cut
-        return fused_parts(split, options), collectives
-    if options.mesh.size == 1:
-        return fused(chunked_loss(generate(gm), options), options), []
-    program, collectives = generate_spmd(gm)  # local shapes, explicit collectives, one program
-    program = chunked_loss(program, options)  # the LM head and its loss, a chunk at a time
-    # DDP's buckets: fewer, larger gradient all-reduces, issued as gradients become ready
-    program, collectives = bucket_gradients(program, collectives,
-                                            reduce_dtype=options.precision.narrower_reduce)
-    return fused(program, options), collectives
-
-
-def chunked_loss(program: Program, options: Options) -> Program:
-    """``program`` with its LM head and cross-entropy one op over chunks of rows, forward
-    and backward (``passes.fused_loss``), unless ``options.fused_loss`` is off: on any
-    device, before the Triton fusion so the ATen ops it replaces are still there."""
-    if options.fused_loss and fuse_loss(program.module.graph):
-        program.module.recompile()
+        inherit_stages(program.module)
     return program
-
-
-def fused(program: Program, options: Options) -> Program:
-    """``program`` with its memory-bound ops in Triton kernels (``passes.fusion``), when
-    ``options.kernels`` asks for them: "triton", or "auto" on CUDA."""
-    _fuse_module(program.module, options, "fused")
-    return program
-
-
-def fused_parts(split: fx.GraphModule, options: Options) -> fx.GraphModule:
-    """Each pipeline part's memory-bound ops in Triton kernels, as ``fused`` does a program's:
-    a kernel never spans two parts, so never a stage cut."""
-    for name, part in split.named_children():
-        _fuse_module(part, options, f"{name}_fused")
-    return split
-
-
-def _fuse_module(module: fx.GraphModule, options: Options, prefix: str) -> None:
-    if uses_triton(options):
-        fuse(module.graph, prefix=prefix)
-        module.recompile()
-
-
-def uses_triton(options: Options) -> bool:
-    """Fused Triton kernels: asked for, or "auto" on a plan that runs on CUDA."""
-    if options.kernels == "auto":
-        return options.device.type == "cuda"
-    return options.kernels == "triton"
 
 
 def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):
@@ -158,5 +116,5 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is
     ], options, history)
-    split, collectives = emit(gm, options)
+    split, collectives = emit(gm, options, history)
     return gm, split, history, collectives

@@ -15,7 +15,9 @@ import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, device_flops, summarize
 from shardfx.budget import Candidate, fit_budget
+from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.codegen.linear_ce import LinearCrossEntropy
+from shardfx.codegen.zero import gather_program
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
@@ -31,6 +33,8 @@ from shardfx.passes.fused_loss import FusedLoss
 from shardfx.passes.manager import Options, PassRecord, changes, snapshot
 from shardfx.passes.remat import Choice, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
+from shardfx.passes.zero import zero_layouts
+from shardfx.runtime.device import place
 from shardfx.pipeline import compile_ir, deferred_codegen
 from shardfx.report import flops, nbytes, render
 from shardfx.runtime.compiled import StageProgram
@@ -61,6 +65,7 @@ class Plan:
                 pipeline_schedule(options.schedule, pp, m, v)
         self.remat: Choice | None = None
         self.budget_candidates: list[Candidate] = []  # a pipeline's schedules tried
+        self.program_records: list[PassRecord] = []  # the budget's last emission's passes
         self._memory: dict[int, DeviceMemory] | None = None
         if options.memory_budget is not None:
             self._fit_budget(options.memory_budget)
@@ -81,6 +86,27 @@ class Plan:
         return self.options.device
 
     # --- running ----------------------------------------------------------------------------
+
+    @cached_property
+    def zero_layouts(self) -> dict[str, M.ZeroShard]:
+        """Under ``zero=k``: each parameter the optimizer steps, by FQN, and how ZeRO holds it
+        over dp (``passes.zero``); empty otherwise."""
+        if not self.options.zero or self.program is None:
+            return {}
+        return zero_layouts(self.program, self.mesh.axis("dp"))
+
+    @cached_property
+    def zero_gather_program(self) -> Program | None:
+        """zero=1, 2: the program that gathers every rank's updated rows after the optimizer
+        step (``codegen.zero.gather_program``); None otherwise."""
+        if self.options.zero not in (1, 2) or self.program is None:
+            return None
+        dtypes = {n.meta[M.ROLE].name: n.meta[M.VAL].dtype
+                  for n in self.program.module.graph.find_nodes(op="placeholder")
+                  if n.meta[M.ROLE].kind is M.InputKind.PARAM}
+        program = gather_program(self.zero_layouts, dtypes, BUCKET_BYTES)
+        place(program.module, self.device)
+        return program
 
     def runner(self, optimizer: OptimizerFactory | None = None,
                loss_scaling: "LossScaling | bool | None" = None) -> Runner:
@@ -205,9 +231,10 @@ class Plan:
             return
         before = snapshot(self.ir)
         fit_budget(self, budget)
-        if self.remat is not None:
+        if self.remat is not None:  # the IR recomputes: its program passes ran again
             self.history.append(PassRecord("remat", changes("remat", before, self.ir)
                                            + ir_to_text(self.ir)))
+            self.history += self.program_records
 
     def memory_estimate(self) -> dict[int, int]:
         """Predicted peak bytes per device (global rank): ``memory_breakdown()``'s totals."""

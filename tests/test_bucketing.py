@@ -49,7 +49,8 @@ def plan_of(model: torch.nn.Module) -> shardfx.Plan:
     """A dp=2 plan whose program reduces each gradient on its own, as ``generate_spmd`` emits
     it (whether or not the pipeline buckets afterwards)."""
     plan = shardfx.partition(model, (X,), F.mse_loss, (Y,), mesh={"dp": 2}, shard="replicate")
-    plan.program, plan.collectives = generate_spmd(plan.ir)
+    plan.program = generate_spmd(plan.ir)
+    plan.collectives = list(plan.program.collectives)
     return plan
 
 
@@ -83,7 +84,8 @@ def nbytes(node: torch.fx.Node) -> int:
 
 def test_buckets_are_reduced_as_grads_become_ready_and_waited_at_the_end():
     plan = plan_of(mlp())
-    program, collectives = bucket_gradients(plan.program, plan.collectives, bucket_bytes=CAP)
+    program = bucket_gradients(plan.program, bucket_bytes=CAP)
+    collectives = program.collectives
     nodes = list(program.module.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
@@ -139,7 +141,8 @@ def test_buckets_are_reduced_as_grads_become_ready_and_waited_at_the_end():
 def test_default_cap_makes_one_bucket_and_leaves_the_input_program_alone():
     plan = plan_of(mlp())
     before = plan.program.module.code
-    program, collectives = bucket_gradients(plan.program, plan.collectives)
+    program = bucket_gradients(plan.program)
+    collectives = program.collectives
     grads = reduced_grads(plan.program)
     assert plan.program.module.code == before
     assert len(buckets_of(program)) == 1 and len(buckets_of(program)[0]) == len(grads)
@@ -149,7 +152,8 @@ def test_default_cap_makes_one_bucket_and_leaves_the_input_program_alone():
 
 def test_one_bucket_per_dtype():
     plan = plan_of(Mixed())
-    program, collectives = bucket_gradients(plan.program, plan.collectives)
+    program = bucket_gradients(plan.program)
+    collectives = program.collectives
     buckets = buckets_of(program)
     dtypes = [{g.meta["val"].dtype for g in b} for b in buckets]
     assert sorted(map(str, dtypes)) == ["{torch.float32}", "{torch.float64}"], program.source
@@ -165,8 +169,7 @@ def _bucketed_vs_unbucketed(make: str, bucket_bytes: int) -> list[str]:
     """On every rank: two SGD steps through each program; the names of what differs."""
     plan = plan_of(mlp() if make == "mlp" else Mixed())
     bucketed = copy.copy(plan)
-    bucketed.program, _ = bucket_gradients(plan.program, plan.collectives,
-                                           bucket_bytes=bucket_bytes)
+    bucketed.program = bucket_gradients(plan.program, bucket_bytes=bucket_bytes)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     runners = [p.runner(optimizer=sgd) for p in (plan, bucketed)]
     g = torch.Generator().manual_seed(2)

@@ -81,10 +81,9 @@ class _Bucket:
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
 
 
-def bucket_gradients(program: Program, collectives: Sequence[Collective] = (), *,
-                     bucket_bytes: int = BUCKET_BYTES, reduce_dtype: torch.dtype | None = None
-                     ) -> tuple[Program, list[Collective]]:
-    """The program with its gradient all-reduces bucketed, and ``collectives`` with their
+def bucket_gradients(program: Program, *, bucket_bytes: int = BUCKET_BYTES,
+                     reduce_dtype: torch.dtype | None = None) -> Program:
+    """The program with its gradient all-reduces bucketed, and its ``collectives`` with their
     per-gradient records replaced by one per bucket. ``program`` is left untouched. With
     ``reduce_dtype`` (``Precision.reduce``) a dp bucket of another floating dtype is cast to
     it for the all-reduce and back after it."""
@@ -101,7 +100,8 @@ def bucket_gradients(program: Program, collectives: Sequence[Collective] = (), *
         _emit_bucket(graph, f"bucket{i}", b, output)
     graph.lint()
     module = _make_graph_module(program.module, graph, class_name=type(program.module).__name__)
-    return Program(module, program.inputs, program.outputs), _account(collectives, buckets)
+    return Program(module, program.inputs, program.outputs,
+                   tuple(_account(program.collectives, buckets)))
 
 
 def _grads(graph: fx.Graph, roles: Sequence[M.OutputRole]) -> list[_Grad]:

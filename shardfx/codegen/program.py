@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
+from shardfx.codegen.redistribute import Collective
 from shardfx.hints import strip_hints
 from shardfx.ir import meta as M
 
@@ -52,6 +53,7 @@ class Program:
     module: fx.GraphModule  # call as module(*inputs) -> tuple of outputs
     inputs: tuple[M.InputRole, ...]
     outputs: tuple[M.OutputRole, ...]
+    collectives: tuple[Collective, ...] = ()  # what it issues, with bytes and why (print(plan))
 
     @property
     def source(self) -> str:

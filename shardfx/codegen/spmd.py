@@ -31,7 +31,7 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_value, map_nodes, op_nodes, operands
 
 
-def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
+def generate_spmd(gm: fx.GraphModule) -> Program:
     info = gm.meta[M.GRAPH]
     graph = fx.Graph()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -82,7 +82,7 @@ def generate_spmd(gm: fx.GraphModule) -> tuple[Program, list[Collective]]:
     layout_free(graph)  # values independent of the layouts kernels give (codegen.program)
     module = _make_graph_module(gm, graph, class_name="ShardfxSpmdProgram")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
-    return Program(module, inputs, tuple(out.meta[M.OUTPUTS])), log
+    return Program(module, inputs, tuple(out.meta[M.OUTPUTS]), tuple(log))
 
 
 def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:

@@ -16,6 +16,7 @@ reader can find in one place what a key means and which pass produces it.
     SHARDING          call_function      NodeSharding   passes.shard_propagate
     STAGE             ops, inputs        int            passes.stage_cut
     REMAT             recomputed copies  str (original) passes.remat
+    ZERO              parameter inputs   ZeroShard      passes.zero (ZeRO-3: a dp shard)
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``; what
 ``passes.mixed_precision`` did in ``gm.meta[PRECISION]`` as its ``PrecisionReport``.
@@ -38,6 +39,7 @@ ANNOTATION = "shardfx.annotation"
 SHARDING = "shardfx.sharding"
 STAGE = "shardfx.stage"
 REMAT = "shardfx.remat"
+ZERO = "shardfx.zero"
 GRAPH = "shardfx.graph"
 PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 
@@ -199,3 +201,41 @@ class NodeSharding:
     def __str__(self) -> str:
         s = placements_str(self.out)
         return s + " (no rule: replicated)" if self.replicated else s
+
+
+@dataclass(frozen=True)
+class ZeroShard:
+    """How ZeRO holds a tensor over dp (a parameter, its gradient, its optimizer state): dp
+    ranks each hold ``per_rank`` rows (dim 0) of the tensor the program computes with (its tp
+    shard, of ``shape``), rank i rows ``i * per_rank`` on, the last ranks' padded with zeros
+    (FSDP2's layout). A 0-d tensor counts as one row. The all-gather of the dp ranks' shards is
+    the padded tensor, whose first ``rows`` rows are the tensor."""
+
+    shape: tuple[int, ...]  # the tensor's shape on this rank without ZeRO (its tp shard)
+    dp: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def per_rank(self) -> int:
+        return -(-self.rows // self.dp)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.per_rank, *self.shape[1:])
+
+    @property
+    def row_numel(self) -> int:
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    def held_rows(self, index: int) -> int:
+        """Rows of the tensor (not padding) dp rank ``index`` holds."""
+        return max(0, min(self.per_rank, self.rows - index * self.per_rank))
+
+    def __str__(self) -> str:
+        return f"zero {list(self.shard_shape)} of {list(self.shape)} over dp={self.dp}"

@@ -55,6 +55,7 @@ class Options:
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
     kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
     fused_loss: bool = True  # the LM head's matmul and cross-entropy in chunks (passes.fused_loss)
+    zero: int = 0  # ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters
     device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
 
     @property
@@ -71,8 +72,19 @@ class Options:
 
 @dataclass
 class PassRecord:
+    """One pass's entry in a plan's history: its name, and the IR (or program) after it, under
+    a header of what the pass changed. ``text`` may be given as a function that makes it: it is
+    then made when first read (a dump), not when the pass runs (only for a pass whose result
+    no later pass changes in place)."""
+
     name: str
-    text: str  # the IR after the pass, under a header of what the pass changed
+    _text: str | Callable[[], str]
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
 
 
 Snapshot = tuple[dict[str, dict[str, Any]], dict[str, Any]]  # per node, graph: meta key -> value
@@ -154,6 +166,77 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
         state = after
         log.debug("ran %s", name)
     return gm
+
+
+def run_program_passes(program, passes: list, options: Options,
+                       history: list[PassRecord]):
+    """Apply program passes (``passes.program``) in order, as ``run_passes`` applies IR passes:
+    ``verify_program`` after each in debug runs, a failure named with the pass and those before
+    it, the program's text after each appended to ``history``. Returns the last program."""
+    from shardfx.ir.verify import verify_program
+
+    before = [r.name for r in history]
+    state = _program_snapshot(program)
+    for p in passes:
+        name = p.__name__
+        try:
+            program = p(program, options)
+            if options.debug:
+                verify_program(program)
+        except ShardfxError as e:
+            if isinstance(e, VerifyError):
+                error = PassError(f"{type(e).__name__}: {e.cause}",
+                                  where=_where(name, before, e.where),
+                                  fix=f"{e.fix}; {report_fix()}")
+                dump_failure(error, history)
+                raise error from e
+            raise
+        except Exception as e:
+            error = PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
+                              fix=report_fix())
+            dump_failure(error, history)
+            raise error from e
+        after = _program_snapshot(program)
+        history.append(PassRecord(name, lambda p=program, a=after, b=state, n=name:
+                                  _program_changes(n, b, a) + program_text(p)))
+        before.append(name)
+        state = after
+        log.debug("ran %s", name)
+    return program
+
+
+def _program_snapshot(program) -> dict[str, tuple[str, ...]]:
+    """Per module the program runs, its node names: what ``_program_changes`` compares."""
+    from shardfx.passes.program import graphs
+
+    return {name: tuple(n.name for n in m.graph.nodes) for name, m in graphs(program)}
+
+
+def _program_changes(name: str, before: dict, after: dict) -> str:
+    """The header of a program pass's text: nodes added and removed, per module."""
+    lines = []
+    for module, nodes in after.items():
+        old = before.get(module, before.get("program", ()))
+        added = [n for n in nodes if n not in set(old)]
+        removed = [n for n in old if n not in set(nodes)]
+        where = "" if module == "program" else f" in {module}"
+        lines.append(f"# after {name}: {len(added)} nodes added, {len(removed)} removed{where}")
+        for label, names in (("added", added), ("removed", removed)):
+            if names:
+                lines.append(f"#   {label}: {', '.join(names[:12])}"
+                             f"{' ...' if len(names) > 12 else ''}")
+    return "\n".join(lines) + "\n"
+
+
+def program_text(program) -> str:
+    """A program as text: its IR text (each module's, for a pipeline's parts), then the
+    collectives it issues."""
+    from shardfx.passes.program import graphs
+
+    parts = [ir_to_text(m) if name == "program" else f"# part {name}\n{ir_to_text(m)}"
+             for name, m in graphs(program)]
+    lines = [f"# {c.kind} {c.axis} {c.nbytes} B  {c.reason}" for c in program.collectives]
+    return "".join(parts) + ("# collectives:\n" + "\n".join(lines) + "\n" if lines else "")
 
 
 def _where(name: str, before: list[str], inner: str | None) -> str:

@@ -29,6 +29,7 @@ from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.device import check_weights, move
 from shardfx.runtime.shards import Shards
+from shardfx.runtime.zero import ZeroRows
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan
@@ -47,6 +48,10 @@ class Runner:
         check_weights(model, self.device)
         self._shards = Shards(plan.mesh) if plan.mesh.size > 1 else None
         self._placements = _placements(plan.program)
+        self._zero = None if not plan.options.zero else ZeroRows(
+            plan.zero_layouts, plan.options.zero, self._shards.coord["dp"],
+            self._shards.mesh.get_group("dp"), plan.zero_gather_program)
+        self._stepped: dict[str, torch.nn.Parameter] = {}  # ZeRO: the rows the optimizer steps
         if self._shards is None:
             if any(t.device != self.device for t in [*self._params.values(),
                                                      *self._buffers.values()]):
@@ -54,13 +59,10 @@ class Runner:
                 self._params = dict(model.named_parameters())
                 self._buffers = dict(model.named_buffers())
         else:
-            self._params = {name: torch.nn.Parameter(
-                self._shards.local(p.detach(), self._placements.get(name, ())).to(
-                    self.device, copy=True), requires_grad=p.requires_grad)
-                for name, p in self._params.items()}
+            self._params = {name: self._hold(name, p) for name, p in self._params.items()}
             self._buffers = {name: b.to(self.device) for name, b in self._buffers.items()}
         self._constants: dict[fx.Node, torch.Tensor] = {}  # on this device, made once
-        self.optimizer = make_optimizer(optimizer, list(self._params.values()))
+        self.optimizer = make_optimizer(optimizer, list(self.parameters()))
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
@@ -75,16 +77,22 @@ class Runner:
         """One training step on the global batch; returns the loss."""
         flat = self._plan.check_inputs(args, targets)
         self._same_batch(flat)
-        for p in self._params.values():  # the last step's gradients go before this one's come
+        trained = self._trained()
+        for p in trained.values():  # the last step's gradients go before this one's come
             p.grad = None
         outs = self._run(self._plan.program, flat)
         self.step_count += 1
         loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
         grads = {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD}
-        for name, p in self._params.items():
-            p.grad = grads.get(name)
+        for name, p in trained.items():
+            g = grads.get(name)
+            p.grad = self._zero.grad(name, g) if name in self._stepped and g is not None else g
+        del grads, outs  # ZeRO-1: the whole gradients go before the optimizer steps
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        step_optimizer(self.optimizer, self.loss_scaler, list(grads.values()))
+        step_optimizer(self.optimizer, self.loss_scaler,
+                       [p.grad for p in trained.values() if p.grad is not None])
+        if self._zero is not None:  # ZeRO-1, 2: every rank's updated rows, gathered
+            self._zero.after_step(self._params, self._stepped, self._shards.groups["dp"])
         return loss
 
     @property
@@ -145,21 +153,50 @@ class Runner:
         local = tensors[name].detach()
         if self._shards is None:
             return local
+        if self._zero is not None and self._zero.stage == 3 and name in self._stepped \
+                and tensors[name] is self._params[name]:
+            local = self._zero.whole(name, local)  # every rank's rows
         return self._shards.full(local, self._placements.get(name, ()))
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, full tensors by parameter FQN (tied weights once)."""
-        return {name: self._full(name, {name: p.grad}) for name, p in self._params.items()
-                if p.grad is not None}
+        out = {}
+        for name, p in self._trained().items():
+            if p.grad is not None:
+                g = self._zero.whole(name, p.grad) if name in self._stepped else p.grad
+                out[name] = self._full(name, {name: g})
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         tensors = {**self._params, **self._buffers}
-        local = (lambda name, t: t) if self._shards is None else \
-            (lambda name, t: self._shards.local(t, self._placements.get(name, ())))
+        local = (lambda name, t: t) if self._shards is None else self._local
         load_state(self._plan, state, tensors, local)
 
+    def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``: its tp shard, and under ZeRO-3 its rows of that."""
+        local = self._shards.local(full, self._placements.get(name, ()))
+        if self._zero is not None and self._zero.stage == 3 and name in self._stepped:
+            local = self._zero.rows(name, local)
+        return local
+
+    def _hold(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
+        """What this rank keeps of the model's parameter ``p`` on its device: its tp shard, as
+        a new ``nn.Parameter``; under ZeRO, its rows of it (``runtime.zero``)."""
+        local = self._shards.local(p.detach(), self._placements.get(name, ())).to(
+            self.device, copy=True)
+        if self._zero is not None and name in self._zero.layouts:
+            read, self._stepped[name] = self._zero.hold(name, local)
+            return read
+        return torch.nn.Parameter(local, requires_grad=p.requires_grad)
+
+    def _trained(self) -> dict[str, torch.nn.Parameter]:
+        """The tensors the optimizer steps, by FQN: the parameters, or ZeRO's rows of them."""
+        return {**self._params, **self._stepped}
+
     def parameters(self) -> Iterable[torch.nn.Parameter]:
-        return self._params.values()
+        """What the optimizer steps: this rank's parameters (its tp shards; under ZeRO, its
+        rows of them)."""
+        return self._trained().values()
 
 
 def load_state(plan: "Plan", state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],

@@ -1,0 +1,174 @@
+"""ZeRO's collectives as graph code: a bucket of shards gathered, a bucket of gradients
+reduce-scattered, each in two halves so a pass can issue one early and wait for it late.
+
+Every tensor is held over dp as ``ir.meta.ZeroShard`` says: rank i holds rows
+``i * per_rank`` on of the tensor, padded with zeros. One collective serves a bucket of
+tensors (fewer, larger messages), laid out so each rank's part of the flat buffer is its rows
+of every tensor in the bucket, in order:
+
+    gather          flat = cat(shard_0.flatten(), shard_1.flatten(), ...)       # (S,)
+                    all = all_gather_into_tensor(flat, dp, group_dp)            # (dp * S,)
+                    tensor_j = all.view(dp, S)[:, o_j : o_j + k_j]              # rank-major rows
+                               .reshape(dp * per_rank_j, ...)[:rows_j]          # unpadded
+
+    reduce-scatter  x_j = pad(grad_j, rows to dp * per_rank_j).view(dp, k_j)   # (dp, k_j)
+                    flat = cat(x_0, x_1, ..., dim=1).flatten()                  # (dp * S,)
+                    mine = reduce_scatter_tensor(flat, "sum", dp, group_dp)     # (S,)
+                    shard_j = mine[o_j : o_j + k_j].view(per_rank_j, ...)
+
+(``k_j = per_rank_j * row_numel_j``.) A bucket of one tensor skips the cat and the split.
+Nodes are named after the bucket (``zero3_fwd0_all_gather``, ``zero_rs2_wait``) so the program
+reads as what it does.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from shardfx.codegen.redistribute import Collective
+from shardfx.ir import meta as M
+from shardfx.ir.graph import insert_op
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def _op(graph: fx.Graph, name: str, phase: M.Phase, target, *args, **kwargs) -> fx.Node:
+    node = insert_op(graph, target, *args, **kwargs)
+    node._rename(name)
+    node.meta[M.PHASE] = phase
+    return node
+
+
+def issue_gather(graph: fx.Graph, shards: list[fx.Node], group: fx.Node, dp: int, name: str,
+                 phase: M.Phase) -> fx.Node:
+    """At the insertion point: start the all-gather of ``shards`` (one bucket)."""
+    flat = [_op(graph, f"{name}_in{i}", phase, aten.reshape.default, s, [-1])
+            for i, s in enumerate(shards)]
+    buffer = flat[0] if len(flat) == 1 else \
+        _op(graph, f"{name}_flat", phase, aten.cat.default, flat)
+    return _op(graph, f"{name}_all_gather", phase, c10d.all_gather_into_tensor.default,
+               buffer, dp, group)
+
+
+def finish_gather(graph: fx.Graph, started: fx.Node, layouts: list[M.ZeroShard], name: str,
+                  phase: M.Phase) -> list[fx.Node]:
+    """At the insertion point: wait for ``started`` and take each tensor out of it."""
+    dp = layouts[0].dp
+    done = _op(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
+    sizes = [z.per_rank * z.row_numel for z in layouts]
+    if len(layouts) == 1:
+        parts = [done]
+    else:
+        grid = _op(graph, f"{name}_grid", phase, aten.reshape.default, done, [dp, sum(sizes)])
+        split = _op(graph, f"{name}_split", phase, aten.split_with_sizes.default, grid, sizes, 1)
+        parts = [_op(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
+                 for i in range(len(layouts))]
+    out = []
+    for i, (part, z) in enumerate(zip(parts, layouts)):
+        full = _op(graph, f"{name}_rows{i}", phase, aten.reshape.default, part,
+                   [dp * z.per_rank, *z.shape[1:]])
+        if dp * z.per_rank != z.rows:  # padding rows: a view without them
+            full = _op(graph, f"{name}_unpad{i}", phase, aten.narrow.default, full, 0, 0, z.rows)
+        if not z.shape:  # a 0-d tensor travelled as one row
+            full = _op(graph, f"{name}_scalar{i}", phase, aten.reshape.default, full, [])
+        out.append(full)
+    return out
+
+
+def issue_reduce_scatter(graph: fx.Graph, grads: list[fx.Node], layouts: list[M.ZeroShard],
+                         group: fx.Node, name: str, reduce_dtype: torch.dtype | None = None
+                         ) -> fx.Node:
+    """At the insertion point: start the reduce-scatter (sum) of ``grads`` (one bucket; each
+    this rank's partial sum of a whole gradient), in ``reduce_dtype`` if given."""
+    phase = M.Phase.BACKWARD
+    dp = layouts[0].dp
+    rows = []
+    for i, (g, z) in enumerate(zip(grads, layouts)):
+        x = g if z.shape else _op(graph, f"{name}_row{i}", phase, aten.reshape.default, g, [1])
+        pad = dp * z.per_rank - z.rows
+        if pad:
+            x = _op(graph, f"{name}_pad{i}", phase, aten.constant_pad_nd.default, x,
+                    [0, 0] * (len(z.shape) - 1) + [0, pad])
+        rows.append(_op(graph, f"{name}_in{i}", phase, aten.reshape.default, x,
+                        [dp, z.per_rank * z.row_numel]))
+    buffer = rows[0] if len(rows) == 1 else \
+        _op(graph, f"{name}_cat", phase, aten.cat.default, rows, 1)
+    flat = _op(graph, f"{name}_flat", phase, aten.reshape.default, buffer, [-1])
+    if reduce_dtype is not None and flat.meta[M.VAL].dtype != reduce_dtype:
+        flat = _op(graph, f"{name}_narrow", phase, aten._to_copy.default, flat, dtype=reduce_dtype)
+    return _op(graph, f"{name}_reduce_scatter", phase, c10d.reduce_scatter_tensor.default, flat,
+               "sum", dp, group)
+
+
+def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.ZeroShard],
+                          name: str, dtype: torch.dtype) -> list[fx.Node]:
+    """At the insertion point: wait for ``started``; this rank's shard of each gradient, in
+    ``dtype`` (the gradients' own)."""
+    phase = M.Phase.BACKWARD
+    done = _op(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
+    if done.meta[M.VAL].dtype != dtype:
+        done = _op(graph, f"{name}_widen", phase, aten._to_copy.default, done, dtype=dtype)
+    sizes = [z.per_rank * z.row_numel for z in layouts]
+    parts = [done]
+    if len(layouts) > 1:
+        split = _op(graph, f"{name}_split", phase, aten.split_with_sizes.default, done, sizes)
+        parts = [_op(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
+                 for i in range(len(layouts))]
+    return [_op(graph, f"{name}_out{i}", phase, aten.reshape.default, part, list(z.shard_shape))
+            for i, (part, z) in enumerate(zip(parts, layouts))]
+
+
+def gather_program(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtype],
+                   bucket_bytes: int) -> "Program":
+    """The program ZeRO-1 and -2 run after the optimizer step: every rank's updated rows of
+    each parameter in, the whole (tp-local) parameters out, by one all-gather per bucket (in
+    the order of ``layouts``, at most ``bucket_bytes`` each). Inputs: one PARAM per FQN (this
+    rank's rows), then ``group(dp)``; outputs: one OUTPUT per FQN, named by it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardfx.codegen.program import Program
+
+    graph, fake = fx.Graph(), FakeTensorMode()
+    shards = {}
+    for fqn, z in layouts.items():
+        node = graph.placeholder(re.sub(r"\W", "_", fqn))
+        node.meta[M.ROLE] = M.InputRole(M.InputKind.PARAM, fqn)
+        with fake:
+            node.meta[M.VAL] = torch.empty(z.shard_shape, dtype=dtypes[fqn])
+        node.meta[M.ZERO] = z
+        shards[fqn] = node
+    group = graph.placeholder("group_dp")
+    group.meta[M.ROLE] = M.InputRole(M.InputKind.MESH, "group(dp)")
+    group.meta[M.VAL] = "<dp group>"
+    buckets: list[list[str]] = []
+    size = bucket_bytes
+    for fqn, z in layouts.items():
+        nbytes = z.dp * z.per_rank * z.row_numel * dtypes[fqn].itemsize
+        if size + nbytes > bucket_bytes or dtypes[fqn] != dtypes[buckets[-1][0]]:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(fqn)
+        size += nbytes
+    outs, collectives = {}, []
+    phase = M.Phase.FORWARD
+    for b, bucket in enumerate(buckets):
+        name = f"zero_gather{b}"
+        started = issue_gather(graph, [shards[f] for f in bucket], group, layouts[bucket[0]].dp,
+                               name, phase)
+        outs.update(zip(bucket, finish_gather(graph, started, [layouts[f] for f in bucket],
+                                              name, phase)))
+        collectives.append(Collective("all_gather", "dp", started.args[0].meta[M.VAL].numel()
+                                      * dtypes[bucket[0]].itemsize,
+                                      f"ZeRO parameter bucket {b} ({len(bucket)} params, after "
+                                      "the optimizer step): ZeRO rows -> R on dp"))
+    graph.output(tuple(outs[f] for f in layouts))
+    roles = tuple(M.OutputRole(M.OutputKind.OUTPUT, f) for f in layouts)
+    graph.output_node().meta[M.OUTPUTS] = roles
+    module = fx.GraphModule(torch.nn.Module(), graph, class_name="ShardfxZeroGather")
+    inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
+    return Program(module, inputs, roles, tuple(collectives))

@@ -1,0 +1,94 @@
+"""Program passes: rewrites of the generated per-device program, in the order they run.
+
+A program pass is a function ``(program, options) -> program`` over a ``codegen.program.Program``
+(the module every rank of a role runs, its input and output roles, and the collectives it
+issues), like an IR pass over the IR: its docstring says what it requires and ensures, the pass
+manager (``passes.manager.run_program_passes``) verifies the program after it in debug runs and
+keeps its text for ``plan.dump``. Under pp the program is cut into per-stage parts by one of
+them (``split_stages``): the passes after it see the cut program, whose ``module`` calls one
+submodule per (stage, part), and treat each part as a program of its own (``graphs``).
+
+``program_passes(options)`` is the one list, in order, with why each runs where it does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from shardfx.codegen.bucketing import bucket_gradients
+from shardfx.codegen.program import Program
+from shardfx.codegen.stages import split_stages as _split
+from shardfx.passes.fused_loss import fuse_loss
+from shardfx.passes.fusion import fuse
+from shardfx.passes.zero import zero_gather, zero_reduce_scatter
+
+
+def program_passes(options) -> list:
+    """The program passes a plan with ``options`` runs, in order."""
+    spmd = options.stages == 1 and options.mesh.size > 1  # one program for a dp/tp mesh
+    zero = options.zero if spmd else 0  # a pipeline's ZeRO is its runner's
+    return [
+        *([chunked_loss] if options.fused_loss else []),  # LM head + loss in chunks: first,
+        #                                          while the ATen ops it replaces are all there
+        *([zero_reduce_scatter] if zero >= 2 else []),  # ZeRO-2/3: each rank gets its rows of
+        #                                            each gradient, not the whole sum
+        *([bucket_gradients_pass] if spmd else []),  # DDP's buckets: fewer, larger gradient
+        #                                        collectives, issued as gradients are ready
+        *([zero_gather] if zero == 3 else []),  # ZeRO-3: parameters come in as shards, gathered
+        #                          before first use in forward and again in backward, prefetched
+        *([split_stages] if options.stages > 1 else []),  # a pipeline: F, B, W parts per stage
+        *([triton_fusion] if uses_triton(options) else []),  # memory-bound ops in Triton
+        #                                      kernels: last, on the ops that will really run
+    ]
+
+
+def uses_triton(options) -> bool:
+    """Fused Triton kernels: asked for, or "auto" on a plan that runs on CUDA."""
+    if options.kernels == "auto":
+        return options.device.type == "cuda"
+    return options.kernels == "triton"
+
+
+def graphs(program: Program) -> list[tuple[str, fx.GraphModule]]:
+    """The modules a program runs: itself, or a pipeline's parts (``stage0_F``, ...)."""
+    parts = [(name, m) for name, m in program.module.named_children()
+             if isinstance(m, fx.GraphModule)]
+    return parts or [("program", program.module)]
+
+
+def chunked_loss(program: Program, options) -> Program:
+    """Requires/Ensures: ``passes.fused_loss`` (the LM head and its cross-entropy, forward and
+    backward, one op over chunks of rows; the logits never materialised). On any device,
+    before Triton fusion, so the ATen ops it replaces are still there."""
+    if fuse_loss(program.module.graph):
+        program.module.recompile()
+    return program
+
+
+def bucket_gradients_pass(program: Program, options) -> Program:
+    """Requires/Ensures: ``codegen.bucketing`` (gradient all-reduces, and ZeRO's gradient
+    reduce-scatters, in buckets started as soon as their last gradient exists)."""
+    return bucket_gradients(program, reduce_dtype=options.precision.narrower_reduce)
+
+
+bucket_gradients_pass.__name__ = "bucket_gradients"
+
+
+def split_stages(program: Program, options) -> Program:
+    """Requires: STAGE and PHASE on every op (``codegen.stages.inherit_stages`` for a tp
+    program). Ensures: ``codegen.stages.split_stages``: the program's module calls one part per
+    (stage, F|B|W); inputs, outputs and collectives unchanged."""
+    from shardfx.pipeline import whole_backward
+
+    return dataclasses.replace(program, module=_split(program.module, whole_backward(options)))
+
+
+def triton_fusion(program: Program, options) -> Program:
+    """Requires/Ensures: ``passes.fusion``, on each module the program runs (a pipeline's
+    parts one by one: a kernel never spans two parts, so never a stage cut)."""
+    for name, module in graphs(program):
+        fuse(module.graph, prefix="fused" if name == "program" else f"{name}_fused")
+        module.recompile()
+    return program

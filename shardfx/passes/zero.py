@@ -1,0 +1,281 @@
+"""ZeRO (Rajbhandari et al. 2020) as program passes over the SPMD program of a dp mesh.
+
+``partition(..., zero=k)``: the dp ranks each keep 1/dp of what the replicas of plain data
+parallelism all keep whole, as ``ir.meta.ZeroShard`` lays it out (dim-0 rows of each tensor,
+padded: FSDP2's layout):
+
+    zero=1  the optimizer's state: the runner steps each rank's rows of every parameter, then
+            gathers the updated rows (``codegen.zero``'s all-gather, in a program of its own);
+    zero=2  and the gradients: ``zero_reduce_scatter`` returns each rank's rows of each gradient,
+            reduce-scattered in buckets where plain dp all-reduces the whole;
+    zero=3  and the parameters: ``zero_gather`` makes each parameter input a shard, gathered
+            before its first reader in forward and again, into another buffer, before its first
+            reader in backward, each copy freed after its last reader (SimpleFSDP: the backward
+            recomputes the all-gather instead of keeping the forward's copy). Gathers go in
+            buckets of a block's parameters, each issued when the bucket before it is waited
+            for: the next block's parameters come in while this block computes.
+
+The passes only move communication: every op computes what it did, on the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.fx as fx
+
+from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.codegen.program import Program
+from shardfx.codegen.redistribute import Collective
+from shardfx.codegen.zero import (finish_gather, finish_reduce_scatter, issue_gather,
+                                  issue_reduce_scatter)
+from shardfx.errors import PassError
+from shardfx.ir import meta as M
+from shardfx.ir.graph import fake_mode_of, tensor_val
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def zero_layouts(program: Program, dp: int) -> dict[str, M.ZeroShard]:
+    """Parameter FQN -> how ZeRO holds it over ``dp``: every parameter the program returns a
+    gradient of (one the optimizer steps); its tp shard's shape from the input (``ZERO`` once
+    ``zero_gather`` made the input a shard)."""
+    trained = {r.name for r in program.outputs if r.kind is M.OutputKind.GRAD}
+    out = {}
+    for node in program.module.graph.find_nodes(op="placeholder"):
+        role = node.meta[M.ROLE]
+        if role.kind is M.InputKind.PARAM and role.name in trained:
+            out[role.name] = node.meta.get(M.ZERO) or M.ZeroShard(tuple(node.meta[M.VAL].shape), dp)
+    return out
+
+
+def zero_reduce_scatter(program: Program, options) -> Program:
+    """Requires: the SPMD program of a mesh with dp (``codegen.spmd``): each gradient returned
+    reduced over every axis it is partial on (``wait(all_reduce(g, "sum", group_dp))`` among
+    the collectives on its way out); PHASE on the program's ops.
+    Ensures: each gradient of ``zero_layouts`` is returned as this rank's ``ZeroShard`` rows of
+    it: its dp all-reduce is gone, and buckets of gradients (in the order they are ready, one
+    dtype each, at most ``BUCKET_BYTES``) are reduce-scattered over dp, each issued right after
+    its last gradient is computed and waited for before the output; other axes' reductions
+    stay. ``collectives`` says so. Other outputs are unchanged."""
+    dp = options.mesh.axis("dp")
+    graph = program.module.graph
+    layouts = zero_layouts(program, dp)
+    group = _placeholder(graph, "group(dp)")
+    out = graph.output_node()
+    values = list(out.args[0])
+    grads = []  # (output index, partial gradient, layout)
+    for i, (value, role) in enumerate(zip(values, program.outputs)):
+        if role.kind is M.OutputKind.GRAD and role.name in layouts:
+            grads.append((i, _unreduced_over(value, group), layouts[role.name]))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    buckets: list[list[tuple]] = []
+    open_: dict[torch.dtype, list[tuple]] = {}
+    for item in sorted(grads, key=lambda g: order[g[1]]):  # as they become ready
+        dtype, nbytes = _dtype_bytes(item[1])
+        bucket = open_.get(dtype)
+        if bucket is not None and sum(_dtype_bytes(g[1])[1] for g in bucket) + nbytes > BUCKET_BYTES:
+            buckets.append(bucket)
+            bucket = None
+        if bucket is None:
+            bucket = open_[dtype] = []
+        bucket.append(item)
+    buckets = sorted(buckets + list(open_.values()), key=lambda b: order[b[-1][1]])
+    records = []
+    narrow = options.precision.narrower_reduce
+    for b, bucket in enumerate(buckets):
+        name, parts = f"zero_rs{b}", [g[2] for g in bucket]
+        with graph.inserting_before(bucket[-1][1].next):  # its last gradient exists: start it
+            started = issue_reduce_scatter(graph, [g[1] for g in bucket], parts, group, name,
+                                           narrow)
+        with graph.inserting_before(out):  # wait as late as possible
+            shards = finish_reduce_scatter(graph, started, parts, name, _dtype_bytes(bucket[0][1])[0])
+        for (index, _, _), shard in zip(bucket, shards):
+            values[index] = shard
+        fqns = [program.outputs[g[0]].name for g in bucket]
+        records.append(Collective("reduce_scatter", "dp", _dtype_bytes(started.args[0])[1],
+                                  f"ZeRO gradient bucket {b} ({len(fqns)} grads: "
+                                  f"{', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''}): "
+                                  "P -> ZeRO rows on dp"))
+    out.args = (tuple(values),)
+    graph.eliminate_dead_code()
+    program.module.recompile()
+    reduced = {f"return grad {program.outputs[g[0]].name}: " for g in grads}
+    kept = [c for c in program.collectives
+            if not (c.axis == "dp" and any(c.reason.startswith(r) for r in reduced))]
+    return dataclasses.replace(program, collectives=tuple(kept + records))
+
+
+def _unreduced_over(value: fx.Node, group: fx.Node) -> fx.Node:
+    """``value`` with its reduction over ``group`` taken out of its way to the output (the
+    sums over other axes and scalings kept: all linear, so their order does not matter)."""
+    node = value
+    while node.op == "call_function":
+        if node.target is c10d.wait_tensor.default and \
+                node.args[0].target is c10d.all_reduce.default:
+            reduce = node.args[0]
+            if reduce.args[2] is group and len(node.users) == 1:
+                partial = reduce.args[0]
+                node.replace_all_uses_with(partial)
+                node.graph.erase_node(node)
+                node.graph.erase_node(reduce)
+                return partial if node is value else value
+            node = reduce.args[0]
+        elif node.target is aten.clone.default or (
+                node.target is aten.div.Tensor and not isinstance(node.args[1], fx.Node)):
+            node = node.args[0]  # a layout copy, a mean's division: linear
+        else:
+            break
+    raise PassError(f"gradient {value.name} is returned without a dp all-reduce that ZeRO can "
+                    "turn into a reduce-scatter", where=f"passes.zero at {value.format_node()}",
+                    fix="plan with zero=1 (the optimizer state alone sharded), and report it")
+
+
+def zero_gather(program: Program, options) -> Program:
+    """Requires: ``zero_reduce_scatter`` ran; PHASE on the program's ops.
+    Ensures: each parameter of ``zero_layouts`` is taken as this rank's shard (its VAL the
+    shard's shape, ``ZERO`` its layout); its forward readers read a copy gathered before the
+    first of them, its backward readers another gathered in backward, and forward values made
+    from the parameter alone that the backward reads (a transpose, a cast) are made again from
+    the backward's copy; gathers in buckets (a block's parameters, at most ``BUCKET_BYTES``),
+    each issued when the one before it is waited for. ``collectives`` lists each gather."""
+    dp = options.mesh.axis("dp")
+    graph = program.module.graph
+    layouts = zero_layouts(program, dp)
+    group = _placeholder(graph, "group(dp)")
+    phase = _phases(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fake = fake_mode_of(graph)
+    params = [n for n in graph.find_nodes(op="placeholder")
+              if n.meta[M.ROLE].kind is M.InputKind.PARAM and n.meta[M.ROLE].name in layouts]
+    uses: dict[M.Phase, dict[fx.Node, list[fx.Node]]] = {M.Phase.FORWARD: {}, M.Phase.BACKWARD: {}}
+    derived: dict[fx.Node, list[fx.Node]] = {}
+    for p in params:
+        derived[p] = _made_from(p, phase)
+        uses[M.Phase.FORWARD][p] = [u for u in p.users if phase[u] is M.Phase.FORWARD]
+        back = [u for n in (p, *derived[p]) for u in n.users if phase[u] is M.Phase.BACKWARD]
+        if back:
+            uses[M.Phase.BACKWARD][p] = list(dict.fromkeys(back))
+        if not uses[M.Phase.FORWARD][p]:
+            del uses[M.Phase.FORWARD][p]
+    for p in params:  # the input is now the shard
+        z = layouts[p.meta[M.ROLE].name]
+        val = p.meta[M.VAL]
+        with fake:
+            p.meta[M.VAL] = torch.empty(z.shard_shape, dtype=val.dtype, device=val.device)
+        p.meta[M.ZERO] = z
+    records = []
+    for ph, tag in ((M.Phase.FORWARD, "fwd"), (M.Phase.BACKWARD, "bwd")):
+        first = {p: min(users, key=order.get) for p, users in uses[ph].items()}
+        buckets = _gather_buckets(sorted(first, key=lambda p: order[first[p]]), layouts)
+        issued = None
+        for b, bucket in enumerate(buckets):
+            name = f"zero3_{tag}{b}"
+            at = min((first[p] for p in bucket), key=order.get)
+            with graph.inserting_before(at):
+                if issued is None:
+                    issued = issue_gather(graph, bucket, group, dp, name, ph)
+                started, issued = issued, None
+                if b + 1 < len(buckets):  # the next bucket's gather comes in meanwhile
+                    issued = issue_gather(graph, buckets[b + 1], group, dp,
+                                          f"zero3_{tag}{b + 1}", ph)
+                fulls = finish_gather(graph, started, [layouts[p.meta[M.ROLE].name]
+                                                       for p in bucket], name, ph)
+            for p, full in zip(bucket, fulls):
+                _read_from(full, p, derived[p], uses[ph][p], ph, graph)
+            nbytes = sum(_shard_bytes(layouts[p.meta[M.ROLE].name], p) for p in bucket)
+            records.append(Collective("all_gather", "dp", nbytes, f"ZeRO-3 {tag} bucket {b} "
+                                      f"({_names(bucket)}): ZeRO rows -> R on dp"))
+    graph.eliminate_dead_code()
+    graph.lint()
+    program.module.recompile()
+    return dataclasses.replace(program, collectives=tuple(program.collectives) + tuple(records))
+
+
+def _made_from(p: fx.Node, phase: dict) -> list[fx.Node]:
+    """Forward ops computed from ``p`` alone (views, casts), in program order."""
+    mine, out = {p}, []
+    for node in p.graph.nodes:
+        if node.op == "call_function" and node not in mine and phase[node] is M.Phase.FORWARD \
+                and node.all_input_nodes and set(node.all_input_nodes) <= mine:
+            mine.add(node)
+            out.append(node)
+    return out
+
+
+def _read_from(full: fx.Node, p: fx.Node, derived: list[fx.Node], users: list[fx.Node],
+               ph: M.Phase, graph: fx.Graph) -> None:
+    """Make ``users`` (of phase ``ph``) read ``full`` where they read ``p``; in backward, the
+    values made from ``p`` alone that they read are made again from ``full``."""
+    env = {p: full}
+    if ph is M.Phase.BACKWARD:
+        needed = {a for u in users for a in u.all_input_nodes if a in set(derived)}
+        for node in reversed(derived):  # what the needed ones are made from
+            if node in needed:
+                needed |= set(node.all_input_nodes) - {p}
+        anchor = full
+        for node in derived:
+            if node in needed:
+                with graph.inserting_after(anchor):
+                    copy = graph.node_copy(node, lambda a: env.get(a, a))
+                copy.meta = {**node.meta, M.PHASE: M.Phase.BACKWARD}
+                env[node] = anchor = copy
+    for user in users:
+        user.args = fx.node.map_arg(user.args, lambda a: env.get(a, a))
+        user.kwargs = fx.node.map_arg(user.kwargs, lambda a: env.get(a, a))
+
+
+def _gather_buckets(params: list[fx.Node], layouts: dict) -> list[list[fx.Node]]:
+    """Parameters in the order they are first read, in buckets: a new one where the repeated
+    block changes (``model.layers.3.``) or the bucket would pass ``BUCKET_BYTES``."""
+    buckets: list[list[fx.Node]] = []
+    block, size = None, 0
+    for p in params:
+        fqn = p.meta[M.ROLE].name
+        here = _block(fqn)
+        nbytes = _shard_bytes(layouts[fqn], p) * layouts[fqn].dp
+        if not buckets or here != block or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        block, size = here, size + nbytes
+    return buckets
+
+
+def _block(fqn: str) -> str:
+    """The repeated block a parameter is in (``model.layers.3``), or its own name."""
+    m = re.match(r"(.*?\.\d+)\.", fqn)
+    return m.group(1) if m else fqn
+
+
+def _phases(graph: fx.Graph) -> dict[fx.Node, M.Phase]:
+    """Each node's phase; a node without one (inserted by codegen) takes the one before it."""
+    out, current = {}, M.Phase.FORWARD
+    for node in graph.nodes:
+        current = node.meta.get(M.PHASE, current)
+        out[node] = current
+    return out
+
+
+def _placeholder(graph: fx.Graph, name: str) -> fx.Node:
+    for node in graph.find_nodes(op="placeholder"):
+        if node.meta[M.ROLE].kind is M.InputKind.MESH and node.meta[M.ROLE].name == name:
+            return node
+    raise NotImplementedError(f"the program has no {name} input")
+
+
+def _dtype_bytes(node: fx.Node) -> tuple[torch.dtype, int]:
+    v = tensor_val(node)
+    return v.dtype, v.numel() * v.element_size()
+
+
+def _shard_bytes(z: M.ZeroShard, p: fx.Node) -> int:
+    return z.per_rank * z.row_numel * p.meta[M.VAL].element_size()
+
+
+def _names(bucket: list[fx.Node]) -> str:
+    fqns = [p.meta[M.ROLE].name for p in bucket]
+    return ", ".join(fqns[:3]) + (f", and {len(fqns) - 3} more" if len(fqns) > 3 else "")

@@ -1,0 +1,77 @@
+"""A rank's ZeRO rows over dp, as the runner keeps them (``passes.zero``; layout: ``ZeroShard``).
+
+    zero=1, 2   the program reads whole (tp-local) parameters. Each lives in a buffer of
+                ``dp * per_rank`` rows; the program reads its first ``rows`` rows, and the
+                optimizer steps this rank's ``per_rank`` rows of it, a view: an update writes
+                the buffer itself, and ``gather`` (the plan's gather program: one all-gather per
+                bucket) brings every rank's updated rows in after the step. The gradient comes
+                whole (zero=1: this rank's rows are cut from it) or as this rank's rows (zero=2).
+    zero=3      the program reads this rank's rows and gathers the rest itself; the optimizer
+                steps those rows; the gradient comes as them.
+
+So the optimizer's state, kept per stepped tensor, is 1/dp of plain data parallelism's at
+every stage; padding rows hold zeros, get zero gradients, and stay zero under SGD, Adam and
+AdamW (their updates of a zero element with a zero gradient are zero).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardfx.ir import meta as M
+
+
+class ZeroRows:
+    def __init__(self, layouts: dict[str, M.ZeroShard], stage: int, index: int,
+                 group: dist.ProcessGroup, gather=None):
+        """``layouts``: FQN -> layout of each parameter ZeRO holds; ``index``: this rank's place
+        on dp; ``gather``: the gather program (zero=1, 2)."""
+        self.layouts, self.stage, self.index, self.group = layouts, stage, index, group
+        self._gather = gather
+
+    def rows(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``whole`` (a tp-local tensor), zero-padded: a new tensor."""
+        z = self.layouts[fqn]
+        flat = whole.reshape(z.rows, *z.shape[1:])
+        out = flat.new_zeros(z.shard_shape)
+        held = z.held_rows(self.index)
+        if held:
+            out[:held].copy_(flat[self.index * z.per_rank:self.index * z.per_rank + held])
+        return out
+
+    def hold(self, fqn: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Parameter]:
+        """What the program reads and what the optimizer steps for a parameter whose tp-local
+        value is ``whole``: (whole, a view of its rows) under zero=1, 2; (rows, rows) under 3."""
+        z = self.layouts[fqn]
+        if self.stage == 3:
+            rows = torch.nn.Parameter(self.rows(fqn, whole))
+            return rows, rows
+        buffer = whole.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
+        buffer[:z.rows].copy_(whole.reshape(z.rows, *z.shape[1:]))
+        read = buffer[:z.rows].reshape(z.shape)
+        mine = buffer[self.index * z.per_rank:(self.index + 1) * z.per_rank]
+        return read, torch.nn.Parameter(mine)
+
+    def grad(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """The gradient the optimizer steps this rank's rows with, from the program's output."""
+        return self.rows(fqn, value) if self.stage == 1 else value
+
+    def after_step(self, read: dict[str, torch.Tensor], stepped: dict[str, torch.Tensor],
+                   group_name: str) -> None:
+        """zero=1, 2: every rank's updated rows into the whole parameters the program reads."""
+        if self._gather is None:
+            return
+        inputs = [stepped[role.name].detach() for role in self._gather.inputs
+                  if role.kind is M.InputKind.PARAM]
+        with torch.no_grad():
+            outs = self._gather.module(*inputs, group_name)
+            for role, value in zip(self._gather.outputs, outs):
+                read[role.name].copy_(value)
+
+    def whole(self, fqn: str, rows: torch.Tensor) -> torch.Tensor:
+        """The tp-local tensor from every rank's ``rows`` of it (an all-gather over dp)."""
+        z = self.layouts[fqn]
+        out = rows.new_empty((z.dp * z.per_rank, *z.shape[1:]))
+        dist.all_gather_single(out, rows.contiguous(), group=self.group)
+        return out[:z.rows].reshape(z.shape)
