@@ -50,7 +50,41 @@ class Candidate:
 
 
 def fit_budget(plan, budget: int) -> None:
-    """Set ``plan.remat`` and, in a pipeline, ``plan.schedule`` so every device fits ``budget``."""
+    """Set ``plan.remat`` and, in a pipeline, ``plan.schedule`` so every device fits ``budget``.
+    A budget no plan meets is a ``MemoryBudgetError``, whose fix names the ZeRO stage that
+    would meet it, where one would (``zero_advice``)."""
+    try:
+        _fit_budget(plan, budget)
+    except MemoryBudgetError as e:
+        advice = zero_advice(plan, getattr(e, "least", None), budget)
+        if not advice:
+            raise
+        error = MemoryBudgetError(e.cause, where=e.where, fix=f"{advice}; or {e.fix}")
+        error.least = getattr(e, "least", None)
+        raise error from None
+
+
+def zero_advice(plan, least, budget: int) -> str:
+    """The first ZeRO stage that would bring ``least`` (the smallest peak found, a
+    ``DeviceMemory``) under ``budget``, with the state it would keep per device, or "". Stage k
+    divides over dp: 1 the optimizer's state, 2 and the gradients, 3 and the parameters (ZeRO's
+    own formulas; stage 3 also holds a block's gathered parameters at a time, not counted)."""
+    dp = plan.mesh.axis("dp")
+    if least is None or dp == 1 or plan.options.zero:
+        return ""
+    p, g, o = least.parameters, least.gradients, least.optimizer
+    rest = least.total - p - g - o
+    for k, state in ((1, p + g + o / dp), (2, p + (g + o) / dp), (3, (p + g + o) / dp)):
+        if k == 3 and plan.mesh.axis("pp") > 1:
+            break
+        if rest + state <= budget:
+            return (f"partition(..., zero={k}) would fit: parameters, gradients and optimizer "
+                    f"state {int(state)} bytes per device instead of {p + g + o} (ZeRO-{k} "
+                    f"over dp={dp})")
+    return ""
+
+
+def _fit_budget(plan, budget: int) -> None:
     pipeline = plan.stage_program is not None
     if not pipeline:
         plan.remat = fit(plan.ir, budget, lambda node: "device", lambda node: 1,
@@ -85,8 +119,10 @@ def fit_budget(plan, budget: int) -> None:
     if not fitting:
         _evaluate(plan)
         if len(candidates) > 1:  # the last candidate keeps the fewest in flight
-            raise MemoryBudgetError(f"{error.cause}, with {tried[-1].name}",
-                                    where=error.where, fix=error.fix)
+            last = MemoryBudgetError(f"{error.cause}, with {tried[-1].name}",
+                                     where=error.where, fix=error.fix)
+            last.least = getattr(error, "least", None)
+            raise last
         raise error
     best = min(fitting, key=lambda c: c.step)  # the first (the schedule asked for) on a tie
     plan.schedule, plan._memory = best.schedule, None

@@ -138,27 +138,43 @@ def optimizer_temporaries(params: list, optimizer: OptimizerModel, device: torch
 # --- one program -------------------------------------------------------------------------------
 
 def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
-                   device: torch.device = torch.device("cpu")) -> DeviceMemory:
+                   device: torch.device = torch.device("cpu"),
+                   zero: dict | None = None, stage: int = 0) -> DeviceMemory:
     """The peak of a generated program run by ``runtime.runner`` (one device or one SPMD
-    program for every device of a dp/tp mesh): its values have this device's local shapes."""
-    params, buffers = [], 0
+    program for every device of a dp/tp mesh): its values have this device's local shapes.
+    Under ZeRO (``zero``: FQN -> ``ZeroShard``, ``stage`` 1-3) the optimizer's state and, at
+    its step, the gradients are this rank's rows; stage 1 and 2 then gather the updated rows
+    (``runtime.zero``: a bucket at a time)."""
+    params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):
-        kind, val = node.meta[M.ROLE].kind, node.meta[M.VAL]
-        if kind is M.InputKind.PARAM:
+        role, val = node.meta[M.ROLE], node.meta[M.VAL]
+        if role.kind is M.InputKind.PARAM:
             params.append(val)
-        elif kind is M.InputKind.BUFFER:
+            z = (zero or {}).get(role.name)
+            stepped.append(val if z is None or M.ZERO in node.meta else
+                           torch.empty(z.shard_shape, dtype=val.dtype, device="meta"))
+        elif role.kind is M.InputKind.BUFFER:
             buffers += _bytes(val)
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers)
-    opt_state = optimizer_state(params, optimizer) if train else 0
+    opt_state = optimizer_state(stepped, optimizer) if train else 0
     peak, at, when = walk(program.graph, kind_of(program.graph))
     best = DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
     if train and optimizer.name != "none":
-        grads = _graph_grads(program.graph)
+        grads = sum(map(_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
         step = DeviceMemory(**state, optimizer=opt_state, gradients=grads,
-                            transient=optimizer_temporaries(params, optimizer, device),
+                            transient=optimizer_temporaries(stepped, optimizer, device),
                             when="optimizer step")
         if step.total > best.total:
             best = step
+    if train and stage in (1, 2):  # every rank's updated rows, gathered a bucket at a time
+        from shardfx.codegen.bucketing import BUCKET_BYTES
+
+        rows = [t for t, p in zip(stepped, params) if t is not p]
+        largest = min(BUCKET_BYTES, sum(map(_bytes, params))) if rows else 0
+        gather = DeviceMemory(**state, optimizer=opt_state, transient=2 * largest,
+                              when="ZeRO gather after the optimizer step")
+        if gather.total > best.total:
+            best = gather
     return best
 
 

@@ -251,7 +251,8 @@ class Plan:
             train = self.mode is M.Mode.TRAIN
             opt = optimizer_model(self.options.optimizer)
             if self.program is not None:
-                one = program_memory(self.program.module, train, opt, self.device)
+                one = program_memory(self.program.module, train, opt, self.device,
+                                     self.zero_layouts, self.options.zero)
                 self._memory = {rank: one for rank in range(self.mesh.size)}
             else:
                 program = self.compiled_stages()

@@ -476,12 +476,14 @@ def _infeasible(budget: int, memory: dict):
     from shardfx.errors import MemoryBudgetError
 
     group, least = max(memory.items(), key=lambda kv: kv[1].total)
-    return MemoryBudgetError(
+    error = MemoryBudgetError(
         f"no plan fits memory_budget={budget} bytes: recomputing every activation it may, the "
         f"fullest device{'' if len(memory) == 1 else f' ({group_name(group)})'} still needs "
         f"{least.total} bytes ({_parts(least)})",
         where="partition(..., memory_budget=...)",
         fix=f"a budget of at least {least.total} bytes; {_advice(least)}")
+    error.least = least  # the smallest peak found: shardfx.budget names a ZeRO stage from it
+    return error
 
 
 def group_name(group) -> str:
@@ -499,8 +501,8 @@ def _advice(m) -> str:
     """What would shrink the part of the peak that dominates it."""
     state = m.parameters + m.optimizer + m.gradients
     if state >= m.saved + m.transient:
-        return ("parameters, gradients and optimizer state dominate: shard them over a tp or "
-                "pp axis (ZeRO-style optimizer sharding is not in shardfx yet), or plan with a "
-                "lighter optimizer (optimizer='sgd')")
+        return ("parameters, gradients and optimizer state dominate: shard them over dp "
+                "(partition(..., zero=1|2|3)) or over a tp or pp axis, or plan with a lighter "
+                "optimizer (optimizer='sgd')")
     return ("activations dominate: a smaller batch or more microbatches, or shard them over "
             "a tp or pp axis")

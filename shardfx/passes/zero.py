@@ -31,7 +31,6 @@ from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.zero import (finish_gather, finish_reduce_scatter, issue_gather,
                                   issue_reduce_scatter)
-from shardfx.errors import PassError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, tensor_val
 
@@ -68,9 +67,18 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     out = graph.output_node()
     values = list(out.args[0])
     grads = []  # (output index, partial gradient, layout)
+    whole = []  # (output index, gradient already reduced over dp, layout)
     for i, (value, role) in enumerate(zip(values, program.outputs)):
         if role.kind is M.OutputKind.GRAD and role.name in layouts:
-            grads.append((i, _unreduced_over(value, group), layouts[role.name]))
+            partial = _unreduced_over(value, group)
+            (grads if partial is not None else whole).append(
+                (i, value if partial is None else partial, layouts[role.name]))
+    if whole:  # reduced upstream (a tied embedding's): each rank takes its rows, no collective
+        program = _with_mesh_input(program, "coord(dp)")
+        coord = _placeholder(graph, "coord(dp)")
+        for index, value, z in whole:
+            with graph.inserting_before(value.next):
+                values[index] = _my_rows(graph, value, z, coord, f"zero_rows{index}")
     order = {n: i for i, n in enumerate(graph.nodes)}
     buckets: list[list[tuple]] = []
     open_: dict[torch.dtype, list[tuple]] = {}
@@ -109,9 +117,10 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     return dataclasses.replace(program, collectives=tuple(kept + records))
 
 
-def _unreduced_over(value: fx.Node, group: fx.Node) -> fx.Node:
+def _unreduced_over(value: fx.Node, group: fx.Node) -> fx.Node | None:
     """``value`` with its reduction over ``group`` taken out of its way to the output (the
-    sums over other axes and scalings kept: all linear, so their order does not matter)."""
+    sums over other axes and scalings kept: all linear, so their order does not matter); None
+    when no reduction over ``group`` is on that way (the value is whole on every rank)."""
     node = value
     while node.op == "call_function":
         if node.target is c10d.wait_tensor.default and \
@@ -129,9 +138,7 @@ def _unreduced_over(value: fx.Node, group: fx.Node) -> fx.Node:
             node = node.args[0]  # a layout copy, a mean's division: linear
         else:
             break
-    raise PassError(f"gradient {value.name} is returned without a dp all-reduce that ZeRO can "
-                    "turn into a reduce-scatter", where=f"passes.zero at {value.format_node()}",
-                    fix="plan with zero=1 (the optimizer state alone sharded), and report it")
+    return None  # reduced before the op that made it: whole on every rank
 
 
 def zero_gather(program: Program, options) -> Program:
@@ -258,6 +265,40 @@ def _phases(graph: fx.Graph) -> dict[fx.Node, M.Phase]:
         current = node.meta.get(M.PHASE, current)
         out[node] = current
     return out
+
+
+def _my_rows(graph: fx.Graph, value: fx.Node, z: M.ZeroShard, coord: fx.Node,
+             name: str) -> fx.Node:
+    """At the insertion point: this rank's rows of ``value`` (whole on every rank), padded, in
+    a tensor of their own (the whole can go)."""
+    import operator
+
+    from shardfx.codegen.zero import _op
+
+    ph = M.Phase.BACKWARD
+    x = value if z.shape else _op(graph, f"{name}_row", ph, aten.reshape.default, value, [1])
+    pad = z.dp * z.per_rank - z.rows
+    if pad:
+        x = _op(graph, f"{name}_pad", ph, aten.constant_pad_nd.default, x,
+                [0, 0] * (len(z.shape) - 1) + [0, pad])
+    start = graph.call_function(operator.mul, (coord, z.per_rank))
+    start.meta[M.VAL], start.meta[M.PHASE] = 0, ph
+    mine = _op(graph, f"{name}_narrow", ph, aten.narrow.default, x, 0, start, z.per_rank)
+    return _op(graph, name, ph, aten.clone.default, mine)
+
+
+def _with_mesh_input(program: Program, name: str) -> Program:
+    """``program`` with a MESH input ``name`` (``coord(dp)``), added after its last input if
+    it has none (codegen drops the mesh inputs a program does not read)."""
+    graph = program.module.graph
+    if any(r.kind is M.InputKind.MESH and r.name == name for r in program.inputs):
+        return program
+    last = graph.find_nodes(op="placeholder")[-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name.replace("(", "_").rstrip(")"))
+    role = M.InputRole(M.InputKind.MESH, name)
+    node.meta[M.ROLE], node.meta[M.VAL] = role, 0
+    return dataclasses.replace(program, inputs=(*program.inputs, role))
 
 
 def _placeholder(graph: fx.Graph, name: str) -> fx.Node:

@@ -1,0 +1,180 @@
+"""ZeRO-1/2/3 (``partition(..., zero=k)``): the program's collectives, the memory model, bad
+input, and training equal to one device on real processes (gloo) by ``shardfx.testing``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfx
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+from shardfx.testing import compare_training
+
+from models import lm_loss, tiny, token_batches
+
+c10d = torch.ops._c10d_functional
+
+
+def plan_of(zero: int, name: str = "llama", mesh=None, **kwargs) -> shardfx.Plan:
+    (x,), (y,) = token_batches(1, 4)[0]
+    mesh = mesh or {"dp": 2}
+    return shardfx.partition(tiny(name), (x,), lm_loss, (y,), mesh=mesh, zero=zero,
+                             shard="megatron" if "tp" in mesh else "replicate", **kwargs)
+
+
+def calls(plan: shardfx.Plan, target) -> list[torch.fx.Node]:
+    return list(plan.program.module.graph.find_nodes(op="call_function", target=target))
+
+
+def test_zero2_reduce_scatters_each_gradient_into_its_rows():
+    plain, zero = plan_of(0), plan_of(2)
+    layouts = zero.zero_layouts
+    out = zero.program.module.graph.output_node()
+    for value, role in zip(out.args[0], zero.program.outputs):
+        if role.kind is M.OutputKind.GRAD:  # this rank's rows of the gradient, padded
+            assert tuple(value.meta["val"].shape) == layouts[role.name].shard_shape, role
+    dp_reduces = [n for n in calls(zero, c10d.all_reduce.default) if n.args[2].name == "group_dp"]
+    assert len(dp_reduces) == 2  # the loss's two scalars; no gradient is all-reduced
+    scatters = calls(zero, c10d.reduce_scatter_tensor.default)
+    assert scatters and len(scatters) == len([c for c in zero.collectives
+                                              if c.kind == "reduce_scatter"])
+    # the same bytes leave each rank as plain dp's all-reduce sends (padded to dp rows)
+    padded = sum(z.dp * z.per_rank * z.row_numel * 4 for z in layouts.values())
+    assert sum(c.nbytes for c in zero.collectives if c.kind == "reduce_scatter") == padded
+    assert sum(c.nbytes for c in plain.collectives if "gradient bucket" in c.reason) \
+        == sum(z.rows * z.row_numel * 4 for z in layouts.values())
+    assert "zero_reduce_scatter" in [r.name for r in zero.history]
+
+
+def test_zero3_gathers_each_block_ahead_and_again_in_backward():
+    plan = plan_of(3)
+    graph = plan.program.module.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for p in graph.find_nodes(op="placeholder"):
+        role = p.meta[M.ROLE]
+        if role.kind is M.InputKind.PARAM:  # every parameter comes in as this rank's rows
+            assert tuple(p.meta["val"].shape) == p.meta[M.ZERO].shard_shape, role
+    gathers = {n.name: n for n in calls(plan, c10d.all_gather_into_tensor.default)}
+    fwd = sorted((n for n in gathers if n.startswith("zero3_fwd")), key=lambda n: order[gathers[n]])
+    bwd = [n for n in gathers if n.startswith("zero3_bwd")]
+    # the embedding, each of the 2 layers, the final norm, the LM head: forward and backward
+    # (the embedding's backward does not read its weight)
+    assert len(fwd) == 5 and len(bwd) == 4, sorted(gathers)
+    waits = {n.name: n for n in calls(plan, c10d.wait_tensor.default)}
+    for b in range(len(fwd) - 1):  # bucket b + 1 is issued before bucket b is waited for
+        assert order[gathers[f"zero3_fwd{b + 1}_all_gather"]] < order[waits[f"zero3_fwd{b}_wait"]]
+    phase = {}
+    current = M.Phase.FORWARD
+    for n in graph.nodes:
+        current = n.meta.get(M.PHASE, current)
+        phase[n] = current
+    for name, wait in waits.items():  # a forward copy dies in forward: the backward gathers
+        if name.startswith("zero3_fwd"):
+            stack, seen = [wait], set()
+            while stack:
+                n = stack.pop()
+                for u in n.users:
+                    if u not in seen:
+                        seen.add(u)
+                        assert phase[u] is M.Phase.FORWARD, (name, u.format_node())
+                        if u.target in (torch.ops.aten.reshape.default,
+                                        torch.ops.aten.narrow.default, torch.ops.aten.t.default,
+                                        torch.ops.aten.split_with_sizes.default,
+                                        torch.ops.aten.permute.default) or u.op == "output":
+                            stack.append(u)
+    names = [r.name for r in plan.history]
+    assert names.index("zero_gather") > names.index("zero_reduce_scatter")
+
+
+def test_memory_model_divides_the_state_over_dp():
+    one = [plan_of(z).memory_breakdown()[0] for z in (0, 1, 3)]
+    assert one[1].optimizer < 0.51 * one[0].optimizer  # AdamW's moments: half per rank
+    assert one[1].parameters == one[0].parameters
+    assert one[2].parameters < 0.51 * one[0].parameters  # ZeRO-3: half the parameters too
+
+
+@pytest.mark.parametrize("zero, mesh, fix", [
+    (4, {"dp": 2}, "0, 1, 2 or 3"),
+    (True, {"dp": 2}, "0, 1, 2 or 3"),
+    (1, {"tp": 2}, "add a dp axis"),
+    (3, {"dp": 2, "pp": 2}, "zero=1 or zero=2 with pp"),
+])
+def test_bad_zero_is_a_named_error(zero, mesh, fix):
+    (x,), (y,) = token_batches(1, 4)[0]
+    with pytest.raises(InputError, match="zero") as e:
+        shardfx.partition(tiny("llama"), (x,), lm_loss, (y,), mesh=mesh, zero=zero)
+    assert fix in str(e.value)
+
+
+def test_memory_budget_error_names_the_zero_stage_that_fits():
+    need = {z: plan_of(z).memory_estimate()[0] for z in (0, 1)}
+    budget = (need[0] + need[1]) // 2  # zero=1 fits it, plain dp does not even recomputing
+    with pytest.raises(shardfx.MemoryBudgetError) as e:
+        plan_of(0, memory_budget=budget)
+    assert "partition(..., zero=1) would fit" in str(e.value), str(e.value)
+    assert plan_of(1, memory_budget=budget).memory_estimate()[0] <= budget
+
+
+# --- training equal to one device, on real processes -------------------------------------------
+
+
+class Odd(torch.nn.Module):
+    """Dimensions no dp divides: every rank's rows padded, some ranks holding none of a
+    tensor's rows (3 rows over 4 ranks), and a 0-d parameter."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 5)
+        self.b = torch.nn.Linear(5, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) * self.scale
+
+
+def _train(cases: list[tuple]) -> list[tuple]:
+    """On every rank: ``compare_training`` of each (model, mesh, zero); the largest error beyond
+    the rule, and whether the runner holds what the memory model counts."""
+    out = []
+    for name, mesh, zero in cases:
+        shard = "megatron" if "tp" in mesh else "replicate"
+        if name == "odd":
+            g = torch.Generator().manual_seed(3)
+            data = [((torch.randn(8, 8, generator=g),), (torch.randn(8, 3, generator=g),))
+                    for _ in range(3)]
+            report = compare_training(Odd(), data, F.mse_loss, mesh=mesh, shard=shard, zero=zero)
+        else:
+            report = compare_training(tiny(name), token_batches(3, 4), lm_loss, mesh=mesh,
+                                      shard=shard, zero=zero)
+        runner, modelled = report.runner, report.plan.memory_breakdown()[0]
+        held = sum(p.numel() * p.element_size() for p in runner.parameters())
+        moments = sum(t.numel() * t.element_size() for s in runner.optimizer.state.values()
+                      for k, t in s.items() if k != "step")
+        out.append((f"{name} {mesh} zero={zero}", report.max(),
+                    moments == modelled.optimizer - 4 * len(runner.optimizer.state),
+                    zero != 3 or held == modelled.parameters))
+    return out
+
+
+def _check(results: list[list[tuple]]) -> None:
+    for rank in results:
+        for label, err, optimizer_modelled, params_modelled in rank:
+            assert err < 1e-5, (label, err)
+            assert optimizer_modelled and params_modelled, label
+
+
+def test_zero_on_two_ranks_trains_like_one_device():
+    _check(shardfx.launch(_train, [
+        ("gpt2", {"dp": 2}, 1), ("gpt2", {"dp": 2}, 2), ("gpt2", {"dp": 2}, 3),
+        ("llama", {"dp": 2}, 3), ("mixtral", {"dp": 2}, 3),
+    ], nprocs=2, timeout=120, deadline=900))
+
+
+def test_zero_on_four_ranks_trains_like_one_device():
+    _check(shardfx.launch(_train, [
+        ("odd", {"dp": 4}, 3), ("odd", {"dp": 4}, 1), ("llama", {"dp": 4}, 2),
+        ("gpt2", {"dp": 2, "tp": 2}, 3), ("mixtral", {"dp": 2, "tp": 2}, 2),
+    ], nprocs=4, timeout=120, deadline=900))
