@@ -309,6 +309,17 @@ class Plan:
         opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
         notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
                  f"Precision: {self.precision}"]
+        if self.options.zero:
+            k, dp = self.options.zero, self.mesh.axis("dp")
+            held = {1: "the optimizer state", 2: "the optimizer state and gradients",
+                    3: "the optimizer state, gradients and parameters"}[k]
+            gathers = [c for c in self.collectives if c.kind == "all_gather" and "ZeRO" in c.reason]
+            notes.append(f"ZeRO-{k} over dp={dp}: each rank keeps 1/{dp} of {held} ("
+                         f"{len(self.zero_layouts)} parameters, dim-0 rows, padded)"
+                         + (f"; {len(gathers)} parameter all-gathers per step, a block at a "
+                            "time, each issued before the previous one is waited for"
+                            if k == 3 else "; updated rows all-gathered after the optimizer "
+                            "step"))
         kernels = self.kernels()
         if kernels:
             ops = sum(len(k.group.ops) for k in kernels)
