@@ -354,9 +354,12 @@ def _part(part: fx.GraphModule) -> _Part:
 
 
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
-                    dp: int = 1, device: torch.device = torch.device("cpu")) -> DeviceMemory:
+                    dp: int = 1, device: torch.device = torch.device("cpu"),
+                    zero: int = 0) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
-    ``runtime.compiled.StageProgram`` the pipeline runner runs)."""
+    ``runtime.compiled.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
+    optimizer steps this dp replica's rows of each parameter the rank owns: its state and, at
+    its step, the gradients are those rows; then the updated rows are gathered."""
     from shardfx.runtime.buckets import final_gradients
 
     reads = program.reads(rank)
@@ -365,6 +368,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                   if r.kind is M.InputKind.BUFFER)
     owned = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM
              and program.producer(M.OutputKind.GRAD, r.name) == rank]
+    if zero:  # each replica's rows (runtime.zero)
+        owned = [torch.empty(M.ZeroShard(tuple(v.shape), dp).shard_shape, dtype=v.dtype,
+                             device="meta") for v in owned]
     opt_state = optimizer_state(owned, optimizer) if train else 0
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers, optimizer=opt_state)
     parts = {name: _part(getattr(program.module, name)) for name in program.parts}
@@ -417,8 +423,15 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         consider(0, sending + reducing, "dp all-reduce")
     comm.clear()
     sending = reducing = 0
+    if zero:  # the whole gradients go; the optimizer steps this replica's rows
+        grads = {"rows": sum(map(_bytes, owned))}
     if train and optimizer.name != "none":
         consider(optimizer_temporaries(owned, optimizer, device), 0, "optimizer step")
+    if train and zero:  # every replica's updated rows, gathered a bucket at a time
+        from shardfx.codegen.bucketing import BUCKET_BYTES
+
+        grads = {}
+        consider(2 * min(BUCKET_BYTES, sum(map(_bytes, params))), 0, "ZeRO gather")
     return best
 
 

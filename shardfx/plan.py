@@ -257,7 +257,7 @@ class Plan:
             else:
                 program = self.compiled_stages()
                 per_pp = {r: pipeline_memory(program, r, train, opt, self.mesh.axis("dp"),
-                                             self.device)
+                                             self.device, self.options.zero)
                           for r in range(self.mesh.axis("pp"))}
                 pp = [a for a, _ in self.mesh.axes].index("pp")  # ranks: row-major over axes
                 coords = itertools.product(*(range(n) for _, n in self.mesh.axes))

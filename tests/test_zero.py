@@ -139,17 +139,19 @@ def _train(cases: list[tuple]) -> list[tuple]:
     """On every rank: ``compare_training`` of each (model, mesh, zero); the largest error beyond
     the rule, and whether the runner holds what the memory model counts."""
     out = []
-    for name, mesh, zero in cases:
+    for name, mesh, zero, *pipeline in cases:
         shard = "megatron" if "tp" in mesh else "replicate"
+        pipeline = pipeline[0] if pipeline else {}
         if name == "odd":
             g = torch.Generator().manual_seed(3)
             data = [((torch.randn(8, 8, generator=g),), (torch.randn(8, 3, generator=g),))
                     for _ in range(3)]
             report = compare_training(Odd(), data, F.mse_loss, mesh=mesh, shard=shard, zero=zero)
         else:
-            report = compare_training(tiny(name), token_batches(3, 4), lm_loss, mesh=mesh,
-                                      shard=shard, zero=zero)
-        runner, modelled = report.runner, report.plan.memory_breakdown()[0]
+            report = compare_training(tiny(name), token_batches(3, 8 if pipeline else 4),
+                                      lm_loss, mesh=mesh, shard=shard, zero=zero, **pipeline)
+        runner = report.runner
+        modelled = report.plan.memory_breakdown()[torch.distributed.get_rank()]
         held = sum(p.numel() * p.element_size() for p in runner.parameters())
         moments = sum(t.numel() * t.element_size() for s in runner.optimizer.state.values()
                       for k, t in s.items() if k != "step")
@@ -177,4 +179,6 @@ def test_zero_on_four_ranks_trains_like_one_device():
     _check(shardfx.launch(_train, [
         ("odd", {"dp": 4}, 3), ("odd", {"dp": 4}, 1), ("llama", {"dp": 4}, 2),
         ("gpt2", {"dp": 2, "tp": 2}, 3), ("mixtral", {"dp": 2, "tp": 2}, 2),
+        ("gpt2", {"dp": 2, "pp": 2}, 1, {"microbatches": 2}),  # tied weights across stages
+        ("llama", {"dp": 2, "pp": 2}, 2, {"microbatches": 2, "schedule": "zero-bubble"}),
     ], nprocs=4, timeout=120, deadline=900))

@@ -45,34 +45,55 @@ def final_gradients(steps: list) -> list[list[str]]:
 
 class GradBuckets:
     def __init__(self, group: dist.ProcessGroup, size: int, mean: bool,
-                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES):
+                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 rows: dict | None = None, index: int = 0):
         """``mean``: average over the ``size`` replicas (as DDP), else sum; ``reduce_dtype``:
-        a narrower dtype to sum in (``Precision.reduce``)."""
+        a narrower dtype to sum in (``Precision.reduce``). ``rows`` (ZeRO-2: FQN ->
+        ``ZeroShard``): reduce-scatter instead, each replica (``index`` on dp) getting its rows
+        of each gradient in ``self.rows`` (by FQN); the gradients themselves are left as
+        they were."""
         self.group, self.size, self.mean = group, size, mean
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
-        self._open: list[torch.Tensor] = []
+        self.layouts, self.index = rows, index
+        self.rows: dict[str, torch.Tensor] = {}
+        self._open: list[tuple[torch.Tensor, str | None]] = []
         self._bytes = 0
-        self._flying: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []  # in order
+        self._flying: list[tuple[list, torch.Tensor, object]] = []  # in order
         self._done = 0  # buckets written back before finish
 
-    def add(self, grad: torch.Tensor) -> None:
-        """``grad`` is final on this rank: bucket it, and start the bucket once full."""
+    def add(self, grad: torch.Tensor, fqn: str | None = None) -> None:
+        """``grad`` (of parameter ``fqn``) is final on this rank: bucket it, and start the
+        bucket once full."""
         nbytes = grad.numel() * grad.element_size()
-        if self._open and (self._open[0].dtype != grad.dtype
+        if self._open and (self._open[0][0].dtype != grad.dtype
                            or self._bytes + nbytes > self.bucket_bytes):
             self._start()
-        self._open.append(grad)
+        self._open.append((grad, fqn))
         self._bytes += nbytes
         if self._bytes >= self.bucket_bytes:
             self._start()
 
     def _start(self) -> None:
         bucket, self._open, self._bytes = self._open, [], 0
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+        if self.layouts is None:
+            flat = torch.cat([g.reshape(-1) for g, _ in bucket])
+        else:  # rank-major: each replica's rows of every gradient together (codegen.zero)
+            flat = torch.cat([self._padded(g, fqn) for g, fqn in bucket], dim=1).reshape(-1)
         if self.reduce_dtype is not None and flat.is_floating_point():
             flat = flat.to(self.reduce_dtype)  # summed narrower, widened back in finish
-        self._flying.append((bucket, flat, dist.all_reduce(flat, group=self.group,
-                                                           async_op=True)))
+        if self.layouts is None:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._flying.append((bucket, flat, work))
+            return
+        out = flat.new_empty(flat.numel() // self.size)
+        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        self._flying.append((bucket, out, work))
+
+    def _padded(self, g: torch.Tensor, fqn: str) -> torch.Tensor:
+        z = self.layouts[fqn]
+        whole = g.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
+        whole[:z.rows].copy_(g.reshape(z.rows, *z.shape[1:]))
+        return whole.reshape(z.dp, -1)
 
     def retire(self) -> None:
         """Write back the buckets whose all-reduce has completed (without waiting), so their
@@ -91,10 +112,16 @@ class GradBuckets:
         done, self._done, self._flying = self._done + len(self._flying), 0, []
         return done
 
-    def _write_back(self, bucket: list[torch.Tensor], flat: torch.Tensor, work) -> None:
+    def _write_back(self, bucket: list, flat: torch.Tensor, work) -> None:
         work.wait()
-        flat = flat.to(bucket[0].dtype)
+        flat = flat.to(bucket[0][0].dtype)
         if self.mean:
             flat /= self.size
-        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+        if self.layouts is not None:  # ZeRO-2: this replica's rows of each
+            shapes = [self.layouts[fqn].shard_shape for _, fqn in bucket]
+            sizes = [torch.Size(s).numel() for s in shapes]
+            for (_, fqn), part, shape in zip(bucket, flat.split(sizes), shapes):
+                self.rows[fqn] = part.view(shape)
+            return
+        for (g, _), part in zip(bucket, flat.split([g.numel() for g, _ in bucket])):
             g.copy_(part.view_as(g))

@@ -50,14 +50,17 @@ from shardfx.measure import mark
 from shardfx.memory import check_optimizer
 from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
+from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.codegen.zero import gather_program
 from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
-from shardfx.runtime.device import check_weights
+from shardfx.runtime.device import check_weights, place
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
 from shardfx.runtime.timing import Clock
+from shardfx.runtime.zero import ZeroRows
 from shardfx.schedule import forward_only
 
 if TYPE_CHECKING:
@@ -94,7 +97,10 @@ class PipelineRunner:
         self._constants: dict[tuple, torch.Tensor] = {}  # (program, name) -> on this device
         self._owned = {fqn for fqn in self._params
                        if self._program.producer(M.OutputKind.GRAD, fqn) == self.rank}
-        owned = [self._params[fqn] for fqn in sorted(self._owned)]
+        self._zero, self._stepped = self._zero_rows(plan), {}  # ZeRO-1/2 over dp
+        for fqn in self._zero.layouts if self._zero is not None else ():
+            self._params[fqn], self._stepped[fqn] = self._zero.hold(fqn, self._params[fqn].detach())
+        owned = [self._trained()[fqn] for fqn in sorted(self._owned)]
         self.optimizer = make_optimizer(optimizer, owned)
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
@@ -144,22 +150,35 @@ class PipelineRunner:
         flat = self._plan.check_inputs(args, targets)
         self._same_batch(flat)
         self._grads = {}
-        for p in self._params.values():  # the last step's gradients go now, not at the end
+        trained = self._trained()
+        for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
         # replicas combine their gradients (average, as DDP, or sum), each bucket reduced as
-        # soon as its gradients are final (runtime.buckets)
+        # soon as its gradients are final (runtime.buckets); ZeRO-2 reduce-scatters them
+        zero2 = self._zero is not None and self._zero.stage == 2
         self._buckets = None if self._dp is None else GradBuckets(
-            self._dp, self._dp_size, self._mean, self._reduce_dtype)
+            self._dp, self._dp_size, self._mean, self._reduce_dtype,
+            rows=self._zero.layouts if zero2 else None, index=self._dp_index)
         loss = self._execute(self._program, self._steps, flat, weights)
         self.step_count += 1
+        rows = {}
         if self._buckets is not None:
             self.all_reduces = self._buckets.finish()
-            self._buckets = None
-        for fqn, p in self._params.items():
-            p.grad = self._grads.get(fqn) if fqn in self._owned else None
+            rows, self._buckets = self._buckets.rows, None
+        for fqn, p in trained.items():
+            g = self._grads.get(fqn) if fqn in self._owned else None
+            if fqn in self._stepped and g is not None:  # this replica's rows
+                g = rows[fqn] if zero2 else self._zero.rows(fqn, g)
+            p.grad = g
+        if self._zero is not None:
+            self._grads = {}  # the whole gradients go before the optimizer steps
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        step_optimizer(self.optimizer, self.loss_scaler, list(self._grads.values()))
+        step_optimizer(self.optimizer, self.loss_scaler,
+                       [p.grad for fqn, p in trained.items() if fqn in self._owned
+                        and p.grad is not None])
+        if self._zero is not None:  # every replica's updated rows, gathered
+            self._zero.after_step(self._params, self._stepped, self._dp.group_name)
         self._share_tied()
         return self._broadcast_loss(loss)
 
@@ -192,7 +211,7 @@ class PipelineRunner:
                 del self._store[key]
             if program is self._program and self._buckets is not None:
                 for fqn in self._final[index]:  # no later action adds to them
-                    self._buckets.add(self._grads[fqn])
+                    self._buckets.add(self._grads[fqn], fqn)
             self._held.append(len({mb for part, _, mb in self._store if part.endswith("_F")}))
             self._sends = [w for w in self._sends if not w.is_completed()]
             if self._buckets is not None:
@@ -412,14 +431,33 @@ class PipelineRunner:
     # --- state --------------------------------------------------------------------------------
 
     def parameters(self):
-        """This rank's parameters (its tp shards), those its optimizer steps and the others it
-        reads (a tied weight another rank owns)."""
-        return self._params.values()
+        """This rank's parameters (its tp shards; under ZeRO, its rows of those it owns), those
+        its optimizer steps and the others it reads (a tied weight another rank owns)."""
+        return self._trained().values()
+
+    def _trained(self) -> dict[str, torch.Tensor]:
+        return {**self._params, **self._stepped}
+
+    def _zero_rows(self, plan) -> ZeroRows | None:
+        """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""
+        if not plan.options.zero:
+            return None
+        layouts = {fqn: M.ZeroShard(tuple(self._params[fqn].shape), self._dp_size)
+                   for fqn in sorted(self._owned)}
+        dtypes = {fqn: self._params[fqn].dtype for fqn in layouts}
+        gather = gather_program(layouts, dtypes, BUCKET_BYTES)
+        place(gather.module, self.device)
+        return ZeroRows(layouts, plan.options.zero, self._dp_index, self._dp, gather)
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's full gradients, on every rank (each sent by its owner)."""
-        return self._gather({fqn: self._full(fqn, g) for fqn, g in self._grads.items()
-                             if fqn in self._owned}, self._grad_shapes())
+        if self._zero is not None:  # every replica's rows, then every tp shard
+            mine = {fqn: self._full(fqn, self._zero.whole(fqn, self._stepped[fqn].grad))
+                    for fqn in sorted(self._stepped) if self._stepped[fqn].grad is not None}
+        else:
+            mine = {fqn: self._full(fqn, g) for fqn, g in self._grads.items()
+                    if fqn in self._owned}
+        return self._gather(mine, self._grad_shapes())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors on every rank, each sent by the rank that trains it. (The runner
