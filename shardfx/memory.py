@@ -44,6 +44,8 @@ from shardfx.passes.estimate_cost import is_view, node_bytes
 
 log = logging.getLogger("shardfx.memory")
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default  # returns the tensor it waits for
+
 
 @dataclass(frozen=True)
 class OptimizerModel:
@@ -166,16 +168,31 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
                             when="optimizer step")
         if step.total > best.total:
             best = step
-    if train and stage in (1, 2):  # every rank's updated rows, gathered a bucket at a time
-        from shardfx.codegen.bucketing import BUCKET_BYTES
-
-        rows = [t for t, p in zip(stepped, params) if t is not p]
-        largest = min(BUCKET_BYTES, sum(map(_bytes, params))) if rows else 0
-        gather = DeviceMemory(**state, optimizer=opt_state, transient=2 * largest,
+    if train and stage in (1, 2) and zero:  # every rank's updated rows, gathered
+        rows = sum(map(_bytes, stepped))
+        gather = DeviceMemory(**state, optimizer=opt_state, gradients=rows,
+                              transient=zero_gather_peak(zero, params_dtype(program)),
                               when="ZeRO gather after the optimizer step")
         if gather.total > best.total:
             best = gather
     return best
+
+
+def zero_gather_peak(layouts: dict, dtypes: dict) -> int:
+    """Bytes ZeRO-1/2's gather program (``codegen.zero.gather_program``) holds at its fullest:
+    a bucket's input and gathered buffer, which the runner copies out of in place."""
+    from shardfx.codegen.bucketing import BUCKET_BYTES
+    from shardfx.codegen.zero import gather_program
+
+    graph = gather_program(layouts, dtypes, BUCKET_BYTES).module.graph
+    peak, _, _ = walk(graph, lambda n: "transient")
+    return peak["transient"]
+
+
+def params_dtype(program: fx.GraphModule) -> dict[str, torch.dtype]:
+    return {n.meta[M.ROLE].name: n.meta[M.VAL].dtype
+            for n in program.graph.find_nodes(op="placeholder")
+            if n.meta[M.ROLE].kind is M.InputKind.PARAM}
 
 
 def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
@@ -211,7 +228,10 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
     base = _bases(graph)
     last_use: dict[fx.Node, int] = {}
     for node in graph.nodes:
-        for src in node.all_input_nodes:
+        # a collective in flight holds its input until it is waited for
+        reads = node.all_input_nodes + (node.all_input_nodes[0].all_input_nodes
+                                        if node.target is _WAIT else [])
+        for src in reads:
             owner = base.get(src, src)
             last_use[owner] = max(last_use.get(owner, 0), order[node])
     # an element of a multi-output result exists from the op that made it: it is counted
@@ -273,7 +293,7 @@ def _graph_grads(graph: fx.Graph) -> int:
 def value_bytes(node: fx.Node) -> int:
     """Bytes of the storage a value owns: a view owns none; an element of a multi-output op's
     result (``getitem(native_layer_norm(...), 1)``) owns its own tensor, the op's tuple none."""
-    if node.op != "call_function":
+    if node.op != "call_function" or node.target is _WAIT:  # a wait returns its input
         return 0
     if node.target is operator.getitem and not _aliases(node.args[0]):
         val = node.meta.get(M.VAL)
@@ -297,7 +317,7 @@ def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             continue
         if node.target is operator.getitem and not _aliases(node.args[0]):
             continue
-        if is_view(node):
+        if is_view(node) or node.target is _WAIT:
             src = node.all_input_nodes[0]
             base[node] = base.get(src, src)
     return base
@@ -428,10 +448,12 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if train and optimizer.name != "none":
         consider(optimizer_temporaries(owned, optimizer, device), 0, "optimizer step")
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
-        from shardfx.codegen.bucketing import BUCKET_BYTES
-
-        grads = {}
-        consider(2 * min(BUCKET_BYTES, sum(map(_bytes, params))), 0, "ZeRO gather")
+        whole = {r.name: program.input_val(n) for n, r in reads.items()
+                 if r.kind is M.InputKind.PARAM and program.producer(M.OutputKind.GRAD,
+                                                                     r.name) == rank}
+        layouts = {f: M.ZeroShard(tuple(v.shape), dp) for f, v in sorted(whole.items())}
+        consider(zero_gather_peak(layouts, {f: v.dtype for f, v in whole.items()}), 0,
+                 "ZeRO gather")
     return best
 
 

@@ -97,14 +97,38 @@ def _every_model(mesh: dict, kw: dict) -> list:
     ({"dp": 2}, {}),
     ({"pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),
     ({"pp": 2}, {"microbatches": 4, "schedule": "gpipe"}),
-], ids=["tp2", "dp2", "pp2-1f1b", "pp2-gpipe"])
+    ({"dp": 2}, {"zero": 1}),
+    ({"dp": 2}, {"zero": 2}),
+    ({"dp": 2}, {"zero": 3}),
+], ids=["tp2", "dp2", "pp2-1f1b", "pp2-gpipe", "dp2-zero1", "dp2-zero2", "dp2-zero3"])
 def test_estimate_is_the_measured_peak_per_rank(mesh, kw):
     """Each rank's own peak: a tp shard's, a dp replica's with its gradient buckets, a pipeline
     rank's with the microbatches its schedule keeps in flight, its receive buffers and its
-    gradient accumulators."""
+    gradient accumulators, a ZeRO rank's (its rows of the optimizer state, and by stage of the
+    gradients and parameters, with ZeRO-3's gathered blocks in flight)."""
     for rank, rows in enumerate(shardfx.launch(_every_model, mesh, kw, nprocs=2)):
         for name, measured, predicted, breakdown in rows:
             assert within(measured, predicted), (rank, name, measured, predicted, breakdown)
+
+
+def test_zero_holds_less_than_plain_data_parallelism():
+    """Measured on each rank: ZeRO-1 and -2 peak below plain dp (the optimizer's state, then
+    the gradients, halved at dp=2); inside a pipeline too (pp=2 x dp=2), where the model
+    predicts each rank within 5%."""
+    plain, *zero = shardfx.launch(_zero_peaks, nprocs=2)[0]
+    assert zero[0] < plain and zero[1] <= zero[0], (plain, zero)
+    for rank, rows in enumerate(shardfx.launch(_every_zero_stage_in_a_pipeline, nprocs=4)):
+        for zero, measured, predicted in rows:
+            assert within(measured, predicted), (rank, zero, measured, predicted)
+
+
+def _zero_peaks() -> list[int]:
+    return [measure("llama", {"dp": 2}, zero=z)[0] for z in (0, 1, 2)]
+
+
+def _every_zero_stage_in_a_pipeline() -> list:
+    return [(z, *measure("llama", {"dp": 2, "pp": 2}, zero=z, microbatches=2)[:2])
+            for z in (1, 2)]
 
 
 def test_gpipe_holds_more_than_1f1b():

@@ -56,18 +56,22 @@ def issue_gather(graph: fx.Graph, shards: list[fx.Node], group: fx.Node, dp: int
 
 
 def finish_gather(graph: fx.Graph, started: fx.Node, layouts: list[M.ZeroShard], name: str,
-                  phase: M.Phase) -> list[fx.Node]:
-    """At the insertion point: wait for ``started`` and take each tensor out of it."""
+                  phase: M.Phase, rows_only: bool = False) -> list[fx.Node]:
+    """At the insertion point: wait for ``started`` and take each tensor out of it; with
+    ``rows_only``, each tensor's rows as every rank sent them, a ``(dp, per_rank * row_numel)``
+    view of the gathered buffer (for a runner to copy into storage of its own)."""
     dp = layouts[0].dp
     done = _op(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
     sizes = [z.per_rank * z.row_numel for z in layouts]
+    grid = _op(graph, f"{name}_grid", phase, aten.reshape.default, done, [dp, sum(sizes)])
     if len(layouts) == 1:
-        parts = [done]
+        parts = [grid]
     else:
-        grid = _op(graph, f"{name}_grid", phase, aten.reshape.default, done, [dp, sum(sizes)])
         split = _op(graph, f"{name}_split", phase, aten.split_with_sizes.default, grid, sizes, 1)
         parts = [_op(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
                  for i in range(len(layouts))]
+    if rows_only:
+        return parts
     out = []
     for i, (part, z) in enumerate(zip(parts, layouts)):
         full = _op(graph, f"{name}_rows{i}", phase, aten.reshape.default, part,
@@ -126,9 +130,12 @@ def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.Zer
 def gather_program(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtype],
                    bucket_bytes: int) -> "Program":
     """The program ZeRO-1 and -2 run after the optimizer step: every rank's updated rows of
-    each parameter in, the whole (tp-local) parameters out, by one all-gather per bucket (in
-    the order of ``layouts``, at most ``bucket_bytes`` each). Inputs: one PARAM per FQN (this
-    rank's rows), then ``group(dp)``; outputs: one OUTPUT per FQN, named by it."""
+    each parameter in, by one all-gather per bucket (in the order of ``layouts``, at most
+    ``bucket_bytes`` each), every rank's rows of each parameter out: a ``(dp, per_rank *
+    row_numel)`` view of its bucket's buffer, which the runner copies into the parameter's own
+    padded storage (viewed so; FSDP2's copy-out), so no whole copy of a parameter is made.
+    Inputs: one PARAM per FQN (this rank's rows), then ``group(dp)``; outputs: one OUTPUT per
+    FQN, named by it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardfx.codegen.program import Program
@@ -161,7 +168,7 @@ def gather_program(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtyp
         started = issue_gather(graph, [shards[f] for f in bucket], group, layouts[bucket[0]].dp,
                                name, phase)
         outs.update(zip(bucket, finish_gather(graph, started, [layouts[f] for f in bucket],
-                                              name, phase)))
+                                              name, phase, rows_only=True)))
         collectives.append(Collective("all_gather", "dp", started.args[0].meta[M.VAL].numel()
                                       * dtypes[bucket[0]].itemsize,
                                       f"ZeRO parameter bucket {b} ({len(bucket)} params, after "

@@ -83,17 +83,21 @@ class Runner:
         outs = self._run(self._plan.program, flat)
         self.step_count += 1
         loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
-        grads = {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD}
-        for name, p in trained.items():
-            g = grads.get(name)
-            p.grad = self._zero.grad(name, g) if name in self._stepped and g is not None else g
-        del grads, outs  # ZeRO-1: the whole gradients go before the optimizer steps
+        self._set_grads(trained, {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD})
+        del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         step_optimizer(self.optimizer, self.loss_scaler,
                        [p.grad for p in trained.values() if p.grad is not None])
         if self._zero is not None:  # ZeRO-1, 2: every rank's updated rows, gathered
-            self._zero.after_step(self._params, self._stepped, self._shards.groups["dp"])
+            self._zero.after_step(self._stepped, self._shards.groups["dp"])
         return loss
+
+    def _set_grads(self, trained: dict, grads: dict) -> None:
+        """Each stepped tensor's ``.grad`` from the program's gradients (ZeRO: this rank's
+        rows), in a call of its own: nothing here keeps a whole gradient alive after it."""
+        for name, p in trained.items():
+            g = grads.get(name)
+            p.grad = self._zero.grad(name, g) if name in self._stepped and g is not None else g
 
     @property
     def loss_scale(self) -> float | None:

@@ -29,6 +29,7 @@ class ZeroRows:
         on dp; ``gather``: the gather program (zero=1, 2)."""
         self.layouts, self.stage, self.index, self.group = layouts, stage, index, group
         self._gather = gather
+        self._padded: dict[str, torch.Tensor] = {}  # zero=1, 2: each parameter's dp rows
 
     def rows(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``whole`` (a tp-local tensor), zero-padded: a new tensor."""
@@ -49,6 +50,7 @@ class ZeroRows:
             return rows, rows
         buffer = whole.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
         buffer[:z.rows].copy_(whole.reshape(z.rows, *z.shape[1:]))
+        self._padded[fqn] = buffer
         read = buffer[:z.rows].reshape(z.shape)
         mine = buffer[self.index * z.per_rank:(self.index + 1) * z.per_rank]
         return read, torch.nn.Parameter(mine)
@@ -57,17 +59,18 @@ class ZeroRows:
         """The gradient the optimizer steps this rank's rows with, from the program's output."""
         return self.rows(fqn, value) if self.stage == 1 else value
 
-    def after_step(self, read: dict[str, torch.Tensor], stepped: dict[str, torch.Tensor],
-                   group_name: str) -> None:
-        """zero=1, 2: every rank's updated rows into the whole parameters the program reads."""
+    def after_step(self, stepped: dict[str, torch.Tensor], group_name: str) -> None:
+        """zero=1, 2: every rank's updated rows into the parameters the program reads (each
+        rank's rows copied into their place in the parameter's padded storage)."""
         if self._gather is None:
             return
         inputs = [stepped[role.name].detach() for role in self._gather.inputs
                   if role.kind is M.InputKind.PARAM]
         with torch.no_grad():
             outs = self._gather.module(*inputs, group_name)
-            for role, value in zip(self._gather.outputs, outs):
-                read[role.name].copy_(value)
+            for role, rows in zip(self._gather.outputs, outs):
+                z = self.layouts[role.name]
+                self._padded[role.name].view(z.dp, -1).copy_(rows)
 
     def whole(self, fqn: str, rows: torch.Tensor) -> torch.Tensor:
         """The tp-local tensor from every rank's ``rows`` of it (an all-gather over dp)."""
