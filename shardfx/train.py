@@ -18,13 +18,15 @@ Rank 0 prints one line per step (loss, step time, tokens or rows per second, mem
 peak allocated, or the process's peak resident size on a CPU) under a progress bar, and a table
 at the end.
 
-Checkpoints: ``--save DIR`` writes, after the last step, the full model state dict
-(``model.pt``, ``runner.state_dict()``: the model's own names), each rank's optimizer state
-(``optimizer-rank{r}.pt``: its shards' moments) and ``meta.json`` (the step, the mesh, the
-loss scaler). ``--resume DIR`` loads them and continues from that step: with the same
-``--seed`` the batches, dropout masks and updates are those of an uninterrupted run, so the
-losses are the same. The optimizer state is per rank, so a checkpoint resumes on the mesh it
-was saved from (another is an error naming both).
+Checkpoints: ``--save DIR`` writes, after the last step, the runner's state as a distributed
+checkpoint (``runner.save``: each rank its shards of the model and the optimizer's state, the
+step, the loss scaler, the dropout stream, the data position; all or nothing: a run killed
+while saving leaves the previous checkpoint). ``--resume DIR`` checks it before any process
+plans (an incomplete one is refused, naming why) and continues from its step on any mesh (the
+shards are re-cut: ``runtime.saving``): with the same ``--seed`` the batches, dropout masks and
+updates are those of an uninterrupted run, so on the same mesh the losses are the same bits,
+and on another the same within rounding. A different ``--lr`` is used from there on (a
+warning says so).
 
 ``--trace FILE``: the last step as a Chrome trace: a pipeline's ``runner.trace`` (every rank's
 actions), else ``torch.profiler`` on rank 0.
@@ -33,7 +35,7 @@ actions), else ``torch.profiler`` on rank 0.
 from __future__ import annotations
 
 import itertools
-import json
+import logging
 import resource
 import statistics
 import time
@@ -49,6 +51,8 @@ import shardfx
 from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
 from shardfx.runtime.launch import rank, under_torchrun, world_size
+
+log = logging.getLogger("shardfx.run")
 
 
 @dataclass(frozen=True)
@@ -169,51 +173,37 @@ def _traced_step(runner, plan, config: RunConfig, args, targets) -> torch.Tensor
 
 
 def save_checkpoint(config: RunConfig, runner, step: int) -> None:
-    """``config.save``: the full model, this rank's optimizer, the step (a collective)."""
-    out = Path(config.save)
-    state = runner.state_dict()  # every rank takes part in gathering it
-    me = rank()
-    if me == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.cpu() for k, v in state.items()}, out / "model.pt")
-        scaler = runner.loss_scaler.state_dict() if runner.loss_scaler is not None else None
-        meta = dict(step=step, mesh=config.mesh, world=world_size(), spec=config.spec,
-                    seed=config.seed, loss_scaler=scaler)
-        (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    _barrier()  # the directory exists
-    torch.save(runner.optimizer.state_dict(), out / f"optimizer-rank{me}.pt")
-    _barrier()
+    """``config.save``: the runner's state as a distributed checkpoint (``runner.save``: every
+    rank its shards, all or nothing), with the data position and the run's settings."""
+    runner.save(config.save, data_position=step, spec=config.spec, run_seed=config.seed,
+                run_mesh=config.mesh)
 
 
 def load_checkpoint(config: RunConfig, runner) -> int:
-    """Load ``config.resume`` into ``runner``; returns the step it was saved at."""
-    src, meta = Path(config.resume), _resume_meta(config)
-    runner.load_state_dict(torch.load(src / "model.pt", map_location="cpu"))
-    runner.optimizer.load_state_dict(
-        torch.load(src / f"optimizer-rank{rank()}.pt", map_location=runner.device))
-    if runner.loss_scaler is not None and meta.get("loss_scaler"):
-        runner.loss_scaler.load_state_dict(meta["loss_scaler"])
-    runner.step_count = meta["step"]
-    return meta["step"]
+    """Load ``config.resume`` into ``runner`` (saved on any mesh); returns the step it was
+    saved at, where the data resumes."""
+    return int(runner.load(config.resume)["data_position"])
 
 
 def _resume_meta(config: RunConfig) -> dict[str, Any]:
-    """The checkpoint's meta.json, checked against this run (InputError naming the fix)."""
-    src = Path(config.resume)
-    where = f"--resume {src}"
-    if not (src / "meta.json").is_file():
-        raise InputError(f"{src} holds no shardfx checkpoint (no meta.json)", where=where,
-                         fix="give a directory written by shardfx run --save")
-    meta = json.loads((src / "meta.json").read_text())
-    if MeshSpec.parse(meta["mesh"]) != MeshSpec.parse(config.mesh):
-        raise InputError(f"the checkpoint was saved on mesh {MeshSpec.parse(meta['mesh'])}, "
-                         f"this run is on {MeshSpec.parse(config.mesh)}: each rank's optimizer "
-                         "state is its own shards'", where=where,
-                         fix=f"resume with --mesh {MeshSpec.parse(meta['mesh'])}")
-    if meta["step"] >= config.steps:
-        raise InputError(f"the checkpoint is at step {meta['step']}, and --steps is "
+    """The checkpoint's meta, checked against this run before any process plans: an incomplete
+    checkpoint, or one this run cannot continue, is an InputError naming the fix."""
+    from shardfx.runtime.checkpoint import check
+
+    where = f"--resume {config.resume}"
+    meta = check(config.resume)
+    if "data_position" not in meta:
+        raise InputError(f"{config.resume} is a shardfx checkpoint, but not one shardfx run "
+                         "wrote (no data position)", where=where,
+                         fix="resume from a directory written by shardfx run --save")
+    if meta["data_position"] >= config.steps:
+        raise InputError(f"the checkpoint is at step {meta['data_position']}, and --steps is "
                          f"{config.steps} in all", where=where,
-                         fix=f"ask for more steps than {meta['step']}")
+                         fix=f"ask for more steps than {meta['data_position']}")
+    if meta.get("run_seed", config.seed) != config.seed:
+        log.warning("resuming from %s with --seed %d; it was saved with --seed %d: the batches "
+                    "from here on are --seed %d's", config.resume, config.seed,
+                    meta["run_seed"], config.seed)
     return meta
 
 

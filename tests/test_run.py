@@ -3,14 +3,20 @@ mesh, a line per step, equal to one device; checkpoints that resume with the sam
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shardfx.errors import InputError
+from shardfx.runtime.checkpoint import PAUSE_ENV, check
 from shardfx.train import RunConfig, run
 
 REPO = Path(__file__).parents[1]
@@ -43,13 +49,68 @@ def test_the_command_line_prints_a_line_per_step_and_a_pipeline_matches(one_devi
 
 
 def test_save_then_resume_continues_with_the_same_losses(one_device, tmp_path):
+    whole = run(RunConfig(SPEC, "dp=2", steps=6))
     first = run(RunConfig(SPEC, "dp=2", steps=4, save=str(tmp_path / "ck")))
     rest = run(RunConfig(SPEC, "dp=2", steps=6, resume=str(tmp_path / "ck")))
-    assert close(first + rest, one_device)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == \
-        ["meta.json", "model.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"]
-    with pytest.raises(InputError, match="saved on mesh dp=2, this run is on tp=2"):
-        run(RunConfig(SPEC, "tp=2", steps=6, resume=str(tmp_path / "ck")))
+    assert first + rest == whole and close(whole, one_device)  # the same bits as not stopping
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "shardfx.json"], names
+    # another mesh: each rank takes its shards of the model and the optimizer state
+    assert close(run(RunConfig(SPEC, "tp=2", steps=6, resume=str(tmp_path / "ck"))), whole[4:])
+
+
+def test_a_run_killed_while_saving_resumes_from_a_whole_checkpoint(tmp_path):
+    """kill -9 of a 2-rank run inside its save, at the points between which the checkpoint on
+    disk changes and at random moments: resuming gives the losses of a run never stopped."""
+    whole = run(RunConfig(SPEC, "dp=2", steps=12))
+    ck = tmp_path / "ck"
+    assert run(RunConfig(SPEC, "dp=2", steps=2, save=str(ck))) == whole[:2]
+    rng = random.Random(0)
+    trials = [("before-metadata", None), ("between-renames", None),
+              (None, rng.uniform(0, 1.0)), (None, rng.uniform(0, 1.0))]
+    for pause, delay in trials:
+        at = check(ck)["data_position"]
+        env = {**os.environ, PAUSE_ENV: pause or ""}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shardfx", "run", SPEC, "--mesh", "dp=2", "--steps",
+             str(at + 2), "--resume", str(ck), "--save", str(ck)], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=True)
+        for line in proc.stdout:  # the last step is done: the save comes next
+            if re.match(rf"step +{at + 2}/{at + 2} ", line):
+                break
+        if pause:
+            _wait_stopped(proc.pid)
+        else:
+            time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        now = check(ck)["data_position"]  # the old checkpoint or the new one, whole
+        assert now in (at, at + 2), (pause, delay, now)
+        if pause:  # stopped before the new one was in place
+            assert now == at, pause
+        assert run(RunConfig(SPEC, "dp=2", steps=now + 2, resume=str(ck))) == whole[now:now + 2]
+
+
+def _wait_stopped(group: int, timeout: float = 120) -> None:
+    """Until a process of ``group`` has stopped itself (the checkpoint's test hook)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if fields[0] == "T" and int(fields[2]) == group:
+                    return
+        time.sleep(0.05)
+    raise AssertionError("the save never reached its pause")
+
+
+def test_an_incomplete_checkpoint_is_refused_before_planning(tmp_path):
+    run(RunConfig(SPEC, "", steps=2, save=str(tmp_path / "ck")))
+    (tmp_path / "ck" / ".metadata").unlink()
+    with pytest.raises(InputError, match="incomplete"):
+        run(RunConfig(SPEC, "dp=2", steps=4, resume=str(tmp_path / "ck")))
 
 
 def test_version_and_inspect_prints_the_schedule(capsys):

@@ -60,6 +60,8 @@ from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
 from shardfx.runtime.timing import Clock
+from shardfx.runtime import saving
+from shardfx.runtime.saving import Held, offsets, zero_held
 from shardfx.runtime.zero import ZeroRows
 from shardfx.schedule import forward_only
 
@@ -178,7 +180,7 @@ class PipelineRunner:
                        [p.grad for fqn, p in trained.items() if fqn in self._owned
                         and p.grad is not None])
         if self._zero is not None:  # every replica's updated rows, gathered
-            self._zero.after_step(self._params, self._stepped, self._dp.group_name)
+            self._zero.after_step(self._stepped, self._dp.group_name)
         self._share_tied()
         return self._broadcast_loss(loss)
 
@@ -437,6 +439,34 @@ class PipelineRunner:
 
     def _trained(self) -> dict[str, torch.Tensor]:
         return {**self._params, **self._stepped}
+
+    def save(self, path, **meta):
+        """Write this runner's training state to the checkpoint ``path``, on every rank, all
+        or nothing (``runtime.saving``); ``meta``: JSON entries of your own."""
+        return saving.save(self, path, meta)
+
+    def load(self, path) -> dict:
+        """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
+        returns its meta."""
+        return saving.load(self, path)
+
+    def _holdings(self) -> tuple[dict, dict]:
+        """What this rank holds, for a checkpoint (``Runner._holdings``): its stages' tensors (tp
+        shards), and the parameters it owns as its optimizer steps them."""
+        axes = self._tp.spec.axes if self._tp is not None else ()
+        coord = self._tp.coord if self._tp is not None else {}
+        model, stepped = {}, {}
+        for fqn, t in {**self._params, **self._buffers}.items():
+            model[fqn] = Held(t, offsets(t.shape, self._program.placements.get(fqn, ()), axes,
+                                         coord))
+        for fqn in self._owned:
+            if fqn in self._stepped:
+                z = self._zero.layouts[fqn]
+                stepped[fqn] = (self._stepped[fqn], zero_held(self._stepped[fqn], z,
+                                                              self._dp_index, model[fqn].offsets))
+            else:
+                stepped[fqn] = (self._params[fqn], model[fqn])
+        return model, stepped
 
     def _zero_rows(self, plan) -> ZeroRows | None:
         """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""

@@ -29,6 +29,8 @@ from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.device import check_weights, move
 from shardfx.runtime.shards import Shards
+from shardfx.runtime import saving
+from shardfx.runtime.saving import Held, offsets, zero_held
 from shardfx.runtime.zero import ZeroRows
 
 if TYPE_CHECKING:
@@ -196,6 +198,38 @@ class Runner:
     def _trained(self) -> dict[str, torch.nn.Parameter]:
         """The tensors the optimizer steps, by FQN: the parameters, or ZeRO's rows of them."""
         return {**self._params, **self._stepped}
+
+    def save(self, path, **meta) -> "Path":
+        """Write this runner's training state to the checkpoint ``path``, on every rank, all
+        or nothing (``runtime.saving``); ``meta``: JSON entries of your own, given back by
+        ``load``."""
+        return saving.save(self, path, meta)
+
+    def load(self, path) -> dict:
+        """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
+        returns its meta (``runtime.saving``)."""
+        return saving.load(self, path)
+
+    def _holdings(self) -> tuple[dict, dict]:
+        """What this rank holds, for a checkpoint: per FQN of a parameter or buffer, the tensor
+        and where it sits in the whole one; per parameter the optimizer steps, that tensor and
+        where (``runtime.saving``)."""
+        axes = self._plan.mesh.axes
+        coord = self._shards.coord if self._shards is not None else {}
+        zero = self._zero.layouts if self._zero is not None else {}
+        model, stepped = {}, {}
+        for name, t in {**self._params, **self._buffers}.items():
+            placements = self._placements.get(name, ())
+            shape = zero[name].shape if name in zero else t.shape
+            at = offsets(shape, placements, axes, coord)
+            model[name] = zero_held(t, zero[name], self._zero.index, at) \
+                if name in zero and self._zero.stage == 3 else Held(t, at)
+            if name in zero:
+                stepped[name] = (self._stepped[name],
+                                 zero_held(self._stepped[name], zero[name], self._zero.index, at))
+            elif name in self._params:
+                stepped[name] = (self._params[name], model[name])
+        return model, stepped
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         """What the optimizer steps: this rank's parameters (its tp shards; under ZeRO, its

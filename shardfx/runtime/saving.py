@@ -1,0 +1,199 @@
+"""``runner.save(path)`` / ``runner.load(path)``: a runner's training state as a distributed
+checkpoint (``runtime.checkpoint``), each rank writing what it holds, loadable on any mesh.
+
+What is saved, by key:
+
+    model/<fqn>            every tensor of the model's ``state_dict`` (a tied weight under each
+                           of its names), as this rank's box of it: its tp shard, or under
+                           ZeRO-3 its rows of that; a pipeline rank, its stages' tensors
+    optim/<fqn>/<name>     each tensor of the optimizer's state of a parameter (Adam's
+                           ``exp_avg``, ``exp_avg_sq``: boxed as the rows the optimizer steps;
+                           a 0-d ``step``: whole)
+
+and, in the checkpoint's meta: the steps taken (``runner.step_count``), the dropout stream's
+seed, the loss scaler's state, the optimizer's class and hyperparameters, the mesh and the
+caller's own entries (``shardfx run``'s data position). A box only says where its values sit
+in the whole tensor, so a runner on another mesh (dp, tp, pp, ZeRO stage) reads the parts it
+holds from whatever boxes were written; ``checkpoint.full_state_dict(path)`` gives plain
+PyTorch the model's ``state_dict``.
+
+Loading into an optimizer that has not stepped yet first makes its state (a step with zero
+gradients at learning rate 0, which changes no parameter), so there are tensors to fill. The
+optimizer's hyperparameters are the runner's own: where the checkpoint's differ (another
+``--lr``) a warning says which are kept; another optimizer class is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardfx.errors import InputError
+from shardfx.runtime import checkpoint
+from shardfx.runtime.checkpoint import Box
+
+log = logging.getLogger("shardfx.checkpoint")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a rank holds of one tensor: ``tensor``, whose first ``rows`` rows (all, if None)
+    sit at ``offsets`` in the whole tensor; the rest, ZeRO's padding."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    rows: int | None = None
+
+    def box(self, like: torch.Tensor, shape: tuple[int, ...]) -> Box | None:
+        """``like`` (the tensor itself, or optimizer state shaped as it), boxed in the whole
+        tensor of ``shape``; None when this rank holds none of it."""
+        values = like.detach()
+        if self.rows is not None:
+            if self.rows == 0:
+                return None
+            values = values[:self.rows] if shape else values.reshape(())
+        return Box.of(values, shape, self.offsets)
+
+
+def offsets(local_shape, placements, axes, coord: dict[str, int]) -> tuple[int, ...]:
+    """Where a tp shard (``placements`` over ``axes``, this rank at ``coord``) starts in the
+    whole tensor."""
+    out = [0] * len(local_shape)
+    for (axis, _), p in zip(axes, placements):
+        dim = getattr(p, "dim", None)
+        if dim is not None:
+            out[dim] += coord[axis] * local_shape[dim]
+    return tuple(out)
+
+
+def zero_held(rows: torch.Tensor, z, index: int, tp_offsets: tuple[int, ...]) -> Held:
+    """ZeRO rows (layout ``z``, dp rank ``index``) of a tensor whose tp shard is at
+    ``tp_offsets``."""
+    start = list(tp_offsets) or [0]
+    start[0] += index * z.per_rank
+    return Held(rows, tuple(start[:len(tp_offsets)]), z.held_rows(index))
+
+
+def state(runner) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """This rank's checkpoint state (key -> Box or whole tensor), and every key with its whole
+    shape that any rank's state has (a collective: a pipeline rank holds its stages' only)."""
+    plan = runner._plan
+    model, stepped = runner._holdings()
+    out: dict[str, torch.Tensor] = {}
+    for fqn in plan.state_names:
+        held = model.get(plan.canonical(fqn))
+        if held is not None and (box := held.box(held.tensor, plan.state_shapes[fqn])) is not None:
+            out[f"model/{fqn}"] = box
+    opt = runner.optimizer
+    if opt is not None:
+        for fqn, (param, held) in stepped.items():
+            for name, value in opt.state.get(param, {}).items():
+                key = f"optim/{fqn}/{name}"
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.dim() == 0:
+                    out[key] = value
+                elif value.shape == param.shape:
+                    if (box := held.box(value, plan.state_shapes[fqn])) is not None:
+                        out[key] = box
+                else:
+                    raise InputError(
+                        f"the optimizer keeps {name} of {fqn} as {list(value.shape)}, neither "
+                        f"a scalar nor shaped as the parameter {list(param.shape)}: shardfx "
+                        "cannot say which part of it a rank holds",
+                        where=f"runner.save, {type(opt).__name__}",
+                        fix="checkpoint with an elementwise optimizer (SGD, Adam, AdamW)")
+    shapes = {k: tuple(v.global_shape) if isinstance(v, Box) else tuple(v.shape)
+              for k, v in out.items()}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, shapes)
+        shapes = {k: v for rank in every for k, v in rank.items()}
+    return out, shapes
+
+
+def save(runner, path, extra: dict[str, Any] | None = None):
+    """Write ``runner``'s state to ``path`` (every rank; all or nothing)."""
+    tensors, _ = state(runner)
+    opt = runner.optimizer
+    meta = {
+        "step": runner.step_count,
+        "seed": int(runner._seed),
+        "mesh": str(runner._plan.mesh),
+        "zero": runner._plan.options.zero,
+        "loss_scaler": None if runner.loss_scaler is None else runner.loss_scaler.state_dict(),
+        "optimizer": None if opt is None else {
+            "class": type(opt).__name__, "hyperparameters": _hyperparameters(opt)},
+        **(extra or {}),
+    }
+    return checkpoint.save(path, tensors, meta)
+
+
+def load(runner, path) -> dict[str, Any]:
+    """Fill ``runner`` from the checkpoint at ``path`` (every rank); returns its meta."""
+    meta = checkpoint.check(path)
+    opt = runner.optimizer
+    _check_optimizer(opt, meta.get("optimizer"), path)
+    if opt is not None:
+        _make_state(runner)
+    tensors, shapes = state(runner)
+    meta = checkpoint.load(path, tensors, strict_optim=opt is not None, expected=shapes)
+    runner.step_count = int(meta["step"])
+    runner._seed = meta.get("seed", runner._seed)
+    if runner.loss_scaler is not None and meta.get("loss_scaler"):
+        runner.loss_scaler.load_state_dict(meta["loss_scaler"])
+    return meta
+
+
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params" and
+             isinstance(v, (int, float, bool, str, tuple, type(None)))}
+            for group in opt.param_groups]
+
+
+def _check_optimizer(opt, saved: dict | None, path) -> None:
+    """Another optimizer class is an error; other hyperparameters a warning (the runner's kept)."""
+    if opt is None or saved is None:
+        return
+    if saved["class"] != type(opt).__name__:
+        raise InputError(f"the checkpoint's optimizer state is {saved['class']}'s; this runner's "
+                         f"optimizer is {type(opt).__name__}", where=f"runner.load({str(path)!r})",
+                         fix=f"build the runner with {saved['class']} to resume, or load the "
+                             "model alone: checkpoint.full_state_dict(path) into the model")
+    now = _hyperparameters(opt)
+    for i, (a, b) in enumerate(zip(saved["hyperparameters"], now)):
+        differ = {k: (a[k], b[k]) for k in a.keys() & b.keys() if list(_flat(a[k])) !=
+                  list(_flat(b[k]))}
+        if differ:
+            log.warning("resuming from %s: param group %d's %s differ from the checkpoint's; "
+                        "keeping this run's (the optimizer's state, the step and the data "
+                        "position come from the checkpoint)", path, i,
+                        ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items()))
+
+
+def _flat(v):
+    return v if isinstance(v, (list, tuple)) else [v]
+
+
+def _make_state(runner) -> None:
+    """Give an optimizer that has not stepped its state: one step of zero gradients at learning
+    rate 0 (no parameter moves: Adam's update and weight decay are both scaled by it)."""
+    opt = runner.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if all(p in opt.state and opt.state[p] for p in params):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for p, g in zip(params, grads):
+        p.grad = g
