@@ -2,9 +2,10 @@
 
     shardfx inspect MODULE:FACTORY [--mesh dp=1,tp=1] [--microbatches M] [--schedule NAME]
                                    [--virtual-stages V] [--infer] [--precision P]
-                                   [--budget SIZE] [--dump DIR]
+                                   [--zero K] [--budget SIZE] [--dump DIR]
     shardfx run MODULE:FACTORY [--mesh ...] [--steps N] [--lr LR] [--seed S] [--precision P]
-                               [pipeline options] [--save DIR] [--resume DIR] [--trace FILE]
+                               [--zero K] [pipeline options] [--save DIR] [--resume DIR]
+                               [--trace FILE]
     shardfx --version
 
 ``inspect`` imports MODULE (a dotted module such as ``mypkg.models``, or a path to a .py file
@@ -108,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="what matmuls and attention compute in; softmax, norms and the loss "
                    "stay fp32 (default: fp32)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="shard the training state over dp (ZeRO): 1 the optimizer state, 2 "
+                   "and the gradients, 3 and the parameters (default 0)")
     p.add_argument("--budget", metavar="SIZE",
                    help="memory per device, e.g. 8GiB: recompute activations until it fits")
     p.add_argument("--dump", metavar="DIR",
@@ -129,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0,
                    help="seeds the factory's weights and the synthetic batches (0)")
     r.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    r.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO stage over dp, as for inspect (default 0)")
     r.add_argument("--microbatches", type=int, metavar="M", help="with a pp axis")
     r.add_argument("--schedule", metavar="NAME", help="with a pp axis")
     r.add_argument("--virtual-stages", type=int, metavar="V", help="with a pp axis")
@@ -163,7 +169,7 @@ def inspect_command(ns: argparse.Namespace) -> int:
         loss_fn=None if ns.infer else job.loss_fn,
         example_targets=() if ns.infer else job.targets,
         mesh=dict(ns.mesh.axes), precision=ns.precision, memory_budget=ns.budget,
-        **pipeline_kwargs(ns))
+        zero=ns.zero, **pipeline_kwargs(ns))
     print(str(plan).rstrip("\n"))
     if plan.schedule is not None:
         print(f"\nSchedule ({plan.schedule.ranks} ranks, {plan.schedule.microbatches} "
@@ -184,7 +190,7 @@ def run_command(ns: argparse.Namespace) -> int:
     mesh = ",".join(f"{axis}={n}" for axis, n in ns.mesh.axes)  # "" for one device
     run(RunConfig(spec=ns.spec, mesh=mesh, steps=ns.steps, lr=ns.lr, seed=ns.seed,
                   precision=ns.precision, pipeline=tuple(pipeline_kwargs(ns).items()),
-                  save=ns.save, resume=ns.resume, trace=ns.trace))
+                  zero=ns.zero, save=ns.save, resume=ns.resume, trace=ns.trace))
     return 0
 
 

@@ -179,14 +179,14 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
 
 
 def zero_gather_peak(layouts: dict, dtypes: dict) -> int:
-    """Bytes ZeRO-1/2's gather program (``codegen.zero.gather_program``) holds at its fullest:
-    a bucket's input and gathered buffer, which the runner copies out of in place."""
+    """Bytes ZeRO-1/2's gather programs (``codegen.zero.gather_programs``) hold at their
+    fullest: the largest bucket's input and gathered buffer (the runner copies each bucket out,
+    in place, before the next)."""
     from shardfx.codegen.bucketing import BUCKET_BYTES
-    from shardfx.codegen.zero import gather_program
+    from shardfx.codegen.zero import gather_programs
 
-    graph = gather_program(layouts, dtypes, BUCKET_BYTES).module.graph
-    peak, _, _ = walk(graph, lambda n: "transient")
-    return peak["transient"]
+    return max((walk(p.module.graph, lambda n: "transient")[0]["transient"]
+                for p in gather_programs(layouts, dtypes, BUCKET_BYTES)), default=0)
 
 
 def params_dtype(program: fx.GraphModule) -> dict[str, torch.dtype]:

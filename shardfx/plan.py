@@ -17,7 +17,7 @@ from shardfx.analysis import Summary, device_flops, summarize
 from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.codegen.linear_ce import LinearCrossEntropy
-from shardfx.codegen.zero import gather_program
+from shardfx.codegen.zero import gather_programs
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
@@ -96,17 +96,18 @@ class Plan:
         return zero_layouts(self.program, self.mesh.axis("dp"))
 
     @cached_property
-    def zero_gather_program(self) -> Program | None:
-        """zero=1, 2: the program that gathers every rank's updated rows after the optimizer
-        step (``codegen.zero.gather_program``); None otherwise."""
+    def zero_gather_programs(self) -> list[Program]:
+        """zero=1, 2: the programs that gather every rank's updated rows after the optimizer
+        step, one per bucket (``codegen.zero.gather_programs``); none otherwise."""
         if self.options.zero not in (1, 2) or self.program is None:
-            return None
+            return []
         dtypes = {n.meta[M.ROLE].name: n.meta[M.VAL].dtype
                   for n in self.program.module.graph.find_nodes(op="placeholder")
                   if n.meta[M.ROLE].kind is M.InputKind.PARAM}
-        program = gather_program(self.zero_layouts, dtypes, BUCKET_BYTES)
-        place(program.module, self.device)
-        return program
+        programs = gather_programs(self.zero_layouts, dtypes, BUCKET_BYTES)
+        for program in programs:
+            place(program.module, self.device)
+        return programs
 
     def runner(self, optimizer: OptimizerFactory | None = None,
                loss_scaling: "LossScaling | bool | None" = None) -> Runner:
@@ -395,6 +396,8 @@ class Plan:
             (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
         if self.program is not None:
             (out / f"program_{self.mode}.py").write_text(self.program.source)
+        for i, program in enumerate(self.zero_gather_programs):  # ZeRO-1/2, after each step
+            (out / f"program_zero_gather{i}.py").write_text(program.source)
         if self.stage_program is not None:
             for name, part in self.stage_program.named_children():  # stage0_F, stage1_B, ...
                 (out / f"{name}.py").write_text(part.code)

@@ -40,7 +40,6 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -64,6 +63,7 @@ class RunConfig:
     seed: int = 0
     precision: str = "fp32"
     pipeline: tuple = ()  # (name, value) of microbatches, schedule, virtual_stages given
+    zero: int = 0  # ZeRO stage over dp (partition(..., zero=))
     save: str | None = None
     resume: str | None = None
     trace: str | None = None
@@ -87,7 +87,8 @@ def train(config: RunConfig) -> list[float]:
     job = load_job(config.spec)
     mesh = dict(MeshSpec.parse(config.mesh).axes)
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
-                             precision=config.precision, **dict(config.pipeline))
+                             precision=config.precision, zero=config.zero,
+                             **dict(config.pipeline))
     if rank() == 0:
         print(str(plan).rstrip("\n"))  # what it decided, before it runs
     runner = plan.runner(optimizer=lambda ps: torch.optim.AdamW(ps, lr=config.lr))

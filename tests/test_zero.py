@@ -137,7 +137,9 @@ class Odd(torch.nn.Module):
 
 def _train(cases: list[tuple]) -> list[tuple]:
     """On every rank: ``compare_training`` of each (model, mesh, zero); the largest error beyond
-    the rule, and whether the runner holds what the memory model counts."""
+    the rule, whether the runner holds what the memory model counts, and whether
+    ``runner.forward`` (the forward-only program: whole parameters, gathered under ZeRO-3)
+    gives eager's outputs on the trained weights."""
     out = []
     for name, mesh, zero, *pipeline in cases:
         shard = "megatron" if "tp" in mesh else "replicate"
@@ -155,17 +157,24 @@ def _train(cases: list[tuple]) -> list[tuple]:
         held = sum(p.numel() * p.element_size() for p in runner.parameters())
         moments = sum(t.numel() * t.element_size() for s in runner.optimizer.state.values()
                       for k, t in s.items() if k != "step")
+        inferred = True
+        if name != "odd" and not pipeline:  # inference on the trained weights: eager's outputs
+            args = token_batches(1, 4)[0][0]
+            eager = tiny(name)
+            eager.load_state_dict(runner.state_dict())
+            got, want = runner.forward(args).logits, eager(*args).logits
+            inferred = (got - want).norm() <= 1e-5 * want.norm()
         out.append((f"{name} {mesh} zero={zero}", report.max(),
                     moments == modelled.optimizer - 4 * len(runner.optimizer.state),
-                    zero != 3 or held == modelled.parameters))
+                    zero != 3 or held == modelled.parameters, inferred))
     return out
 
 
 def _check(results: list[list[tuple]]) -> None:
     for rank in results:
-        for label, err, optimizer_modelled, params_modelled in rank:
+        for label, err, optimizer_modelled, params_modelled, inferred in rank:
             assert err < 1e-5, (label, err)
-            assert optimizer_modelled and params_modelled, label
+            assert optimizer_modelled and params_modelled and inferred, label
 
 
 def test_zero_on_two_ranks_trains_like_one_device():

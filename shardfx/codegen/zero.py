@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,9 @@ import torch.fx as fx
 from shardfx.codegen.redistribute import Collective
 from shardfx.ir import meta as M
 from shardfx.ir.graph import insert_op
+
+if TYPE_CHECKING:
+    from shardfx.codegen.program import Program
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -127,31 +131,16 @@ def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.Zer
             for i, (part, z) in enumerate(zip(parts, layouts))]
 
 
-def gather_program(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtype],
-                   bucket_bytes: int) -> "Program":
-    """The program ZeRO-1 and -2 run after the optimizer step: every rank's updated rows of
-    each parameter in, by one all-gather per bucket (in the order of ``layouts``, at most
-    ``bucket_bytes`` each), every rank's rows of each parameter out: a ``(dp, per_rank *
-    row_numel)`` view of its bucket's buffer, which the runner copies into the parameter's own
-    padded storage (viewed so; FSDP2's copy-out), so no whole copy of a parameter is made.
-    Inputs: one PARAM per FQN (this rank's rows), then ``group(dp)``; outputs: one OUTPUT per
-    FQN, named by it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from shardfx.codegen.program import Program
-
-    graph, fake = fx.Graph(), FakeTensorMode()
-    shards = {}
-    for fqn, z in layouts.items():
-        node = graph.placeholder(re.sub(r"\W", "_", fqn))
-        node.meta[M.ROLE] = M.InputRole(M.InputKind.PARAM, fqn)
-        with fake:
-            node.meta[M.VAL] = torch.empty(z.shard_shape, dtype=dtypes[fqn])
-        node.meta[M.ZERO] = z
-        shards[fqn] = node
-    group = graph.placeholder("group_dp")
-    group.meta[M.ROLE] = M.InputRole(M.InputKind.MESH, "group(dp)")
-    group.meta[M.VAL] = "<dp group>"
+def gather_programs(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtype],
+                    bucket_bytes: int) -> list["Program"]:
+    """The programs ZeRO-1 and -2 run after the optimizer step, one per bucket of parameters
+    (in the order of ``layouts``, one dtype, at most ``bucket_bytes`` of whole parameters
+    each): every rank's updated rows of the bucket's parameters in, one all-gather, every
+    rank's rows of each parameter out, a ``(dp, per_rank * row_numel)`` view of the gathered
+    buffer, which the runner copies into the parameter's own padded storage (viewed so:
+    FSDP2's copy-out) before it runs the next bucket's: one bucket's buffer exists at a time,
+    and no whole copy of a parameter is made. Inputs: one PARAM per FQN (this rank's rows),
+    then ``group(dp)``; outputs: one OUTPUT per FQN, named by it."""
     buckets: list[list[str]] = []
     size = bucket_bytes
     for fqn, z in layouts.items():
@@ -161,21 +150,37 @@ def gather_program(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtyp
             size = 0
         buckets[-1].append(fqn)
         size += nbytes
-    outs, collectives = {}, []
-    phase = M.Phase.FORWARD
-    for b, bucket in enumerate(buckets):
-        name = f"zero_gather{b}"
-        started = issue_gather(graph, [shards[f] for f in bucket], group, layouts[bucket[0]].dp,
-                               name, phase)
-        outs.update(zip(bucket, finish_gather(graph, started, [layouts[f] for f in bucket],
-                                              name, phase, rows_only=True)))
-        collectives.append(Collective("all_gather", "dp", started.args[0].meta[M.VAL].numel()
-                                      * dtypes[bucket[0]].itemsize,
-                                      f"ZeRO parameter bucket {b} ({len(bucket)} params, after "
-                                      "the optimizer step): ZeRO rows -> R on dp"))
-    graph.output(tuple(outs[f] for f in layouts))
-    roles = tuple(M.OutputRole(M.OutputKind.OUTPUT, f) for f in layouts)
+    return [_gather_bucket(b, bucket, layouts, dtypes) for b, bucket in enumerate(buckets)]
+
+
+def _gather_bucket(b: int, bucket: list[str], layouts: dict[str, M.ZeroShard],
+                   dtypes: dict[str, torch.dtype]) -> "Program":
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardfx.codegen.program import Program
+
+    graph, fake = fx.Graph(), FakeTensorMode()
+    shards = []
+    for fqn in bucket:
+        node = graph.placeholder(re.sub(r"\W", "_", fqn))
+        node.meta[M.ROLE] = M.InputRole(M.InputKind.PARAM, fqn)
+        with fake:
+            node.meta[M.VAL] = torch.empty(layouts[fqn].shard_shape, dtype=dtypes[fqn])
+        node.meta[M.ZERO] = layouts[fqn]
+        shards.append(node)
+    group = graph.placeholder("group_dp")
+    group.meta[M.ROLE] = M.InputRole(M.InputKind.MESH, "group(dp)")
+    group.meta[M.VAL] = "<dp group>"
+    name, phase = f"zero_gather{b}", M.Phase.FORWARD
+    started = issue_gather(graph, shards, group, layouts[bucket[0]].dp, name, phase)
+    rows = finish_gather(graph, started, [layouts[f] for f in bucket], name, phase,
+                         rows_only=True)
+    graph.output(tuple(rows))
+    roles = tuple(M.OutputRole(M.OutputKind.OUTPUT, f) for f in bucket)
     graph.output_node().meta[M.OUTPUTS] = roles
     module = fx.GraphModule(torch.nn.Module(), graph, class_name="ShardfxZeroGather")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
-    return Program(module, inputs, roles, tuple(collectives))
+    nbytes = started.args[0].meta[M.VAL].numel() * dtypes[bucket[0]].itemsize
+    record = Collective("all_gather", "dp", nbytes, f"ZeRO parameter bucket {b} ({len(bucket)} "
+                        "params, after the optimizer step): ZeRO rows -> R on dp")
+    return Program(module, inputs, roles, (record,))

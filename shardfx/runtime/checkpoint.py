@@ -65,11 +65,10 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from shardfx import __version__
 from shardfx.errors import InputError
+from shardfx.runtime.checkpoint_files import (FORMAT, INDEX, RECORD, check_keys, old_path,
+                                              open_checkpoint)
 from shardfx.runtime.launch import rank, world_size
 
-FORMAT = 1  # the layout of shardfx.json; a reader refuses any other
-RECORD = "shardfx.json"
-INDEX = ".metadata"  # DCP's
 PAUSE_ENV = "SHARDFX_CHECKPOINT_PAUSE"  # test hook, see _pause
 
 log = logging.getLogger("shardfx.checkpoint")
@@ -165,7 +164,7 @@ def check(path: str | os.PathLike) -> dict[str, Any]:
     """The ``meta`` saved with the complete checkpoint at ``path`` (or at ``path.old``, see the
     module's docstring), or an ``InputError`` saying why it cannot be loaded. Reads no tensor
     and needs no process group."""
-    return _open(path)[1]["meta"]
+    return open_checkpoint(path)[1]["meta"]
 
 
 def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
@@ -180,11 +179,11 @@ def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
     without an optimizer loads a training checkpoint); those the state has keep their values.
     """
     _check_values(state, f"shardfx load({str(path)!r}, state)")
-    folder, record, _ = _open(path)
+    folder, record, _ = open_checkpoint(path)
     saved = record["tensors"]
     if expected is None:
         expected = {k: _global_shape(v) for k, v in state.items()}
-    _check_keys(expected, saved, strict_optim, folder)
+    check_keys(expected, saved, strict_optim, folder)
     wanted = {k: v for k, v in _dcp_state(state).items() if k in saved}
     with _quiet():
         dcp.load(wanted, storage_reader=FileSystemReader(folder), planner=_Planner(),
@@ -195,7 +194,7 @@ def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
 def full_state_dict(path: str | os.PathLike, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """The whole tensors under ``prefix`` in the checkpoint at ``path``, keyed without it:
     ``model.load_state_dict(full_state_dict("ckpt"))``. One process, no process group."""
-    folder, _, index = _open(path)
+    folder, _, index = open_checkpoint(path)
     keys = {k for k in index.state_dict_metadata if k.startswith(prefix)}
     if not keys:
         tops = sorted({k.split("/", 1)[0] + "/" for k in index.state_dict_metadata})
@@ -236,7 +235,7 @@ class _Planner(DefaultLoadPlanner):
 def _install(staging: Path, final: Path) -> None:
     """On rank 0: make the complete ``staging`` the checkpoint ``final``, by the two renames of
     the module's docstring; then delete what older saves left."""
-    old = _old(final)
+    old = old_path(final)
     if final.exists():
         if old.exists():  # left by a save killed while deleting it; final is newer
             shutil.rmtree(old)
@@ -262,99 +261,6 @@ def _pause(point: str) -> None:
     ``point``, "before-metadata", "between-renames" or "before-cleanup", for a test to kill."""
     if os.environ.get(PAUSE_ENV) == point:
         os.kill(os.getpid(), signal.SIGSTOP)
-
-
-# --- reading -------------------------------------------------------------------------------
-
-
-def _open(path: str | os.PathLike) -> tuple[Path, dict[str, Any], Metadata]:
-    """The complete checkpoint at ``path``: its folder, ``shardfx.json`` and DCP's index."""
-    folder = _folder(Path(path))
-    try:
-        record = json.loads((folder / RECORD).read_text())
-    except ValueError as e:
-        raise _incomplete(folder, f"{RECORD} is not JSON ({e})") from e
-    theirs = record.get("format")
-    if theirs != FORMAT:
-        raise InputError(
-            f"checkpoint format {theirs} (written by shardfx {record.get('shardfx', '?')}) "
-            f"cannot be read by this shardfx {__version__}, which reads format {FORMAT}",
-            where=str(folder / RECORD), fix="upgrade shardfx" if isinstance(theirs, int) and
-            theirs > FORMAT else f"load it with shardfx {record.get('shardfx', '?')}")
-    index = _read_index(folder, str(record.get("torch", "?")))
-    need: dict[str, int] = {}  # data file -> the bytes .metadata says it holds
-    for info in index.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        if not (folder / name).is_file():
-            raise _incomplete(folder, f"{name} is missing")
-        if (have := (folder / name).stat().st_size) < size:
-            raise _incomplete(folder, f"{name} holds {have} bytes, {INDEX} says {size}")
-    return folder, record, index
-
-
-def _folder(final: Path) -> Path:
-    """``final``, or ``final.old`` where a save was killed between its renames."""
-    folder = final
-    if not final.exists() and _old(final).is_dir():
-        folder = _old(final)
-        log.warning("%s is missing and %s is there: a save was killed between its two renames; "
-                    "reading %s, the last complete checkpoint (the next save replaces it)",
-                    final, folder, folder)
-    if not folder.exists():
-        raise InputError(f"there is no checkpoint at {final}", where=str(final),
-                         fix="pass the directory a shardfx save wrote")
-    ours = any((folder / n).exists() for n in (RECORD, INDEX)) or any(folder.glob("*.distcp"))
-    if not (folder.is_dir() and ours):
-        raise InputError(f"{folder} is not a shardfx checkpoint: it has no {RECORD}, no {INDEX} "
-                         "and no .distcp file", where=str(folder),
-                         fix="pass the directory a shardfx save wrote")
-    missing = [n for n in (INDEX, RECORD) if not (folder / n).exists()]
-    if missing:
-        raise _incomplete(folder, " and ".join(missing) + " missing")
-    return folder
-
-
-def _read_index(folder: Path, theirs: str) -> Metadata:
-    """DCP's ``.metadata``, written by torch ``theirs`` (a pickle of torch's classes: another
-    torch may not read it)."""
-    differ = _minor(theirs) != _minor(torch.__version__)
-    try:
-        index = FileSystemReader(folder).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling failure
-        cause = f"{INDEX} cannot be read ({type(e).__name__}: {e})"
-        if differ:
-            raise InputError(f"the checkpoint was written by torch {theirs} and this torch "
-                             f"{torch.__version__} cannot read it: {cause}", where=str(folder),
-                             fix=f"load it with torch {_minor(theirs)}") from e
-        raise _incomplete(folder, cause) from e
-    if differ:
-        log.warning("%s was written by torch %s; this is torch %s", folder, theirs,
-                    torch.__version__)
-    return index
-
-
-def _check_keys(state: dict[str, tuple], saved: dict[str, Any], strict_optim: bool,
-                folder: Path) -> None:
-    """One error listing every key missing, unexpected or shaped differently."""
-    def optional(k: str) -> bool:
-        return not strict_optim and k.startswith("optim/")
-
-    problems = {
-        "missing from the checkpoint": [k for k in state if k not in saved and not optional(k)],
-        "in the checkpoint, not expected": [k for k in saved if k not in state
-                                            and not optional(k)],
-        "shaped differently": [f"{k}: checkpoint {saved[k]['shape']}, model {list(shape)}"
-                               for k, shape in state.items()
-                               if k in saved and saved[k]["shape"] != list(shape)]}
-    lines = [f"{what} ({len(keys)}): " + ", ".join(keys[:10]) + (", ..." if len(keys) > 10
-                                                                 else "")
-             for what, keys in problems.items() if keys]
-    if lines:
-        raise InputError("the checkpoint does not fit the state to load:\n  " +
-                         "\n  ".join(lines), where=str(folder),
-                         fix="load a checkpoint of the same model configuration (strict_optim="
-                         "False lets the optimizer's state be missing)")
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -384,12 +290,6 @@ def _dcp_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not (isinstance(v, Box) and v.numel() == 0)}
 
 
-def _incomplete(folder: Path, why: str) -> InputError:
-    return InputError(f"the checkpoint {folder} is incomplete: {why}; it was cut during a save "
-                      "(or damaged since)", where=str(folder),
-                      fix="resume from an earlier checkpoint, or save this one again")
-
-
 @contextlib.contextmanager
 def _quiet():
     """Without DCP's warning that one process saves or loads alone: that is meant here."""
@@ -404,11 +304,3 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _old(final: Path) -> Path:
-    return final.with_name(final.name + ".old")
-
-
-def _minor(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])

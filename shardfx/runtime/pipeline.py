@@ -51,7 +51,7 @@ from shardfx.memory import check_optimizer
 from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.codegen.zero import gather_program
+from shardfx.codegen.zero import gather_programs
 from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
@@ -475,8 +475,9 @@ class PipelineRunner:
         layouts = {fqn: M.ZeroShard(tuple(self._params[fqn].shape), self._dp_size)
                    for fqn in sorted(self._owned)}
         dtypes = {fqn: self._params[fqn].dtype for fqn in layouts}
-        gather = gather_program(layouts, dtypes, BUCKET_BYTES)
-        place(gather.module, self.device)
+        gather = gather_programs(layouts, dtypes, BUCKET_BYTES)
+        for program in gather:
+            place(program.module, self.device)
         return ZeroRows(layouts, plan.options.zero, self._dp_index, self._dp, gather)
 
     def grads(self) -> dict[str, torch.Tensor]:

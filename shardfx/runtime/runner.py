@@ -34,6 +34,8 @@ from shardfx.runtime.saving import Held, offsets, zero_held
 from shardfx.runtime.zero import ZeroRows
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from shardfx.plan import Plan
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -52,7 +54,7 @@ class Runner:
         self._placements = _placements(plan.program)
         self._zero = None if not plan.options.zero else ZeroRows(
             plan.zero_layouts, plan.options.zero, self._shards.coord["dp"],
-            self._shards.mesh.get_group("dp"), plan.zero_gather_program)
+            self._shards.mesh.get_group("dp"), plan.zero_gather_programs)
         self._stepped: dict[str, torch.nn.Parameter] = {}  # ZeRO: the rows the optimizer steps
         if self._shards is None:
             if any(t.device != self.device for t in [*self._params.values(),
@@ -130,7 +132,10 @@ class Runner:
 
     def _input(self, role: M.InputRole, node, flat: list[torch.Tensor]) -> torch.Tensor:
         if role.kind is M.InputKind.PARAM:
-            return self._params[role.name].detach()
+            value = self._params[role.name].detach()
+            if role.name in self._stepped and self._zero.stage == 3 and M.ZERO not in node.meta:
+                value = self._zero.whole(role.name, value)  # a program without ZeRO's gathers
+            return value
         if role.kind is M.InputKind.BUFFER:
             return self._buffers[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss), times the loss scale

@@ -24,11 +24,11 @@ from shardfx.ir import meta as M
 
 class ZeroRows:
     def __init__(self, layouts: dict[str, M.ZeroShard], stage: int, index: int,
-                 group: dist.ProcessGroup, gather=None):
+                 group: dist.ProcessGroup, gather: list | None = None):
         """``layouts``: FQN -> layout of each parameter ZeRO holds; ``index``: this rank's place
-        on dp; ``gather``: the gather program (zero=1, 2)."""
+        on dp; ``gather``: the gather programs, one per bucket (zero=1, 2)."""
         self.layouts, self.stage, self.index, self.group = layouts, stage, index, group
-        self._gather = gather
+        self._gather = gather or []
         self._padded: dict[str, torch.Tensor] = {}  # zero=1, 2: each parameter's dp rows
 
     def rows(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
@@ -61,16 +61,15 @@ class ZeroRows:
 
     def after_step(self, stepped: dict[str, torch.Tensor], group_name: str) -> None:
         """zero=1, 2: every rank's updated rows into the parameters the program reads (each
-        rank's rows copied into their place in the parameter's padded storage)."""
-        if self._gather is None:
-            return
-        inputs = [stepped[role.name].detach() for role in self._gather.inputs
-                  if role.kind is M.InputKind.PARAM]
+        rank's rows copied into their place in the parameter's padded storage), a bucket at a
+        time: one bucket's gathered buffer exists at once."""
         with torch.no_grad():
-            outs = self._gather.module(*inputs, group_name)
-            for role, rows in zip(self._gather.outputs, outs):
-                z = self.layouts[role.name]
-                self._padded[role.name].view(z.dp, -1).copy_(rows)
+            for program in self._gather:
+                inputs = [stepped[role.name].detach() for role in program.inputs
+                          if role.kind is M.InputKind.PARAM]
+                for role, rows in zip(program.outputs, program.module(*inputs, group_name)):
+                    z = self.layouts[role.name]
+                    self._padded[role.name].view(z.dp, -1).copy_(rows)
 
     def whole(self, fqn: str, rows: torch.Tensor) -> torch.Tensor:
         """The tp-local tensor from every rank's ``rows`` of it (an all-gather over dp)."""
