@@ -23,6 +23,7 @@ kernels allocate outside the dispatcher, so their buffers are missed.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -43,42 +44,79 @@ class Peak:
 
 
 class _Storages(TorchDispatchMode):
-    """Live storage bytes, and their peak, of every storage registered or made by an op."""
+    """Live storage bytes, and their peak, of every storage registered, made or written by an
+    op. A DTensor counts as its local tensor (its wrapper's ``untyped_storage()`` has the whole
+    tensor's size); a storage counts at its current size, resizes followed (``_following``:
+    FSDP2 frees and brings back unsharded parameters with ``untyped_storage().resize_``); a
+    storage an op writes (``Tensor(a!)`` in its schema) counts from then, as one it returns
+    does (FSDP2's ``split_with_sizes_copy(..., out=[...])`` returns nothing)."""
 
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
         self._seen: dict[int, weakref.ref] = {}
+        self._bytes: dict[int, int] = {}  # storage -> the bytes it is counted at now
         self._existing: set[int] = set()
         self.marks: dict[str, int] = {}
 
     def add(self, t: torch.Tensor, existing: bool = False) -> None:
+        t = getattr(t, "_local_tensor", t) if type(t).__name__ == "DTensor" else t
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._seen:
             return
-        nbytes = storage.nbytes()
-        self._seen[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        self._bytes[key] = storage.nbytes()
+        self._seen[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
         if existing:
             self._existing.add(key)
-        self.live += nbytes
+        self.live += self._bytes[key]
         self.peak = max(self.peak, self.live)
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def resized(self, storage) -> None:
+        key = storage._cdata
+        if key in self._bytes:
+            self.live += storage.nbytes() - self._bytes[key]
+            self._bytes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
         self._seen.pop(key, None)
         self._existing.discard(key)
-        self.live -= nbytes
+        self.live -= self._bytes.pop(key, 0)
 
     def existing_bytes(self) -> int:
         return sum(self._seen[k]().nbytes() for k in self._existing if self._seen[k]() is not None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         for t in pytree.tree_leaves(out):
             self.add(t)
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                for t in pytree.tree_leaves(kwargs.get(arg.name, args[i] if i < len(args)
+                                                       else None)):
+                    self.add(t)
         return out
+
+
+@contextlib.contextmanager
+def _following(tracker: _Storages):
+    """Within: every storage resize is told to ``tracker``."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        tracker.resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
 
 
 class _StoragesThroughCompile(_Storages):
@@ -95,7 +133,7 @@ def measured_peak(run: Callable[[], Any], *existing: Any, through_compile: bool 
     tracker = _StoragesThroughCompile() if through_compile else _Storages()
     _register(tracker, existing)  # in a call of its own: no reference outlives it
     start = tracker.existing_bytes()
-    with tracker:
+    with tracker, _following(tracker):
         run()
     return Peak(total=tracker.peak, existing=start, after=tracker.live, marks=tracker.marks)
 

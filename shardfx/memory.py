@@ -45,6 +45,7 @@ from shardfx.passes.estimate_cost import is_view, node_bytes
 log = logging.getLogger("shardfx.memory")
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default  # returns the tensor it waits for
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
 @dataclass(frozen=True)
@@ -228,9 +229,11 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
     base = _bases(graph)
     last_use: dict[fx.Node, int] = {}
     for node in graph.nodes:
-        # a collective in flight holds its input until it is waited for
-        reads = node.all_input_nodes + (node.all_input_nodes[0].all_input_nodes
-                                        if node.target is _WAIT else [])
+        # an all-gather in flight holds its input until it is waited for (an all-reduce works
+        # on its own copy; measured: tests/test_memory.py)
+        started = node.all_input_nodes[0] if node.target is _WAIT else None
+        reads = node.all_input_nodes + (started.all_input_nodes if started is not None
+                                        and started.target is _ALL_GATHER else [])
         for src in reads:
             owner = base.get(src, src)
             last_use[owner] = max(last_use.get(owner, 0), order[node])

@@ -32,6 +32,24 @@ def test_measured_peak_counts_what_is_live_at_once():
     assert peak.existing == MIB
 
 
+def test_measured_peak_follows_resized_and_written_storages():
+    """What FSDP2 does to its tensors is counted: a storage freed by ``resize_(0)`` and brought
+    back, and a storage made before the run (not registered) once an op writes it through an
+    ``out=`` argument without returning it."""
+    held = torch.zeros(MIB // 4)
+    storage = held.untyped_storage()
+    hidden = torch.empty(MIB // 4)  # made before the run, not given to measured_peak
+
+    def run():
+        storage.resize_(0)  # freed: 0 MiB
+        fresh = torch.ones(MIB // 4)  # 1 MiB
+        storage.resize_(2 * MIB)  # back, larger: 3 MiB
+        torch.ops.aten.split_with_sizes_copy.out(fresh, [MIB // 4], out=[hidden])  # 4 MiB
+
+    peak = measured_peak(run, held)  # 3 MiB without either rule
+    assert peak.total == 4 * MIB, peak
+
+
 def test_marks_and_compiled_code():
     """``mark`` records the peak so far; ``through_compile`` lets a torch.compile'd function
     run compiled under the tracker (without it torch.compile falls back to eager)."""

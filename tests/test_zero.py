@@ -191,3 +191,18 @@ def test_zero_on_four_ranks_trains_like_one_device():
         ("gpt2", {"dp": 2, "pp": 2}, 1, {"microbatches": 2}),  # tied weights across stages
         ("llama", {"dp": 2, "pp": 2}, 2, {"microbatches": 2, "schedule": "zero-bubble"}),
     ], nprocs=4, timeout=120, deadline=900))
+
+
+MATRIX = [(name, mesh, zero, *pipeline)
+          for name in ("gpt2", "llama", "mixtral")
+          for mesh, zeros, pipeline in (({"dp": 4}, (1, 2, 3), ()),
+                                        ({"dp": 2, "tp": 2}, (1, 2, 3), ()),
+                                        ({"dp": 2, "pp": 2}, (1, 2), ({"microbatches": 2},)))
+          for zero in zeros]
+
+
+@pytest.mark.slow
+def test_every_model_mesh_and_stage_trains_like_one_device():
+    """The whole matrix (the default run keeps a cross-section of it): GPT-2, Llama and Mixtral;
+    ZeRO-1/2/3 on dp=4 and dp=2 x tp=2, ZeRO-1/2 on pp=2 x dp=2. ``pytest -m slow``."""
+    _check(shardfx.launch(_train, MATRIX, nprocs=4, timeout=300, deadline=3600))
