@@ -204,5 +204,7 @@ MATRIX = [(name, mesh, zero, *pipeline)
 @pytest.mark.slow
 def test_every_model_mesh_and_stage_trains_like_one_device():
     """The whole matrix (the default run keeps a cross-section of it): GPT-2, Llama and Mixtral;
-    ZeRO-1/2/3 on dp=4 and dp=2 x tp=2, ZeRO-1/2 on pp=2 x dp=2. ``pytest -m slow``."""
+    ZeRO-1/2/3 on dp=2, dp=4 and dp=2 x tp=2, ZeRO-1/2 on pp=2 x dp=2. ``pytest -m slow``."""
+    _check(shardfx.launch(_train, [(name, {"dp": 2}, zero) for name in ("gpt2", "llama", "mixtral")
+                                   for zero in (1, 2, 3)], nprocs=2, timeout=300, deadline=3600))
     _check(shardfx.launch(_train, MATRIX, nprocs=4, timeout=300, deadline=3600))
