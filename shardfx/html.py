@@ -179,8 +179,16 @@ def _memory(plan) -> str:
     rows = [row(kind, [nbytes(getattr(m, kind)) for m in devices]) for kind in KINDS]
     rows += [row("total", [nbytes(m.total) for m in devices]),
              row("when", [m.when for m in devices], "mono")]
+    state = ""
+    if plan.mode is M.Mode.TRAIN:
+        kept = list(plan.state_rows().values())
+        zero = f" (ZeRO-{plan.options.zero} over dp)" if plan.options.zero else ""
+        state = _table(["", *memory], [row(kind, [nbytes(k[i]) for k in kept]) for i, kind in
+                                       enumerate(("parameters", "gradients", "optimizer"))],
+                       f"the training state each device keeps{zero}")
     return ('<section id="memory"><h2>Memory per device (predicted)</h2>'
-            + _table(["", *memory], rows, "the peak of a step, by what holds it") + "</section>")
+            + _table(["", *memory], rows, "the peak of a step, by what holds it") + state
+            + "</section>")
 
 
 # --- collectives --------------------------------------------------------------------------

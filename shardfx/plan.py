@@ -290,6 +290,37 @@ class Plan:
             rows.setdefault(f"pp rank {coord[pp]}", per_rank[rank])
         return rows
 
+    def state_rows(self) -> dict[str, tuple[int, int, int]]:
+        """What a device keeps through a training step, grouped as ``memory_rows``: the bytes of
+        its parameters, of its gradients as the optimizer steps them and of the optimizer's
+        state (under ZeRO, its rows of them: ``passes.zero``)."""
+        memory = self.memory_rows()
+        if self.stage_program is None:
+            held = trained = 0
+            grads = {r.name for r in self.program.outputs if r.kind is M.OutputKind.GRAD}
+            for node in self.program.module.graph.find_nodes(op="placeholder"):
+                role, val = node.meta[M.ROLE], node.meta[M.VAL]
+                if role.kind is M.InputKind.PARAM:
+                    held += val.numel() * val.element_size()
+                    z = self.zero_layouts.get(role.name)
+                    rows = val.numel() if z is None or M.ZERO in node.meta else \
+                        z.per_rank * z.row_numel
+                    trained += rows * val.element_size() if role.name in grads else 0
+            return {label: (held, trained, m.optimizer) for label, m in memory.items()}
+        program, out = self.compiled_stages(), {}
+        for r in range(self.mesh.axis("pp")):
+            reads = [(program.input_val(n), role) for n, role in program.reads(r).items()
+                     if role.kind is M.InputKind.PARAM]
+            owned = [v for v, role in reads
+                     if program.producer(M.OutputKind.GRAD, role.name) == r]
+            dp = self.mesh.axis("dp") if self.options.zero else 1  # ZeRO: this replica's rows
+            trained = sum(M.ZeroShard(tuple(v.shape), dp).per_rank
+                          * M.ZeroShard(tuple(v.shape), dp).row_numel * v.element_size()
+                          for v in owned)
+            m = memory[f"pp rank {r}"]
+            out[f"pp rank {r}"] = (m.parameters, trained, m.optimizer)
+        return out
+
     def compute_rows(self) -> dict[str, tuple[int, int]]:
         """Estimated FLOPs of one step, forward and backward: the whole model's (every slice of
         the batch), then one device's, grouped as the memory table groups them (a pipeline: per
@@ -310,6 +341,11 @@ class Plan:
         opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
         notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
                  f"Precision: {self.precision}"]
+        if self.mode is M.Mode.TRAIN:
+            notes.append("Training state per device (parameters / gradients as stepped / "
+                         "optimizer state): " + "; ".join(
+                             f"{label}: {nbytes(p)} / {nbytes(g)} / {nbytes(o)}"
+                             for label, (p, g, o) in self.state_rows().items()))
         if self.options.zero:
             k, dp = self.options.zero, self.mesh.axis("dp")
             held = {1: "the optimizer state", 2: "the optimizer state and gradients",

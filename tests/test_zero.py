@@ -95,6 +95,19 @@ def test_memory_model_divides_the_state_over_dp():
     assert one[2].parameters < 0.51 * one[0].parameters  # ZeRO-3: half the parameters too
 
 
+def test_each_rank_keeps_the_state_zero_says():
+    """ZeRO's formulas per rank (AdamW: 4 bytes of parameter, 4 of gradient, 8 of moments per
+    element, and a 4-byte step count per tensor), as print(plan) and plan.html show them."""
+    (p0, g0, o0), = plan_of(0).state_rows().values()
+    n = len(plan_of(1).zero_layouts)
+    assert o0 == 2 * p0 + 4 * n and g0 == p0
+    for zero in (1, 2, 3):
+        (p, g, o), = plan_of(zero).state_rows().values()
+        assert p == (p0 // 2 if zero == 3 else p0), zero  # stage 3 shards the parameters
+        assert g == g0 // 2 and o - 4 * n == (o0 - 4 * n) // 2, zero  # rows of what is stepped
+    assert "Training state per device" in str(plan_of(3))
+
+
 @pytest.mark.parametrize("zero, mesh, fix", [
     (4, {"dp": 2}, "0, 1, 2 or 3"),
     (True, {"dp": 2}, "0, 1, 2 or 3"),

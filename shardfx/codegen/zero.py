@@ -41,7 +41,8 @@ c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
 
-def _op(graph: fx.Graph, name: str, phase: M.Phase, target, *args, **kwargs) -> fx.Node:
+def emit(graph: fx.Graph, name: str, phase: M.Phase, target, *args, **kwargs) -> fx.Node:
+    """At the insertion point: ``target(*args, **kwargs)`` named ``name``, in ``phase``."""
     node = insert_op(graph, target, *args, **kwargs)
     node._rename(name)
     node.meta[M.PHASE] = phase
@@ -51,11 +52,11 @@ def _op(graph: fx.Graph, name: str, phase: M.Phase, target, *args, **kwargs) -> 
 def issue_gather(graph: fx.Graph, shards: list[fx.Node], group: fx.Node, dp: int, name: str,
                  phase: M.Phase) -> fx.Node:
     """At the insertion point: start the all-gather of ``shards`` (one bucket)."""
-    flat = [_op(graph, f"{name}_in{i}", phase, aten.reshape.default, s, [-1])
+    flat = [emit(graph, f"{name}_in{i}", phase, aten.reshape.default, s, [-1])
             for i, s in enumerate(shards)]
     buffer = flat[0] if len(flat) == 1 else \
-        _op(graph, f"{name}_flat", phase, aten.cat.default, flat)
-    return _op(graph, f"{name}_all_gather", phase, c10d.all_gather_into_tensor.default,
+        emit(graph, f"{name}_flat", phase, aten.cat.default, flat)
+    return emit(graph, f"{name}_all_gather", phase, c10d.all_gather_into_tensor.default,
                buffer, dp, group)
 
 
@@ -65,25 +66,25 @@ def finish_gather(graph: fx.Graph, started: fx.Node, layouts: list[M.ZeroShard],
     ``rows_only``, each tensor's rows as every rank sent them, a ``(dp, per_rank * row_numel)``
     view of the gathered buffer (for a runner to copy into storage of its own)."""
     dp = layouts[0].dp
-    done = _op(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
+    done = emit(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
     sizes = [z.per_rank * z.row_numel for z in layouts]
-    grid = _op(graph, f"{name}_grid", phase, aten.reshape.default, done, [dp, sum(sizes)])
+    grid = emit(graph, f"{name}_grid", phase, aten.reshape.default, done, [dp, sum(sizes)])
     if len(layouts) == 1:
         parts = [grid]
     else:
-        split = _op(graph, f"{name}_split", phase, aten.split_with_sizes.default, grid, sizes, 1)
-        parts = [_op(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
+        split = emit(graph, f"{name}_split", phase, aten.split_with_sizes.default, grid, sizes, 1)
+        parts = [emit(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
                  for i in range(len(layouts))]
     if rows_only:
         return parts
     out = []
     for i, (part, z) in enumerate(zip(parts, layouts)):
-        full = _op(graph, f"{name}_rows{i}", phase, aten.reshape.default, part,
+        full = emit(graph, f"{name}_rows{i}", phase, aten.reshape.default, part,
                    [dp * z.per_rank, *z.shape[1:]])
         if dp * z.per_rank != z.rows:  # padding rows: a view without them
-            full = _op(graph, f"{name}_unpad{i}", phase, aten.narrow.default, full, 0, 0, z.rows)
+            full = emit(graph, f"{name}_unpad{i}", phase, aten.narrow.default, full, 0, 0, z.rows)
         if not z.shape:  # a 0-d tensor travelled as one row
-            full = _op(graph, f"{name}_scalar{i}", phase, aten.reshape.default, full, [])
+            full = emit(graph, f"{name}_scalar{i}", phase, aten.reshape.default, full, [])
         out.append(full)
     return out
 
@@ -97,19 +98,19 @@ def issue_reduce_scatter(graph: fx.Graph, grads: list[fx.Node], layouts: list[M.
     dp = layouts[0].dp
     rows = []
     for i, (g, z) in enumerate(zip(grads, layouts)):
-        x = g if z.shape else _op(graph, f"{name}_row{i}", phase, aten.reshape.default, g, [1])
+        x = g if z.shape else emit(graph, f"{name}_row{i}", phase, aten.reshape.default, g, [1])
         pad = dp * z.per_rank - z.rows
         if pad:
-            x = _op(graph, f"{name}_pad{i}", phase, aten.constant_pad_nd.default, x,
+            x = emit(graph, f"{name}_pad{i}", phase, aten.constant_pad_nd.default, x,
                     [0, 0] * (len(z.shape) - 1) + [0, pad])
-        rows.append(_op(graph, f"{name}_in{i}", phase, aten.reshape.default, x,
+        rows.append(emit(graph, f"{name}_in{i}", phase, aten.reshape.default, x,
                         [dp, z.per_rank * z.row_numel]))
     buffer = rows[0] if len(rows) == 1 else \
-        _op(graph, f"{name}_cat", phase, aten.cat.default, rows, 1)
-    flat = _op(graph, f"{name}_flat", phase, aten.reshape.default, buffer, [-1])
+        emit(graph, f"{name}_cat", phase, aten.cat.default, rows, 1)
+    flat = emit(graph, f"{name}_flat", phase, aten.reshape.default, buffer, [-1])
     if reduce_dtype is not None and flat.meta[M.VAL].dtype != reduce_dtype:
-        flat = _op(graph, f"{name}_narrow", phase, aten._to_copy.default, flat, dtype=reduce_dtype)
-    return _op(graph, f"{name}_reduce_scatter", phase, c10d.reduce_scatter_tensor.default, flat,
+        flat = emit(graph, f"{name}_narrow", phase, aten._to_copy.default, flat, dtype=reduce_dtype)
+    return emit(graph, f"{name}_reduce_scatter", phase, c10d.reduce_scatter_tensor.default, flat,
                "sum", dp, group)
 
 
@@ -118,16 +119,16 @@ def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.Zer
     """At the insertion point: wait for ``started``; this rank's shard of each gradient, in
     ``dtype`` (the gradients' own)."""
     phase = M.Phase.BACKWARD
-    done = _op(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
+    done = emit(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
     if done.meta[M.VAL].dtype != dtype:
-        done = _op(graph, f"{name}_widen", phase, aten._to_copy.default, done, dtype=dtype)
+        done = emit(graph, f"{name}_widen", phase, aten._to_copy.default, done, dtype=dtype)
     sizes = [z.per_rank * z.row_numel for z in layouts]
     parts = [done]
     if len(layouts) > 1:
-        split = _op(graph, f"{name}_split", phase, aten.split_with_sizes.default, done, sizes)
-        parts = [_op(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
+        split = emit(graph, f"{name}_split", phase, aten.split_with_sizes.default, done, sizes)
+        parts = [emit(graph, f"{name}_part{i}", phase, operator.getitem, split, i)
                  for i in range(len(layouts))]
-    return [_op(graph, f"{name}_out{i}", phase, aten.reshape.default, part, list(z.shard_shape))
+    return [emit(graph, f"{name}_out{i}", phase, aten.reshape.default, part, list(z.shard_shape))
             for i, (part, z) in enumerate(zip(parts, layouts))]
 
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective
-from shardfx.codegen.zero import (finish_gather, finish_reduce_scatter, issue_gather,
+from shardfx.codegen.zero import (emit, finish_gather, finish_reduce_scatter, issue_gather,
                                   issue_reduce_scatter)
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, tensor_val
@@ -59,7 +59,10 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     it: its dp all-reduce is gone, and buckets of gradients (in the order they are ready, one
     dtype each, at most ``BUCKET_BYTES``) are reduce-scattered over dp, each issued right after
     its last gradient is computed and waited for before the output; other axes' reductions
-    stay. ``collectives`` says so. Other outputs are unchanged."""
+    stay. A gradient reduced over dp before the op that made it (a tied embedding's: its
+    activation gradient was) is whole on every rank: it takes its rows with no collective (a
+    ``coord(dp)`` input is added if the program had none). ``collectives`` says so. Other
+    outputs are unchanged."""
     dp = options.mesh.axis("dp")
     graph = program.module.graph
     layouts = zero_layouts(program, dp)
@@ -273,18 +276,16 @@ def _my_rows(graph: fx.Graph, value: fx.Node, z: M.ZeroShard, coord: fx.Node,
     a tensor of their own (the whole can go)."""
     import operator
 
-    from shardfx.codegen.zero import _op
-
     ph = M.Phase.BACKWARD
-    x = value if z.shape else _op(graph, f"{name}_row", ph, aten.reshape.default, value, [1])
+    x = value if z.shape else emit(graph, f"{name}_row", ph, aten.reshape.default, value, [1])
     pad = z.dp * z.per_rank - z.rows
     if pad:
-        x = _op(graph, f"{name}_pad", ph, aten.constant_pad_nd.default, x,
+        x = emit(graph, f"{name}_pad", ph, aten.constant_pad_nd.default, x,
                 [0, 0] * (len(z.shape) - 1) + [0, pad])
     start = graph.call_function(operator.mul, (coord, z.per_rank))
     start.meta[M.VAL], start.meta[M.PHASE] = 0, ph
-    mine = _op(graph, f"{name}_narrow", ph, aten.narrow.default, x, 0, start, z.per_rank)
-    return _op(graph, name, ph, aten.clone.default, mine)
+    mine = emit(graph, f"{name}_narrow", ph, aten.narrow.default, x, 0, start, z.per_rank)
+    return emit(graph, name, ph, aten.clone.default, mine)
 
 
 def _with_mesh_input(program: Program, name: str) -> Program:
