@@ -71,6 +71,27 @@ def test_a_checkpoint_resumes_on_another_mesh(name, tmp_path):
     assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
 
 
+def test_a_pipeline_checkpoint_resumes_on_another_mesh(tmp_path):
+    """Saved by pipeline ranks, each holding its stages' tensors (and, under ZeRO-2, its rows
+    of their optimizer state): every rank's keys are in the checkpoint, and it resumes on dp=4
+    (ZeRO-3) and on the same pipeline."""
+    path = str(tmp_path / "ck")
+    losses, saved = shardfx.launch(_save_pipeline, path, nprocs=4)[0]
+    cases = [("llama", {"dp": 4}, 3, {}), ("llama", {"dp": 2, "pp": 2}, 2, {"microbatches": 2})]
+    for mesh, zero, _, step, state, after in shardfx.launch(_resume, path, cases, nprocs=4)[0]:
+        assert step == 3 and all(torch.equal(state[k], saved[k]) for k in saved), (mesh, zero)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(after, losses)), (mesh, after)
+
+
+def _save_pipeline(path: str):
+    runner, data = runner_on("llama", {"dp": 2, "pp": 2}, 2, microbatches=2)
+    for args, targets in data[:3]:
+        runner.step(args, targets)
+    runner.save(path, note="three steps")
+    state = {k: v.detach().cpu().clone() for k, v in runner.state_dict().items()}
+    return [runner.step(a, t).item() for a, t in data[3:]], state
+
+
 def test_on_one_device_the_next_losses_are_the_same_bits(tmp_path):
     losses, _ = _save(str(tmp_path / "ck"), "llama", {}, 0)
     (*_, after), = _resume(str(tmp_path / "ck"), [("llama", {}, 0, {})])

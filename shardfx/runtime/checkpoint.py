@@ -128,11 +128,15 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
     final = Path(path)
     where = f"shardfx save({str(path)!r}, ...)"
     _check_values(state, where)
+    tensors = {k: {"shape": list(_global_shape(v)), "dtype": str(v.dtype).removeprefix("torch.")}
+               for k, v in state.items()}
+    if world_size() > 1:  # each rank may hold other keys (a pipeline stage's): every rank's
+        every: list = [None] * world_size()
+        dist.all_gather_object(every, tensors)
+        tensors = {k: v for rank_tensors in every for k, v in rank_tensors.items()}
     record = {"format": FORMAT, "shardfx": __version__, "torch": torch.__version__,
               "world_size": world_size(), "meta": dict(meta or {}),
-              "tensors": {k: {"shape": list(_global_shape(v)),
-                              "dtype": str(v.dtype).removeprefix("torch.")}
-                          for k, v in sorted(state.items())}}
+              "tensors": dict(sorted(tensors.items()))}
     try:
         text = json.dumps(record, indent=1)
     except (TypeError, ValueError) as e:
