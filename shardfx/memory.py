@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from shardfx.ir import meta as M
+from shardfx.ir.graph import phases
 from shardfx.passes.estimate_cost import is_view, node_bytes
 
 log = logging.getLogger("shardfx.memory")
@@ -142,12 +143,13 @@ def optimizer_temporaries(params: list, optimizer: OptimizerModel, device: torch
 
 def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
                    device: torch.device = torch.device("cpu"),
-                   zero: dict | None = None, stage: int = 0) -> DeviceMemory:
+                   zero: dict | None = None, stage: int = 0,
+                   gather: list | None = None) -> DeviceMemory:
     """The peak of a generated program run by ``runtime.runner`` (one device or one SPMD
     program for every device of a dp/tp mesh): its values have this device's local shapes.
     Under ZeRO (``zero``: FQN -> ``ZeroShard``, ``stage`` 1-3) the optimizer's state and, at
-    its step, the gradients are this rank's rows; stage 1 and 2 then gather the updated rows
-    (``runtime.zero``: a bucket at a time)."""
+    its step, the gradients are this rank's rows; stage 1 and 2 then run ``gather`` (the plan's
+    gather programs, a bucket at a time: ``runtime.zero``)."""
     params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):
         role, val = node.meta[M.ROLE], node.meta[M.VAL]
@@ -169,31 +171,21 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
                             when="optimizer step")
         if step.total > best.total:
             best = step
-    if train and stage in (1, 2) and zero:  # every rank's updated rows, gathered
-        rows = sum(map(_bytes, stepped))
-        gather = DeviceMemory(**state, optimizer=opt_state, gradients=rows,
-                              transient=zero_gather_peak(zero, params_dtype(program)),
-                              when="ZeRO gather after the optimizer step")
-        if gather.total > best.total:
-            best = gather
+    if train and gather:  # ZeRO-1/2: every rank's updated rows, gathered
+        after = DeviceMemory(**state, optimizer=opt_state, gradients=sum(map(_bytes, stepped)),
+                             transient=zero_gather_peak(gather),
+                             when="ZeRO gather after the optimizer step")
+        if after.total > best.total:
+            best = after
     return best
 
 
-def zero_gather_peak(layouts: dict, dtypes: dict) -> int:
+def zero_gather_peak(programs: list) -> int:
     """Bytes ZeRO-1/2's gather programs (``codegen.zero.gather_programs``) hold at their
     fullest: the largest bucket's input and gathered buffer (the runner copies each bucket out,
     in place, before the next)."""
-    from shardfx.codegen.bucketing import BUCKET_BYTES
-    from shardfx.codegen.zero import gather_programs
-
     return max((walk(p.module.graph, lambda n: "transient")[0]["transient"]
-                for p in gather_programs(layouts, dtypes, BUCKET_BYTES)), default=0)
-
-
-def params_dtype(program: fx.GraphModule) -> dict[str, torch.dtype]:
-    return {n.meta[M.ROLE].name: n.meta[M.VAL].dtype
-            for n in program.graph.find_nodes(op="placeholder")
-            if n.meta[M.ROLE].kind is M.InputKind.PARAM}
+                for p in programs), default=0)
 
 
 def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
@@ -201,10 +193,7 @@ def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
     out = graph.output_node()
     grads = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
              if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
-    phase, current = {}, M.Phase.FORWARD
-    for node in graph.nodes:  # ops codegen inserted take the phase of the op before them
-        current = node.meta.get(M.PHASE, current)
-        phase[node] = current
+    phase = phases(graph)  # ops codegen inserted take the phase of the op before them
 
     def kind(node: fx.Node) -> str:
         if node in grads:
@@ -389,8 +378,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
     buffers = sum(_bytes(program.input_val(n)) for n, r in reads.items()
                   if r.kind is M.InputKind.BUFFER)
-    owned = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM
-             and program.producer(M.OutputKind.GRAD, r.name) == rank]
+    whole = {r.name: program.input_val(n) for n, r in reads.items()
+             if r.kind is M.InputKind.PARAM and program.producer(M.OutputKind.GRAD, r.name) == rank}
+    owned = list(whole.values())
     if zero:  # each replica's rows (runtime.zero)
         owned = [torch.empty(M.ZeroShard(tuple(v.shape), dp).shard_shape, dtype=v.dtype,
                              device="meta") for v in owned]
@@ -451,12 +441,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if train and optimizer.name != "none":
         consider(optimizer_temporaries(owned, optimizer, device), 0, "optimizer step")
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
-        whole = {r.name: program.input_val(n) for n, r in reads.items()
-                 if r.kind is M.InputKind.PARAM and program.producer(M.OutputKind.GRAD,
-                                                                     r.name) == rank}
-        layouts = {f: M.ZeroShard(tuple(v.shape), dp) for f, v in sorted(whole.items())}
-        consider(zero_gather_peak(layouts, {f: v.dtype for f, v in whole.items()}), 0,
-                 "ZeRO gather")
+        from shardfx.codegen.zero import zero_gather_programs
+
+        consider(zero_gather_peak(zero_gather_programs(whole, dp)), 0, "ZeRO gather")
     return best
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 from functools import cached_property
 from pathlib import Path
@@ -15,9 +16,8 @@ import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, device_flops, summarize
 from shardfx.budget import Candidate, fit_budget
-from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.codegen.linear_ce import LinearCrossEntropy
-from shardfx.codegen.zero import gather_programs
+from shardfx.codegen import zero as zero_codegen
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
@@ -101,10 +101,10 @@ class Plan:
         step, one per bucket (``codegen.zero.gather_programs``); none otherwise."""
         if self.options.zero not in (1, 2) or self.program is None:
             return []
-        dtypes = {n.meta[M.ROLE].name: n.meta[M.VAL].dtype
-                  for n in self.program.module.graph.find_nodes(op="placeholder")
-                  if n.meta[M.ROLE].kind is M.InputKind.PARAM}
-        programs = gather_programs(self.zero_layouts, dtypes, BUCKET_BYTES)
+        whole = {n.meta[M.ROLE].name: n.meta[M.VAL]
+                 for n in self.program.module.graph.find_nodes(op="placeholder")
+                 if n.meta[M.ROLE].name in self.zero_layouts}
+        programs = zero_codegen.zero_gather_programs(whole, self.mesh.axis("dp"))
         for program in programs:
             place(program.module, self.device)
         return programs
@@ -253,7 +253,8 @@ class Plan:
             opt = optimizer_model(self.options.optimizer)
             if self.program is not None:
                 one = program_memory(self.program.module, train, opt, self.device,
-                                     self.zero_layouts, self.options.zero)
+                                     self.zero_layouts, self.options.zero,
+                                     self.zero_gather_programs)
                 self._memory = {rank: one for rank in range(self.mesh.size)}
             else:
                 program = self.compiled_stages()
@@ -314,9 +315,8 @@ class Plan:
             owned = [v for v, role in reads
                      if program.producer(M.OutputKind.GRAD, role.name) == r]
             dp = self.mesh.axis("dp") if self.options.zero else 1  # ZeRO: this replica's rows
-            trained = sum(M.ZeroShard(tuple(v.shape), dp).per_rank
-                          * M.ZeroShard(tuple(v.shape), dp).row_numel * v.element_size()
-                          for v in owned)
+            trained = sum(math.prod(M.ZeroShard(tuple(v.shape), dp).shard_shape)
+                          * v.element_size() for v in owned)
             m = memory[f"pp rank {r}"]
             out[f"pp rank {r}"] = (m.parameters, trained, m.optimizer)
         return out

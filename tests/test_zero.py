@@ -48,6 +48,16 @@ def test_zero2_reduce_scatters_each_gradient_into_its_rows():
     assert "zero_reduce_scatter" in [r.name for r in zero.history]
 
 
+def test_each_program_pass_is_recorded_as_it_left_the_program():
+    """chunked_loss and zero_reduce_scatter rewrite one module in place: the history holds the
+    program after each, not the final program under both names."""
+    records = {r.name: r.text for r in plan_of(2).history}
+    assert "zero_rs0_reduce_scatter" not in records["chunked_loss"]
+    assert "linear_cross_entropy" in records["chunked_loss"]
+    assert "zero_rs0_reduce_scatter" in records["zero_reduce_scatter"]
+    assert records["zero_reduce_scatter"].startswith("# after zero_reduce_scatter:")
+
+
 def test_zero3_gathers_each_block_ahead_and_again_in_backward():
     plan = plan_of(3)
     graph = plan.program.module.graph

@@ -127,23 +127,34 @@ def _grads(graph: fx.Graph, roles: Sequence[M.OutputRole]) -> list[_Grad]:
     return out
 
 
+def fill_buckets(items: list, *, ready, key, nbytes, cap: int = BUCKET_BYTES) -> list[list]:
+    """``items`` in the order they are ready (``ready(item)``: where the program makes it),
+    packed per ``key(item)`` into buckets of at most ``cap`` bytes (``nbytes(item)``; a larger
+    item gets a bucket of its own); the buckets in the order their last item is ready. DDP's
+    rule: no bucket waits on work that comes after it."""
+    open_: dict = {}
+    done: list[list] = []
+    for item in sorted(items, key=ready):
+        k = key(item)
+        bucket = open_.get(k)
+        if bucket is not None and bucket[0] + nbytes(item) > cap:
+            done.append(bucket[1])
+            bucket = None
+        if bucket is None:
+            bucket = open_[k] = [0, []]
+        bucket[0] += nbytes(item)
+        bucket[1].append(item)
+    done += [b[1] for b in open_.values()]
+    return sorted(done, key=lambda b: ready(b[-1]))
+
+
 def _buckets(grads: list[_Grad], cap: int, order: dict[fx.Node, int]) -> list[_Bucket]:
-    """Fill buckets per (group, op, dtype) in the order gradients become ready; number them
-    by when they are ready."""
-    open_: dict[tuple, _Bucket] = {}
-    done: list[_Bucket] = []
-    for g in sorted(grads, key=lambda g: order[g.value]):
-        _, op, group = g.reduce.args
-        key = (group, op, g.value.meta[M.VAL].dtype)
-        b = open_.get(key)
-        if b is not None and b.nbytes + g.nbytes > cap:
-            done.append(b)
-            b = None
-        if b is None:
-            b = open_[key] = _Bucket(group, op)
-        b.grads.append(g)
-    done += open_.values()
-    return sorted(done, key=lambda b: order[b.grads[-1].value])
+    """Buckets per (group, op, dtype), in the order gradients become ready."""
+    filled = fill_buckets(grads, ready=lambda g: order[g.value], nbytes=lambda g: g.nbytes,
+                          key=lambda g: (g.reduce.args[2], g.reduce.args[1],  # group, op
+                                         g.value.meta[M.VAL].dtype),
+                          cap=cap)
+    return [_Bucket(b[0].reduce.args[2], b[0].reduce.args[1], b) for b in filled]
 
 
 def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> None:

@@ -49,6 +49,18 @@ def emit(graph: fx.Graph, name: str, phase: M.Phase, target, *args, **kwargs) ->
     return node
 
 
+def emit_padded(graph: fx.Graph, whole: fx.Node, z: M.ZeroShard, name: str,
+                phase: M.Phase) -> fx.Node:
+    """At the insertion point: ``whole`` (a tensor of layout ``z``) as ``dp * per_rank`` rows,
+    the last ones zeros (a 0-d tensor as one row)."""
+    x = whole if z.shape else emit(graph, f"{name}_row", phase, aten.reshape.default, whole, [1])
+    pad = z.dp * z.per_rank - z.rows
+    if pad:
+        x = emit(graph, f"{name}_pad", phase, aten.constant_pad_nd.default, x,
+                 [0, 0] * (len(z.shape) - 1) + [0, pad])
+    return x
+
+
 def issue_gather(graph: fx.Graph, shards: list[fx.Node], group: fx.Node, dp: int, name: str,
                  phase: M.Phase) -> fx.Node:
     """At the insertion point: start the all-gather of ``shards`` (one bucket)."""
@@ -96,15 +108,9 @@ def issue_reduce_scatter(graph: fx.Graph, grads: list[fx.Node], layouts: list[M.
     this rank's partial sum of a whole gradient), in ``reduce_dtype`` if given."""
     phase = M.Phase.BACKWARD
     dp = layouts[0].dp
-    rows = []
-    for i, (g, z) in enumerate(zip(grads, layouts)):
-        x = g if z.shape else emit(graph, f"{name}_row{i}", phase, aten.reshape.default, g, [1])
-        pad = dp * z.per_rank - z.rows
-        if pad:
-            x = emit(graph, f"{name}_pad{i}", phase, aten.constant_pad_nd.default, x,
-                    [0, 0] * (len(z.shape) - 1) + [0, pad])
-        rows.append(emit(graph, f"{name}_in{i}", phase, aten.reshape.default, x,
-                        [dp, z.per_rank * z.row_numel]))
+    rows = [emit(graph, f"{name}_in{i}", phase, aten.reshape.default,
+                 emit_padded(graph, g, z, f"{name}_{i}", phase), [dp, z.per_rank * z.row_numel])
+            for i, (g, z) in enumerate(zip(grads, layouts))]
     buffer = rows[0] if len(rows) == 1 else \
         emit(graph, f"{name}_cat", phase, aten.cat.default, rows, 1)
     flat = emit(graph, f"{name}_flat", phase, aten.reshape.default, buffer, [-1])
@@ -130,6 +136,16 @@ def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.Zer
                  for i in range(len(layouts))]
     return [emit(graph, f"{name}_out{i}", phase, aten.reshape.default, part, list(z.shard_shape))
             for i, (part, z) in enumerate(zip(parts, layouts))]
+
+
+def zero_gather_programs(whole: dict[str, torch.Tensor], dp: int) -> list["Program"]:
+    """``gather_programs`` for the parameters ``whole`` (FQN -> its tp-local value, real or
+    fake) held over ``dp``, in ``BUCKET_BYTES`` buckets in FQN order: what a runner runs and
+    the memory model walks."""
+    from shardfx.codegen.bucketing import BUCKET_BYTES
+
+    layouts = {f: M.ZeroShard(tuple(v.shape), dp) for f, v in sorted(whole.items())}
+    return gather_programs(layouts, {f: v.dtype for f, v in whole.items()}, BUCKET_BYTES)
 
 
 def gather_programs(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtype],

@@ -82,6 +82,16 @@ def inherit_place(src: fx.Node, dst: fx.Node) -> None:
                      if k in src.meta})
 
 
+def phases(graph: fx.Graph) -> dict[fx.Node, M.Phase]:
+    """Each node's PHASE; a node without one (inserted by codegen: a collective, a reshape)
+    takes the phase of the node before it."""
+    out, current = {}, M.Phase.FORWARD
+    for node in graph.nodes:
+        current = node.meta.get(M.PHASE, current)
+        out[node] = current
+    return out
+
+
 def operands(node: fx.Node) -> list[fx.Node]:
     """The nodes among ``node``'s arguments, in argument order (positional, then keyword), one
     entry per use: the order a rule's per-operand answers come in."""

@@ -72,19 +72,8 @@ class Options:
 
 @dataclass
 class PassRecord:
-    """One pass's entry in a plan's history: its name, and the IR (or program) after it, under
-    a header of what the pass changed. ``text`` may be given as a function that makes it: it is
-    then made when first read (a dump), not when the pass runs (only for a pass whose result
-    no later pass changes in place)."""
-
     name: str
-    _text: str | Callable[[], str]
-
-    @property
-    def text(self) -> str:
-        if callable(self._text):
-            self._text = self._text()
-        return self._text
+    text: str  # the IR (or program) after the pass, under a header of what the pass changed
 
 
 Snapshot = tuple[dict[str, dict[str, Any]], dict[str, Any]]  # per node, graph: meta key -> value
@@ -197,8 +186,9 @@ def run_program_passes(program, passes: list, options: Options,
             dump_failure(error, history)
             raise error from e
         after = _program_snapshot(program)
-        history.append(PassRecord(name, lambda p=program, a=after, b=state, n=name:
-                                  _program_changes(n, b, a) + program_text(p)))
+        # made now: passes rewrite a program's module in place (0.1 s on an 80-layer 70B plan)
+        history.append(PassRecord(name, _program_changes(name, state, after)
+                                  + program_text(program)))
         before.append(name)
         state = after
         log.debug("ran %s", name)

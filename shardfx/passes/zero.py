@@ -21,18 +21,19 @@ The passes only move communication: every op computes what it did, on the same v
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import torch
 import torch.fx as fx
 
-from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.codegen.bucketing import BUCKET_BYTES, fill_buckets
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective
-from shardfx.codegen.zero import (emit, finish_gather, finish_reduce_scatter, issue_gather,
-                                  issue_reduce_scatter)
+from shardfx.codegen.zero import (emit, emit_padded, finish_gather, finish_reduce_scatter,
+                                  issue_gather, issue_reduce_scatter)
 from shardfx.ir import meta as M
-from shardfx.ir.graph import fake_mode_of, tensor_val
+from shardfx.ir.graph import fake_mode_of, phases, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -66,6 +67,7 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     dp = options.mesh.axis("dp")
     graph = program.module.graph
     layouts = zero_layouts(program, dp)
+    program = _with_mesh_input(program, "group(dp)")
     group = _placeholder(graph, "group(dp)")
     out = graph.output_node()
     values = list(out.args[0])
@@ -83,18 +85,8 @@ def zero_reduce_scatter(program: Program, options) -> Program:
             with graph.inserting_before(value.next):
                 values[index] = _my_rows(graph, value, z, coord, f"zero_rows{index}")
     order = {n: i for i, n in enumerate(graph.nodes)}
-    buckets: list[list[tuple]] = []
-    open_: dict[torch.dtype, list[tuple]] = {}
-    for item in sorted(grads, key=lambda g: order[g[1]]):  # as they become ready
-        dtype, nbytes = _dtype_bytes(item[1])
-        bucket = open_.get(dtype)
-        if bucket is not None and sum(_dtype_bytes(g[1])[1] for g in bucket) + nbytes > BUCKET_BYTES:
-            buckets.append(bucket)
-            bucket = None
-        if bucket is None:
-            bucket = open_[dtype] = []
-        bucket.append(item)
-    buckets = sorted(buckets + list(open_.values()), key=lambda b: order[b[-1][1]])
+    buckets = fill_buckets(grads, ready=lambda g: order[g[1]], key=lambda g: _dtype_bytes(g[1])[0],
+                           nbytes=lambda g: _dtype_bytes(g[1])[1])
     records = []
     narrow = options.precision.narrower_reduce
     for b, bucket in enumerate(buckets):
@@ -156,7 +148,7 @@ def zero_gather(program: Program, options) -> Program:
     graph = program.module.graph
     layouts = zero_layouts(program, dp)
     group = _placeholder(graph, "group(dp)")
-    phase = _phases(graph)
+    phase = phases(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     fake = fake_mode_of(graph)
     params = [n for n in graph.find_nodes(op="placeholder")
@@ -261,27 +253,12 @@ def _block(fqn: str) -> str:
     return m.group(1) if m else fqn
 
 
-def _phases(graph: fx.Graph) -> dict[fx.Node, M.Phase]:
-    """Each node's phase; a node without one (inserted by codegen) takes the one before it."""
-    out, current = {}, M.Phase.FORWARD
-    for node in graph.nodes:
-        current = node.meta.get(M.PHASE, current)
-        out[node] = current
-    return out
-
-
 def _my_rows(graph: fx.Graph, value: fx.Node, z: M.ZeroShard, coord: fx.Node,
              name: str) -> fx.Node:
     """At the insertion point: this rank's rows of ``value`` (whole on every rank), padded, in
     a tensor of their own (the whole can go)."""
-    import operator
-
     ph = M.Phase.BACKWARD
-    x = value if z.shape else emit(graph, f"{name}_row", ph, aten.reshape.default, value, [1])
-    pad = z.dp * z.per_rank - z.rows
-    if pad:
-        x = emit(graph, f"{name}_pad", ph, aten.constant_pad_nd.default, x,
-                [0, 0] * (len(z.shape) - 1) + [0, pad])
+    x = emit_padded(graph, value, z, name, ph)
     start = graph.call_function(operator.mul, (coord, z.per_rank))
     start.meta[M.VAL], start.meta[M.PHASE] = 0, ph
     mine = emit(graph, f"{name}_narrow", ph, aten.narrow.default, x, 0, start, z.per_rank)
@@ -289,8 +266,8 @@ def _my_rows(graph: fx.Graph, value: fx.Node, z: M.ZeroShard, coord: fx.Node,
 
 
 def _with_mesh_input(program: Program, name: str) -> Program:
-    """``program`` with a MESH input ``name`` (``coord(dp)``), added after its last input if
-    it has none (codegen drops the mesh inputs a program does not read)."""
+    """``program`` with a MESH input ``name`` (``coord(dp)``, ``group(dp)``), added after its
+    last input if it has none (codegen drops the mesh inputs a program does not read)."""
     graph = program.module.graph
     if any(r.kind is M.InputKind.MESH and r.name == name for r in program.inputs):
         return program
@@ -298,7 +275,8 @@ def _with_mesh_input(program: Program, name: str) -> Program:
     with graph.inserting_after(last):
         node = graph.placeholder(name.replace("(", "_").rstrip(")"))
     role = M.InputRole(M.InputKind.MESH, name)
-    node.meta[M.ROLE], node.meta[M.VAL] = role, 0
+    node.meta[M.ROLE] = role
+    node.meta[M.VAL] = 0 if name.startswith("coord") else f"<{name[6:-1]} group>"
     return dataclasses.replace(program, inputs=(*program.inputs, role))
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.ir import meta as M
+from shardfx.runtime.zero import padded
 
 
 def final_gradients(steps: list) -> list[list[str]]:
@@ -46,15 +47,14 @@ def final_gradients(steps: list) -> list[list[str]]:
 class GradBuckets:
     def __init__(self, group: dist.ProcessGroup, size: int, mean: bool,
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 rows: dict | None = None, index: int = 0):
+                 rows: dict | None = None):
         """``mean``: average over the ``size`` replicas (as DDP), else sum; ``reduce_dtype``:
         a narrower dtype to sum in (``Precision.reduce``). ``rows`` (ZeRO-2: FQN ->
-        ``ZeroShard``): reduce-scatter instead, each replica (``index`` on dp) getting its rows
-        of each gradient in ``self.rows`` (by FQN); the gradients themselves are left as
-        they were."""
+        ``ZeroShard``): reduce-scatter instead, each replica getting its rows of each gradient
+        in ``self.rows`` (by FQN); the gradients themselves are left as they were."""
         self.group, self.size, self.mean = group, size, mean
         self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
-        self.layouts, self.index = rows, index
+        self.layouts = rows
         self.rows: dict[str, torch.Tensor] = {}
         self._open: list[tuple[torch.Tensor, str | None]] = []
         self._bytes = 0
@@ -78,7 +78,8 @@ class GradBuckets:
         if self.layouts is None:
             flat = torch.cat([g.reshape(-1) for g, _ in bucket])
         else:  # rank-major: each replica's rows of every gradient together (codegen.zero)
-            flat = torch.cat([self._padded(g, fqn) for g, fqn in bucket], dim=1).reshape(-1)
+            flat = torch.cat([padded(g, self.layouts[fqn]).reshape(self.size, -1)
+                              for g, fqn in bucket], dim=1).reshape(-1)
         if self.reduce_dtype is not None and flat.is_floating_point():
             flat = flat.to(self.reduce_dtype)  # summed narrower, widened back in finish
         if self.layouts is None:
@@ -88,12 +89,6 @@ class GradBuckets:
         out = flat.new_empty(flat.numel() // self.size)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         self._flying.append((bucket, out, work))
-
-    def _padded(self, g: torch.Tensor, fqn: str) -> torch.Tensor:
-        z = self.layouts[fqn]
-        whole = g.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
-        whole[:z.rows].copy_(g.reshape(z.rows, *z.shape[1:]))
-        return whole.reshape(z.dp, -1)
 
     def retire(self) -> None:
         """Write back the buckets whose all-reduce has completed (without waiting), so their

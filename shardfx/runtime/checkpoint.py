@@ -128,12 +128,9 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
     final = Path(path)
     where = f"shardfx save({str(path)!r}, ...)"
     _check_values(state, where)
-    tensors = {k: {"shape": list(_global_shape(v)), "dtype": str(v.dtype).removeprefix("torch.")}
-               for k, v in state.items()}
-    if world_size() > 1:  # each rank may hold other keys (a pipeline stage's): every rank's
-        every: list = [None] * world_size()
-        dist.all_gather_object(every, tensors)
-        tensors = {k: v for rank_tensors in every for k, v in rank_tensors.items()}
+    tensors = _every_rank({k: {"shape": list(_global_shape(v)),
+                               "dtype": str(v.dtype).removeprefix("torch.")}
+                           for k, v in state.items()})
     record = {"format": FORMAT, "shardfx": __version__, "torch": torch.__version__,
               "world_size": world_size(), "meta": dict(meta or {}),
               "tensors": dict(sorted(tensors.items()))}
@@ -172,22 +169,20 @@ def check(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
-         strict_optim: bool = True, expected: dict[str, tuple] | None = None) -> dict[str, Any]:
+         strict_optim: bool = True) -> dict[str, Any]:
     """Fill ``state``'s boxes and tensors in place from the checkpoint at ``path``, whatever
     boxes it was saved in; on every rank together. Returns the saved ``meta``.
 
-    The keys and global shapes are checked against the checkpoint before anything is read:
-    ``expected`` (key -> global shape) is what every rank's state holds together, when a rank
-    holds only some keys (a pipeline stage's); by default ``state``'s own.
+    The keys and global shapes of every rank's ``state`` together (a pipeline rank holds its
+    stages' keys only) are checked against the checkpoint before anything is read.
     ``strict_optim=False``: keys under ``optim/`` may be missing from either side (a runner
     without an optimizer loads a training checkpoint); those the state has keep their values.
     """
     _check_values(state, f"shardfx load({str(path)!r}, state)")
     folder, record, _ = open_checkpoint(path)
     saved = record["tensors"]
-    if expected is None:
-        expected = {k: _global_shape(v) for k, v in state.items()}
-    check_keys(expected, saved, strict_optim, folder)
+    check_keys(_every_rank({k: _global_shape(v) for k, v in state.items()}), saved,
+               strict_optim, folder)
     wanted = {k: v for k, v in _dcp_state(state).items() if k in saved}
     with _quiet():
         dcp.load(wanted, storage_reader=FileSystemReader(folder), planner=_Planner(),
@@ -287,6 +282,16 @@ def _chunks(value: torch.Tensor) -> list[ChunkStorageMetadata]:
         return []
     offsets = value.offsets if isinstance(value, Box) else (0,) * value.dim()
     return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=value.size())]
+
+
+def _every_rank(mine: dict) -> dict:
+    """``mine`` merged with every other rank's (a collective when the world has several):
+    ranks may hold different keys, a pipeline stage's."""
+    if world_size() == 1:
+        return mine
+    every: list = [None] * world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for rank_dict in every for k, v in rank_dict.items()}
 
 
 def _dcp_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

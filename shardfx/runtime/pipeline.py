@@ -50,8 +50,7 @@ from shardfx.measure import mark
 from shardfx.memory import check_optimizer
 from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
-from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.codegen.zero import gather_programs
+from shardfx.codegen.zero import zero_gather_programs
 from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
@@ -161,7 +160,7 @@ class PipelineRunner:
         zero2 = self._zero is not None and self._zero.stage == 2
         self._buckets = None if self._dp is None else GradBuckets(
             self._dp, self._dp_size, self._mean, self._reduce_dtype,
-            rows=self._zero.layouts if zero2 else None, index=self._dp_index)
+            rows=self._zero.layouts if zero2 else None)
         loss = self._execute(self._program, self._steps, flat, weights)
         self.step_count += 1
         rows = {}
@@ -472,10 +471,9 @@ class PipelineRunner:
         """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""
         if not plan.options.zero:
             return None
-        layouts = {fqn: M.ZeroShard(tuple(self._params[fqn].shape), self._dp_size)
-                   for fqn in sorted(self._owned)}
-        dtypes = {fqn: self._params[fqn].dtype for fqn in layouts}
-        gather = gather_programs(layouts, dtypes, BUCKET_BYTES)
+        whole = {fqn: self._params[fqn] for fqn in self._owned}
+        layouts = {fqn: M.ZeroShard(tuple(t.shape), self._dp_size) for fqn, t in whole.items()}
+        gather = zero_gather_programs(whole, self._dp_size)
         for program in gather:
             place(program.module, self.device)
         return ZeroRows(layouts, plan.options.zero, self._dp_index, self._dp, gather)

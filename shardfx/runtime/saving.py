@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardfx.errors import InputError
 from shardfx.runtime import checkpoint
@@ -78,9 +77,8 @@ def zero_held(rows: torch.Tensor, z, index: int, tp_offsets: tuple[int, ...]) ->
     return Held(rows, tuple(start[:len(tp_offsets)]), z.held_rows(index))
 
 
-def state(runner) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """This rank's checkpoint state (key -> Box or whole tensor), and every key with its whole
-    shape that any rank's state has (a collective: a pipeline rank holds its stages' only)."""
+def state(runner) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint state: key -> Box or whole tensor."""
     plan = runner._plan
     model, stepped = runner._holdings()
     out: dict[str, torch.Tensor] = {}
@@ -107,18 +105,12 @@ def state(runner) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
                         "cannot say which part of it a rank holds",
                         where=f"runner.save, {type(opt).__name__}",
                         fix="checkpoint with an elementwise optimizer (SGD, Adam, AdamW)")
-    shapes = {k: tuple(v.global_shape) if isinstance(v, Box) else tuple(v.shape)
-              for k, v in out.items()}
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, shapes)
-        shapes = {k: v for rank in every for k, v in rank.items()}
-    return out, shapes
+    return out
 
 
 def save(runner, path, extra: dict[str, Any] | None = None):
     """Write ``runner``'s state to ``path`` (every rank; all or nothing)."""
-    tensors, _ = state(runner)
+    tensors = state(runner)
     opt = runner.optimizer
     meta = {
         "step": runner.step_count,
@@ -140,8 +132,7 @@ def load(runner, path) -> dict[str, Any]:
     _check_optimizer(opt, meta.get("optimizer"), path)
     if opt is not None:
         _make_state(runner)
-    tensors, shapes = state(runner)
-    meta = checkpoint.load(path, tensors, strict_optim=opt is not None, expected=shapes)
+    meta = checkpoint.load(path, state(runner), strict_optim=opt is not None)
     runner.step_count = int(meta["step"])
     runner._seed = meta.get("seed", runner._seed)
     if runner.loss_scaler is not None and meta.get("loss_scaler"):

@@ -22,6 +22,14 @@ import torch.distributed as dist
 from shardfx.ir import meta as M
 
 
+def padded(whole: torch.Tensor, z: M.ZeroShard) -> torch.Tensor:
+    """``whole`` (a tp-local tensor of layout ``z``) in a new ``(dp * per_rank, ...)`` tensor,
+    padded with zero rows: rank i's rows are rows ``i * per_rank`` on."""
+    out = whole.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
+    out[:z.rows].copy_(whole.reshape(z.rows, *z.shape[1:]))
+    return out
+
+
 class ZeroRows:
     def __init__(self, layouts: dict[str, M.ZeroShard], stage: int, index: int,
                  group: dist.ProcessGroup, gather: list | None = None):
@@ -33,12 +41,11 @@ class ZeroRows:
 
     def rows(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``whole`` (a tp-local tensor), zero-padded: a new tensor."""
-        z = self.layouts[fqn]
-        flat = whole.reshape(z.rows, *z.shape[1:])
-        out = flat.new_zeros(z.shard_shape)
-        held = z.held_rows(self.index)
+        z = self.layouts[fqn]  # only this rank's rows are made, not the whole padded tensor
+        out = whole.new_zeros(z.shard_shape)
+        held, start = z.held_rows(self.index), self.index * z.per_rank
         if held:
-            out[:held].copy_(flat[self.index * z.per_rank:self.index * z.per_rank + held])
+            out[:held].copy_(whole.reshape(z.rows, *z.shape[1:])[start:start + held])
         return out
 
     def hold(self, fqn: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Parameter]:
@@ -48,9 +55,7 @@ class ZeroRows:
         if self.stage == 3:
             rows = torch.nn.Parameter(self.rows(fqn, whole))
             return rows, rows
-        buffer = whole.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
-        buffer[:z.rows].copy_(whole.reshape(z.rows, *z.shape[1:]))
-        self._padded[fqn] = buffer
+        buffer = self._padded[fqn] = padded(whole, z)
         read = buffer[:z.rows].reshape(z.shape)
         mine = buffer[self.index * z.per_rank:(self.index + 1) * z.per_rank]
         return read, torch.nn.Parameter(mine)
