@@ -70,11 +70,16 @@ class ZeroRows:
         time: one bucket's gathered buffer exists at once."""
         with torch.no_grad():
             for program in self._gather:
-                inputs = [stepped[role.name].detach() for role in program.inputs
-                          if role.kind is M.InputKind.PARAM]
-                for role, rows in zip(program.outputs, program.module(*inputs, group_name)):
-                    z = self.layouts[role.name]
-                    self._padded[role.name].view(z.dp, -1).copy_(rows)
+                self._gather_bucket(program, stepped, group_name)
+
+    def _gather_bucket(self, program, stepped: dict[str, torch.Tensor], group_name: str) -> None:
+        """One bucket, in a call of its own: its gathered buffer is gone before the next one's
+        is made (a loop variable would hold a view of it)."""
+        inputs = [stepped[role.name].detach() for role in program.inputs
+                  if role.kind is M.InputKind.PARAM]
+        for role, rows in zip(program.outputs, program.module(*inputs, group_name)):
+            z = self.layouts[role.name]
+            self._padded[role.name].view(z.dp, -1).copy_(rows)
 
     def whole(self, fqn: str, rows: torch.Tensor) -> torch.Tensor:
         """The tp-local tensor from every rank's ``rows`` of it (an all-gather over dp)."""
