@@ -110,13 +110,17 @@ class Plan:
         return programs
 
     def runner(self, optimizer: OptimizerFactory | None = None,
-               loss_scaling: "LossScaling | bool | None" = None) -> Runner:
+               loss_scaling: "LossScaling | bool | None" = None,
+               clip_grad_norm: float | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer.
         ``loss_scaling``: dynamic loss scaling (``runtime.loss_scale``); None scales fp16
-        plans only, False never, True or a ``LossScaling`` always."""
+        plans only, False never, True or a ``LossScaling`` always. ``clip_grad_norm``: clip
+        the global gradient norm to it before each optimizer step, as
+        ``torch.nn.utils.clip_grad_norm_`` on one device (``runtime.optimizer_step``; the norm
+        before clipping is ``runner.grad_norm``)."""
         if self.stage_program is not None:
-            return PipelineRunner(self, optimizer, loss_scaling)
-        return Runner(self, optimizer, loss_scaling)
+            return PipelineRunner(self, optimizer, loss_scaling, clip_grad_norm)
+        return Runner(self, optimizer, loss_scaling, clip_grad_norm)
 
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
         """The forward-only program (captured on first use for a training plan)."""

@@ -238,6 +238,8 @@ def compare_training(
     *,
     factor: float = FACTOR,
     loss_scaling: Any = None,
+    accumulate: int = 1,
+    clip_grad_norm: float | None = None,
     **partition_kwargs: Any,
 ) -> Report:
     """Train ``model`` through shardfx on ``batches`` ((args, targets) per step), and check
@@ -267,19 +269,24 @@ def compare_training(
     args0, targets0 = batches[0]
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
-    runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling)
+    runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling,
+                         clip_grad_norm=clip_grad_norm)
     reference = f"autocast {precision.compute}" if precision.low else "eager fp32"
     report = Report(factor, rtol, plan=plan, runner=runner, reference=reference)
     state = runner.state_dict()
-    for step, (args, targets) in enumerate(batches):
+    steps = [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
+    for step, group in enumerate(steps):
         for m in (eager, truth):  # shardfx's weights and buffers (cast to double in the truth)
             m.load_state_dict(state)
-        base = _forward_backward(eager, loss_fn, args, targets, low)
-        want = _run_float64(truth, lambda m: _forward_backward(m, loss_fn, _double(args),
-                                                                _double(targets)))
-        loss = runner.step(args, targets)
+        base = _forward_backward(eager, loss_fn, group, low, clip=clip_grad_norm)
+        want = _run_float64(truth, lambda m: _forward_backward(
+            m, loss_fn, [(_double(a), _double(t)) for a, t in group], clip=clip_grad_norm))
+        loss = runner.step_batches(group)
         got = (loss, runner.grads(), runner.state_dict())
         _check_step(report, step, got, base, want)
+        if clip_grad_norm is not None:
+            norms = [torch.tensor(x) for x in (runner.grad_norm, base[3], want[3])]
+            report.add(step, "grad norm", "global", *(rel_error(n, norms[2]) for n in norms[:2]))
         _replay(report, step, eager, replay, got[1], got[2])
         _assert_within(report, step, "shardfx differs from eager")
         state = got[2]
@@ -363,28 +370,35 @@ def _run_float64(truth: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -
             "kernels without a float64 version)") from e
 
 
-def _forward_backward(model: torch.nn.Module, loss_fn, args: tuple, targets: tuple,
-                      autocast: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict, dict]:
-    """One eager forward and backward: (loss, gradients by FQN, buffers after forward); the
-    forward and loss under ``torch.autocast`` to ``autocast`` unless it is fp32."""
+def _forward_backward(model: torch.nn.Module, loss_fn, batches: list[tuple[tuple, tuple]],
+                      autocast: torch.dtype = torch.float32, clip: float | None = None) -> tuple:
+    """Eager forwards and backwards of each batch's loss / k (k batches), then clipping:
+    (mean loss, gradients by FQN, buffers after the last forward, global norm before
+    clipping); the forwards and losses under ``torch.autocast`` to ``autocast`` unless fp32."""
     for p in model.parameters():
         p.grad = None
-    device = next((t.device.type for t in pytree.tree_leaves(args)
+    device = next((t.device.type for t in pytree.tree_leaves(batches[0][0])
                    if isinstance(t, torch.Tensor)), "cpu")
-    with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32):
-        loss = loss_fn(model(*args), *targets)
-    loss.backward()
+    total = 0.0
+    for args, targets in batches:
+        with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32):
+            loss = loss_fn(model(*args), *targets) / len(batches)
+        loss.backward()
+        total = total + loss.detach()
+    norm = None
+    if clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: t for n, t in model.state_dict().items() if n not in params}
-    return loss.detach(), grads, buffers
+    return total, grads, buffers, norm
 
 
 def _check_step(report: Report, step: int, got, base, want) -> None:
     """Add one step's checks against fp64: (loss, grads, state or buffers) of shardfx, eager
     fp32 and the truth."""
-    (loss, grads, state), (eager_loss, eager_grads, eager_buffers), (loss64, grads64, buffers64) \
-        = got, base, want
+    (loss, grads, state), (eager_loss, eager_grads, eager_buffers, _), \
+        (loss64, grads64, buffers64, _) = got, base, want
     report.add(step, "loss", "loss", rel_error(loss, loss64), rel_error(eager_loss, loss64))
     missing = sorted(set(grads64) ^ set(grads))
     assert not missing, f"step {step}: gradient present in one run only: {missing}"

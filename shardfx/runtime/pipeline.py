@@ -42,13 +42,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.memory import check_optimizer
-from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
+from shardfx.runtime.accumulate import accumulated
+from shardfx.runtime.loss_scale import loss_scaler, seed
+from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.runtime.buckets import GradBuckets, final_gradients
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
 
 
 class PipelineRunner:
-    def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None):
+    def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None, clip_grad_norm=None):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
         coord = coordinate(mesh)
         self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
@@ -111,6 +113,9 @@ class PipelineRunner:
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
         self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
+        self.clip_grad_norm = clip_limit(clip_grad_norm)
+        self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
+        self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
         self._tied = self._tied_parameters()
         self._grads: dict[str, torch.Tensor] = {}
         self._final = final_gradients(self._steps)  # step index -> gradients done there
@@ -148,12 +153,35 @@ class PipelineRunner:
     # --- a training step -------------------------------------------------------------------
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
-        flat = self._plan.check_inputs(args, targets)
-        self._same_batch(flat)
-        self._grads = {}
+        return self.step_batches([(args, targets)])
+
+    def step_batches(self, batches) -> torch.Tensor:
+        """One optimizer step over several global batches (``runtime.accumulate``): each runs
+        the schedule; their gradients add up, each reduced over dp as the schedule ends."""
+        batches = accumulated(batches)
         trained = self._trained()
         for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
+        self._tangent = 1.0 / len(batches)
+        loss = torch.zeros((), device=self.device)
+        for index, (args, targets) in enumerate(batches):
+            self._batch = index
+            loss += self._backward(args, targets, trained)
+        self.step_count += 1
+        mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
+        self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
+                                     self.clip_grad_norm)
+        if self._zero is not None:  # every replica's updated rows, gathered
+            self._zero.after_step(self._stepped, self._dp.group_name)
+        self._share_tied()
+        return self._broadcast_loss(loss / len(batches))
+
+    def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
+        """One batch through the schedule: its gradients added to the ``.grad`` of what this
+        rank owns (ZeRO: its rows); returns its loss (this rank's part of it)."""
+        flat = self._plan.check_inputs(args, targets)
+        self._same_batch(flat)
+        self._grads = {}
         weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
         # replicas combine their gradients (average, as DDP, or sum), each bucket reduced as
         # soon as its gradients are final (runtime.buckets); ZeRO-2 reduce-scatters them
@@ -162,26 +190,31 @@ class PipelineRunner:
             self._dp, self._dp_size, self._mean, self._reduce_dtype,
             rows=self._zero.layouts if zero2 else None)
         loss = self._execute(self._program, self._steps, flat, weights)
-        self.step_count += 1
         rows = {}
         if self._buckets is not None:
             self.all_reduces = self._buckets.finish()
             rows, self._buckets = self._buckets.rows, None
         for fqn, p in trained.items():
             g = self._grads.get(fqn) if fqn in self._owned else None
-            if fqn in self._stepped and g is not None:  # this replica's rows
+            if g is None:
+                continue
+            if fqn in self._stepped:  # this replica's rows
                 g = rows[fqn] if zero2 else self._zero.rows(fqn, g)
-            p.grad = g
-        if self._zero is not None:
-            self._grads = {}  # the whole gradients go before the optimizer steps
-        mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        step_optimizer(self.optimizer, self.loss_scaler,
-                       [p.grad for fqn, p in trained.items() if fqn in self._owned
-                        and p.grad is not None])
-        if self._zero is not None:  # every replica's updated rows, gathered
-            self._zero.after_step(self._stepped, self._dp.group_name)
-        self._share_tied()
-        return self._broadcast_loss(loss)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        self._grads = {}  # ZeRO: the whole gradients go before the optimizer steps
+        return loss
+
+    def _norm_terms(self, trained: dict) -> list[Grad]:
+        """The gradients this rank owns, each with whether it counts it in the global norm:
+        over dp every replica holds the same (ZeRO: its rows), over tp as placed."""
+        axes = (("dp", self._dp_size),) + (self._tp.spec.axes if self._tp is not None else ())
+        coord = {"dp": self._dp_index, **(self._tp.coord if self._tp is not None else {})}
+        return [Grad(p.grad, counted((Replicate(),) + tuple(self._program.placements.get(fqn, ())),
+                                     axes, coord, "dp" if fqn in self._stepped else None))
+                for fqn, p in trained.items() if fqn in self._owned and p.grad is not None]
 
     def _execute(self, program: StageProgram, steps: list[Step], flat: list,
                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -270,7 +303,8 @@ class PipelineRunner:
         if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
             return weights[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(mean, or sum, of m losses)/d(one of them)
-            return torch.full((), (1.0 / self.m if self._mean else 1.0) * seed(self.loss_scaler),
+            share = (1.0 / self.m if self._mean else 1.0) * self._tangent
+            return torch.full((), share * seed(self.loss_scaler),
                               dtype=program.input_val(name).dtype, device=self.device)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
             return self._tp.mesh_input(role)
@@ -280,8 +314,8 @@ class PipelineRunner:
                 self._constants[key] = program.constants[name].to(self.device)
             return self._constants[key]
         if role.kind is M.InputKind.RNG:  # slice: this replica's microbatch mb, in batch order
-            return rng_value(self._seed, self.step_count,
-                             self._dp_index * self.m + mb).to(self.device)
+            piece = (self._batch * self._dp_size + self._dp_index) * self.m + mb
+            return rng_value(self._seed, self.step_count, piece).to(self.device)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
         return mine.chunk(self.m)[mb].to(self.device)  # moved: only this microbatch's
 
@@ -480,12 +514,12 @@ class PipelineRunner:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's full gradients, on every rank (each sent by its owner)."""
-        if self._zero is not None:  # every replica's rows, then every tp shard
-            mine = {fqn: self._full(fqn, self._zero.whole(fqn, self._stepped[fqn].grad))
-                    for fqn in sorted(self._stepped) if self._stepped[fqn].grad is not None}
-        else:
-            mine = {fqn: self._full(fqn, g) for fqn, g in self._grads.items()
-                    if fqn in self._owned}
+        mine, trained = {}, self._trained()
+        for fqn in sorted(self._owned):  # ZeRO: every replica's rows; then every tp shard
+            g = trained[fqn].grad
+            if g is not None:
+                mine[fqn] = self._full(fqn, self._zero.whole(fqn, g) if fqn in self._stepped
+                                       else g)
         return self._gather(mine, self._grad_shapes())
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -23,7 +23,9 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
-from shardfx.runtime.loss_scale import loss_scaler, seed, step_optimizer
+from shardfx.runtime.accumulate import accumulated
+from shardfx.runtime.loss_scale import loss_scaler, seed
+from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
@@ -43,7 +45,7 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 class Runner:
     def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None,
-                 loss_scaling=None):
+                 loss_scaling=None, clip_grad_norm: float | None = None):
         self._plan = plan
         model = plan.model
         self._params = dict(model.named_parameters())
@@ -74,34 +76,65 @@ class Runner:
         # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.program.module) else 0
         self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
+        self.clip_grad_norm = clip_limit(clip_grad_norm)
+        self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
+        self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
 
     # --- training and inference -------------------------------------------------------------
 
     def step(self, args: tuple, targets: tuple = ()) -> torch.Tensor:
         """One training step on the global batch; returns the loss."""
-        flat = self._plan.check_inputs(args, targets)
-        self._same_batch(flat)
+        return self.step_batches([(args, targets)])
+
+    def step_batches(self, batches) -> torch.Tensor:
+        """One training step over several global batches (gradient accumulation): each
+        batch's forward and backward, their gradients averaged, then one optimizer step;
+        returns the mean of their losses (module ``runtime.accumulate``)."""
+        batches = accumulated(batches)
         trained = self._trained()
         for p in trained.values():  # the last step's gradients go before this one's come
             p.grad = None
-        outs = self._run(self._plan.program, flat)
+        self._tangent = 1.0 / len(batches)  # d(mean of the batches' losses)/d(one of them)
+        loss = torch.zeros((), device=self.device)
+        for index, (args, targets) in enumerate(batches):
+            flat = self._plan.check_inputs(args, targets)
+            self._same_batch(flat)
+            self._batch = index  # its dropout masks are its own
+            outs = self._run(self._plan.program, flat)
+            loss += next(v for r, v in outs if r.kind is M.OutputKind.LOSS).detach()
+            self._set_grads(trained, {r.name: v for r, v in outs
+                                      if r.kind is M.OutputKind.GRAD})
+            del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
-        loss = next(v for r, v in outs if r.kind is M.OutputKind.LOSS)
-        self._set_grads(trained, {r.name: v for r, v in outs if r.kind is M.OutputKind.GRAD})
-        del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        step_optimizer(self.optimizer, self.loss_scaler,
-                       [p.grad for p in trained.values() if p.grad is not None])
+        self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
+                                     self.clip_grad_norm)
         if self._zero is not None:  # ZeRO-1, 2: every rank's updated rows, gathered
             self._zero.after_step(self._stepped, self._shards.groups["dp"])
-        return loss
+        return loss / len(batches)
 
     def _set_grads(self, trained: dict, grads: dict) -> None:
         """Each stepped tensor's ``.grad`` from the program's gradients (ZeRO: this rank's
-        rows), in a call of its own: nothing here keeps a whole gradient alive after it."""
+        rows), added to an earlier batch's, in a call of its own: nothing here keeps a whole
+        gradient alive after it."""
         for name, p in trained.items():
             g = grads.get(name)
-            p.grad = self._zero.grad(name, g) if name in self._stepped and g is not None else g
+            if g is None:
+                continue
+            if name in self._stepped:
+                g = self._zero.grad(name, g)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+    def _norm_terms(self, trained: dict) -> list[Grad]:
+        """This rank's gradients, each with whether it counts it in the global norm."""
+        axes = self._plan.mesh.axes
+        coord = self._shards.coord if self._shards is not None else {}
+        return [Grad(p.grad, counted(self._placements.get(name, ()), axes, coord,
+                                     "dp" if name in self._stepped else None))
+                for name, p in trained.items() if p.grad is not None]
 
     @property
     def loss_scale(self) -> float | None:
@@ -139,8 +172,8 @@ class Runner:
         if role.kind is M.InputKind.BUFFER:
             return self._buffers[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(loss)/d(loss), times the loss scale
-            return torch.full((), seed(self.loss_scaler), dtype=node.meta[M.VAL].dtype,
-                              device=self.device)
+            return torch.full((), seed(self.loss_scaler) * self._tangent,
+                              dtype=node.meta[M.VAL].dtype, device=self.device)
         if role.kind is M.InputKind.MESH:
             return self._shards.mesh_input(role)
         if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
@@ -148,7 +181,7 @@ class Runner:
                 self._constants[node] = node.meta[M.CONSTANT].value.to(self.device)
             return self._constants[node]
         if role.kind is M.InputKind.RNG:  # the same on every device: masks follow global places
-            return rng_value(self._seed, self.step_count).to(self.device)
+            return rng_value(self._seed, self.step_count, self._batch).to(self.device)
         if self._shards is not None:  # this rank's slice, then moved: not the whole batch
             return self._shards.local(flat[role.index], node.meta[M.ANNOTATION]).to(self.device)
         return flat[role.index].to(self.device)

@@ -1,0 +1,96 @@
+"""The end of a training step, on every rank: unscale, measure the gradients, clip, step.
+
+Both runners call ``finish_step`` once a step's gradients are final (summed over its
+microbatches and accumulated batches, reduced over dp):
+
+1. with loss scaling, the gradients are divided by the scale and checked for inf/nan on every
+   rank (``runtime.loss_scale``);
+2. with ``clip_grad_norm`` set, the global L2 norm of the gradients is measured (``global_norm``)
+   and, when it exceeds the limit, every gradient is multiplied by ``limit / (norm + 1e-6)``, as
+   ``torch.nn.utils.clip_grad_norm_`` does on one device;
+3. the optimizer steps, unless a rank overflowed.
+
+The global norm is one device's: the norm of the whole gradients, however they are cut. Each
+rank adds the squares of the gradient elements it *counts*: a tensor sharded over a mesh axis
+is counted on every rank of that axis (each holds other elements), a tensor replicated over an
+axis only on that axis' rank 0 (the others hold the same elements), ZeRO's rows on every dp
+rank (their padding rows are zeros), a pipeline's gradients on the stage that owns them. One
+all-reduce of a float64 over every process sums them: the square of the norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+from shardfx.errors import InputError
+from shardfx.runtime.device import collective_device
+from shardfx.runtime.loss_scale import LossScaler
+
+WHERE = "plan.runner(..., clip_grad_norm=...)"
+
+
+@dataclass
+class Grad:
+    """A gradient this rank holds and whether it counts it in the global norm."""
+
+    tensor: torch.Tensor
+    counted: bool
+
+
+def counted(placements, axes, coord: dict[str, int], rows_over: str | None = None) -> bool:
+    """Whether this rank counts a tensor laid out by ``placements`` (one per mesh axis of
+    ``axes``, (name, size) pairs) in the global norm: it does unless it is not the first rank
+    of an axis the tensor is replicated over. ``rows_over``: an axis over which the tensor is
+    ZeRO's rows (sharded, whatever its placement says)."""
+    placements = tuple(placements) + (None,) * (len(axes) - len(placements))  # () replicates
+    return all(axis == rows_over or isinstance(p, Shard) or coord.get(axis, 0) == 0
+               for (axis, _), p in zip(axes, placements))
+
+
+def global_norm(grads: list[Grad]) -> float:
+    """The L2 norm of the whole gradients over every process (module docstring)."""
+    squares = torch.zeros(1, dtype=torch.float64, device=collective_device())
+    mine = [g.tensor for g in grads if g.counted and g.tensor.numel()]
+    if mine:
+        norms = torch._foreach_norm([t.float() if t.dtype.itemsize < 4 else t for t in mine])
+        squares[0] = torch.stack([n.double() for n in norms]).square().sum().to(squares.device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squares)
+    return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float(squares.item())
+
+
+def clip_limit(value: float | None) -> float | None:
+    """``clip_grad_norm`` checked: None (off) or a positive number (``inf``: measure only)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InputError(f"clip_grad_norm must be a positive number or None, got {value!r}",
+                         where=WHERE, fix="clip_grad_norm=1.0 clips the global gradient norm "
+                         "to 1; float('inf') only measures it; None does neither")
+    return float(value)
+
+
+def finish_step(optimizer: torch.optim.Optimizer | None, scaler: LossScaler | None,
+                grads: list[Grad], limit: float | None) -> float | None:
+    """Unscale, measure and clip ``grads`` (this rank's), then step the optimizer unless some
+    rank overflowed; returns the global norm before clipping (None when not measured)."""
+    tensors = [g.tensor for g in grads]
+    if scaler is not None:
+        found_inf = scaler.unscale(tensors)
+        scaler.update(found_inf)
+        if found_inf:
+            return float("inf") if limit is not None else None
+    norm = None
+    if limit is not None:
+        norm = global_norm(grads)
+        coefficient = limit / (norm + 1e-6)
+        if coefficient < 1.0 and tensors:
+            torch._foreach_mul_(tensors, coefficient)
+    if optimizer is not None:
+        optimizer.step()
+    return norm
