@@ -11,9 +11,11 @@ Shapes in comments: B batch, T sequence length, C n_embd, nh n_head, hs = C // n
 """
 
 import copy
+import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -158,6 +160,19 @@ def workload(batch_size: int = 8, seq_len: int | None = None, seed: int = 0, **o
     idx, targets = get_batch(text, batch_size, T, gen)
     return {"model": model, "args": (idx,), "loss_fn": loss_fn, "targets": (targets,),
             "batches": batches(text, batch_size, T, seed + 1)}
+
+
+def shakespeare(batch_size: int = 8, seq_len: int = 64, seed: int = 0):
+    """The factory of ``examples/shakespeare.toml``: this GPT with the vocabulary of the
+    character-level Shakespeare text that ``examples/prepare_text.py`` tokenizes (its
+    ``meta.json``); ``shardfx run`` trains it on the token file the config names."""
+    meta = Path(__file__).parent / "data" / "meta.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{meta} is missing: run python examples/prepare_text.py first")
+    vocab = json.loads(meta.read_text())["vocab_size"]
+    w = workload(batch_size, seq_len, seed, vocab_size=vocab)
+    del w["batches"]  # the token file's batches instead
+    return w
 
 
 def batches(text, batch_size: int, seq_len: int, seed: int):

@@ -38,9 +38,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-import torch
-
-import shardfx
 from shardfx.errors import MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
 
@@ -58,9 +55,9 @@ class SpecError(ShardfxError):
 class Job:
     """What a factory returned, checked: the arguments of ``shardfx.partition``."""
 
-    model: torch.nn.Module
+    model: "torch.nn.Module"
     args: tuple
-    loss_fn: Callable[..., torch.Tensor] | None = None
+    loss_fn: Callable[..., Any] | None = None
     targets: tuple = ()
     batches: Any = None  # for run: an iterable of (args, targets)
 
@@ -85,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardfx", description="A compiler for distributed training of PyTorch models.")
-    parser.add_argument("--version", action="version", version=f"shardfx {shardfx.__version__}")
+    parser.add_argument("--version", action="version", version=f"shardfx {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     p = commands.add_parser(
@@ -120,39 +117,49 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(command=inspect_command, name="inspect")
 
     r = commands.add_parser(
-        "run", help="train a model factory on a mesh for N steps",
+        "run", help="train a model factory on a mesh, as flags and a TOML config say",
         description="Import MODULE, call FACTORY() on every rank, plan it and train it with "
         "AdamW, printing a line per step; spawns the mesh's processes unless run under torchrun. "
         f"FACTORY must {FACTORY_SHAPE}; it may add \"batches\": an iterable of (args, targets) "
-        "(else synthetic batches shaped like the example).")
-    r.add_argument("spec", metavar="MODULE:FACTORY", help="as for inspect")
-    r.add_argument("--mesh", type=_mesh, default=MeshSpec(), metavar="AXIS=N,...",
-                   help="device mesh, e.g. dp=2,tp=2 (default: one device)")
-    r.add_argument("--steps", type=_positive, default=10, help="steps in all (default 10)")
-    r.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate (3e-4)")
-    r.add_argument("--seed", type=int, default=0,
-                   help="seeds the factory's weights and the synthetic batches (0)")
-    r.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    r.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
-                   help="ZeRO stage over dp, as for inspect (default 0)")
-    r.add_argument("--microbatches", type=int, metavar="M", help="with a pp axis")
-    r.add_argument("--schedule", metavar="NAME", help="with a pp axis")
-    r.add_argument("--virtual-stages", type=int, metavar="V", help="with a pp axis")
-    r.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR after the last step")
-    r.add_argument("--resume", metavar="DIR", help="continue from the checkpoint in DIR")
-    r.add_argument("--trace", metavar="FILE", help="write the last step as a Chrome trace")
+        "(else a token file, or synthetic batches shaped like the example). Every option is "
+        "also a key of --config's TOML file (its [section] in brackets below); a flag given "
+        "wins over the file.")
+    r.add_argument("spec", metavar="MODULE:FACTORY", nargs="?", default=argparse.SUPPRESS,
+                   help="as for inspect ([run] spec)")
+    r.add_argument("--config", metavar="FILE.toml", help="read the run's configuration from it")
+    _config_flags(r)
     r.set_defaults(command=run_command, name="run")
     return parser
 
 
-def _positive(text: str) -> int:
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of the run configuration (``shardfx.config``), given or not."""
+    from shardfx.config import config_fields
+
+    for section, f in config_fields():
+        if f.name == "spec":
+            continue
+        kind, choices = f.metadata["kind"], f.metadata["choices"]
+        default = "" if f.default in (None, "") else f" (default {f.default})"
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+            type=_mesh_text if f.name == "mesh" else kind, choices=choices or None,
+            metavar=None if choices else f.name.upper().replace("_", "-"),
+            help=f"[{section}] {f.metadata['help']}{default}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+        return version("shardfx")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
+def _mesh_text(text: str) -> str:
+    """``--mesh`` of run, checked, in its canonical text ("" for one device)."""
+    return ",".join(f"{axis}={n}" for axis, n in _mesh(text).axes)
 
 
 def _mesh(text: str) -> MeshSpec:
@@ -163,6 +170,8 @@ def _mesh(text: str) -> MeshSpec:
 
 
 def inspect_command(ns: argparse.Namespace) -> int:
+    import shardfx
+
     job = load_job(ns.spec)
     plan = shardfx.partition(
         job.model, job.args,
@@ -182,15 +191,13 @@ def inspect_command(ns: argparse.Namespace) -> int:
 
 
 def run_command(ns: argparse.Namespace) -> int:
-    from shardfx.runtime.launch import under_torchrun
-    from shardfx.train import RunConfig, run
+    from shardfx.config import RunConfig, load_toml, set_fields
+    from shardfx.train import run
 
-    if ns.mesh.size > 1 and not under_torchrun():
-        load_job(ns.spec)  # before spawning: a wrong MODULE:FACTORY is said once, exit code 2
-    mesh = ",".join(f"{axis}={n}" for axis, n in ns.mesh.axes)  # "" for one device
-    run(RunConfig(spec=ns.spec, mesh=mesh, steps=ns.steps, lr=ns.lr, seed=ns.seed,
-                  precision=ns.precision, pipeline=tuple(pipeline_kwargs(ns).items()),
-                  zero=ns.zero, save=ns.save, resume=ns.resume, trace=ns.trace))
+    config = load_toml(ns.config) if ns.config else RunConfig()
+    given = {k: v for k, v in vars(ns).items() if k not in ("command", "name", "config")}
+    set_fields(config, given, "the command line")
+    run(config)
     return 0
 
 
@@ -299,6 +306,8 @@ def _check_no_required_args(factory: Callable, spec: str) -> None:
 
 def _job(value: Any, spec: str) -> Job:
     """A Job from a factory's dict or tuple, naming the wrong part if there is one."""
+    import torch
+
     if isinstance(value, dict):
         unknown = [k for k in value if k not in FACTORY_KEYS]
         missing = [k for k in ("model", "args") if k not in value]

@@ -281,7 +281,7 @@ def compare_training(
         base = _forward_backward(eager, loss_fn, group, low, clip=clip_grad_norm)
         want = _run_float64(truth, lambda m: _forward_backward(
             m, loss_fn, [(_double(a), _double(t)) for a, t in group], clip=clip_grad_norm))
-        loss = runner.step_batches(group)
+        loss = runner.step(*group[0]) if accumulate == 1 else runner.step_batches(group)
         got = (loss, runner.grads(), runner.state_dict())
         _check_step(report, step, got, base, want)
         if clip_grad_norm is not None:

@@ -1,148 +1,245 @@
-"""``shardfx run``: train a model factory on a mesh from the command line.
+"""``shardfx run``: train a model factory on a mesh, as a run configuration says.
 
     shardfx run examples/nanogpt.py:workload --mesh dp=2,tp=2 --steps 20
-    shardfx run examples/nanogpt.py:workload --mesh pp=2 --microbatches 4 --schedule zero-bubble
-    shardfx run MODULE:FACTORY --steps 100 --save ckpt      # then --resume ckpt --steps 200
+    shardfx run --config examples/shakespeare.toml          # every field, from a TOML file
+    shardfx run MODULE:FACTORY --steps 100 --save ck        # then --resume ck --steps 200
 
-Every rank imports MODULE, seeds torch with ``--seed`` and calls FACTORY (so every rank builds
-the same initial weights), plans what it returns with ``shardfx.partition`` and trains it with
-AdamW for ``--steps`` steps in all. Without torchrun it spawns the mesh's processes itself
-(``shardfx.launch``); under torchrun each process is one rank.
+The configuration (``shardfx.config``: flags over a TOML file over defaults) is checked
+before any process starts: what can be known without the mesh's processes (the world size
+under torchrun, options that need an axis the mesh lacks, a batch the mesh cannot divide, the
+data file, the checkpoint to resume) is an error naming the fix, printed once. Then every rank
+imports MODULE, seeds torch with ``seed`` and calls FACTORY (so every rank builds the same
+initial weights), plans what it returns with ``shardfx.partition`` and trains it with AdamW:
 
-Data: the factory's ``"batches"`` (an iterable of ``(args, targets)``) when it returns one,
-else synthetic batches shaped like its example: integer tensors drawn uniformly below the
-example's largest value + 1 (token ids), floating tensors from a normal distribution; batch
-``i`` comes from a generator seeded with ``(seed, i)``, the same on every rank.
+- the learning rate follows ``[lr_schedule]``: linear warmup from ``lr / (warmup + 1)`` to
+  ``lr``, then constant, or a cosine or linear decay to ``final_lr * lr`` at the last step
+  (``torch.optim.lr_scheduler.LambdaLR``);
+- each step takes ``accumulate`` batches (``runner.step_batches``) and clips the global
+  gradient norm to ``clip_grad_norm`` (``plan.runner(clip_grad_norm=...)``: over every shard,
+  one device's norm);
+- batches come from ``shardfx.data``: a token file, the factory's ``"batches"``, or synthetic;
+- every ``[checkpoint] every`` steps, and after the last, the runner's state is saved as a
+  distributed checkpoint (``shardfx.run_checkpoints``: ``step-N/``, the last ``keep`` kept)
+  with the data position and the resolved config. ``resume`` continues from one on any mesh:
+  with the same config the batches, dropout masks, learning rates and updates are those of an
+  uninterrupted run (on the same mesh, the same bits);
+- rank 0 prints the resolved config, the plan, a line per step and a table at the end
+  (``shardfx.metrics``: loss, lr, gradient norm, step time, tokens/s, TFLOP/s, MFU, each
+  rank's peak memory), and writes them to a JSONL file and TensorBoard when asked.
 
-Rank 0 prints one line per step (loss, step time, tokens or rows per second, memory: CUDA's
-peak allocated, or the process's peak resident size on a CPU) under a progress bar, and a table
-at the end.
-
-Checkpoints: ``--save DIR`` writes, after the last step, the runner's state as a distributed
-checkpoint (``runner.save``: each rank its shards of the model and the optimizer's state, the
-step, the loss scaler, the dropout stream, the data position; all or nothing: a run killed
-while saving leaves the previous checkpoint). ``--resume DIR`` checks it before any process
-plans (an incomplete one is refused, naming why) and continues from its step on any mesh (the
-shards are re-cut: ``runtime.saving``): with the same ``--seed`` the batches, dropout masks and
-updates are those of an uninterrupted run, so on the same mesh the losses are the same bits,
-and on another the same within rounding. A different ``--lr`` is used from there on (a
-warning says so).
-
-``--trace FILE``: the last step as a Chrome trace: a pipeline's ``runner.trace`` (every rank's
-actions), else ``torch.profiler`` on rank 0.
+Without torchrun the mesh's processes are spawned (``shardfx.launch``); under torchrun each
+process is one rank. ``[metrics] trace``: the last step as a Chrome trace (a pipeline's
+``runner.trace``, else ``torch.profiler`` on rank 0).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import resource
+import math
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 import shardfx
+from shardfx import run_checkpoints
+from shardfx.config import RunConfig
+from shardfx.data import batches as data_batches
+from shardfx.data import token_shape
 from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
+from shardfx.metrics import (Progress, Sinks, StepMetrics, check_tensorboard, every_rank,
+                             memory, peak_flops)
 from shardfx.runtime.launch import rank, under_torchrun, world_size
 
 log = logging.getLogger("shardfx.run")
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    spec: str
-    mesh: str
-    steps: int
-    lr: float = 3e-4
-    seed: int = 0
-    precision: str = "fp32"
-    pipeline: tuple = ()  # (name, value) of microbatches, schedule, virtual_stages given
-    zero: int = 0  # ZeRO stage over dp (partition(..., zero=))
-    save: str | None = None
-    resume: str | None = None
-    trace: str | None = None
-
-
 def run(config: RunConfig) -> list[float]:
     """Train as ``config`` says, on every rank of its mesh; rank 0's losses."""
-    if config.resume:
-        _resume_meta(config)  # a checkpoint this run cannot continue is said before spawning
+    preflight(config)
     size = MeshSpec.parse(config.mesh).size
     if size == 1 and not under_torchrun():
         return train(config)
     return shardfx.launch(train, config, nprocs=size, timeout=300)[0]
 
 
+# --- checked before any process starts -------------------------------------------------------
+
+
+def preflight(config: RunConfig) -> None:
+    """Everything about ``config`` that can be checked in this process (module docstring);
+    resolves ``resume`` to one checkpoint directory."""
+    from shardfx.cli import load_job
+
+    mesh = MeshSpec.parse(config.mesh)
+    _check_fields(config, mesh)
+    check_tensorboard(config.metrics.tensorboard)
+    peak_flops(config.metrics.peak_tflops, config.metrics.gpu, config.precision)
+    if config.resume:
+        config.checkpoint.resume = run_checkpoints.resolve(config.resume)
+        _resume_meta(config)  # a checkpoint this run cannot continue is said before spawning
+    job = load_job(config.spec)
+    _check_batch(job, config, mesh)
+    if config.data.tokens:
+        from shardfx.data import TokenFile
+
+        rows, length, dtype = token_shape(job)
+        TokenFile(config.data.tokens, rows, length, config.seed, dtype)  # exists, long enough
+
+
+def _check_fields(config: RunConfig, mesh: MeshSpec) -> None:
+    def need(ok: bool, what: str, where: str, fix: str) -> None:
+        if not ok:
+            raise InputError(what, where=where, fix=fix)
+
+    if not config.spec:
+        raise InputError("no model factory to train", where="shardfx run",
+                         fix="give MODULE:FACTORY on the command line, or [run] spec in --config")
+    for name in ("steps", "accumulate"):
+        need(getattr(config, name) >= 1, f"{name} is {getattr(config, name)}",
+             f"--{name}", "a positive integer")
+    for name in ("every", "keep", "warmup"):
+        need(getattr(config, name) >= 0, f"{name} is {getattr(config, name)}",
+             f"--{name}", "zero or a positive integer")
+    need(config.warmup < config.steps or config.warmup == 0,
+         f"warmup is {config.warmup} steps of a {config.steps}-step run", "--warmup",
+         "fewer warmup steps than steps")
+    need(0 <= config.final_lr <= 1, f"final_lr is {config.final_lr}", "--final-lr",
+         "a fraction of lr between 0 and 1")
+    need(config.lr > 0, f"lr is {config.lr}", "--lr", "a positive learning rate")
+    need(config.clip_grad_norm is None or config.clip_grad_norm > 0,
+         f"clip_grad_norm is {config.clip_grad_norm}", "--clip-grad-norm",
+         "a positive norm, or leave it out")
+    pipeline = [f"--{n.replace('_', '-')}" for n in ("microbatches", "schedule", "virtual_stages")
+                if getattr(config.parallel, n) is not None]
+    need(not pipeline or mesh.axis("pp") > 1,
+         f"{' and '.join(pipeline)} given, but the mesh {mesh} has no pp axis: only a pipeline "
+         "runs a schedule over microbatches", f"--mesh {config.mesh or '(one device)'}",
+         f"add a pp axis (--mesh pp=2,...) or drop {' and '.join(pipeline)}")
+    need(config.zero == 0 or mesh.axis("dp") > 1,
+         f"--zero {config.zero} shards the training state over dp, and the mesh {mesh} has no "
+         "dp axis", f"--mesh {config.mesh or '(one device)'}",
+         "add a dp axis (--mesh dp=2,...) or drop --zero")
+    need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
+         "directory", "--every", "give --save DIR, where the checkpoints go")
+
+
+def _check_batch(job, config: RunConfig, mesh: MeshSpec) -> None:
+    """A global batch the mesh cannot divide: its rows over dp, then over microbatches."""
+    leaves = [t for t in pytree.tree_leaves((job.args, job.targets))
+              if isinstance(t, torch.Tensor) and t.dim()]
+    if not leaves:
+        return
+    rows = leaves[0].shape[0]
+    dp, m = mesh.axis("dp"), config.parallel.microbatches or 1
+    if rows % (dp * m):
+        parts = f"dp={dp}" + (f" x {m} microbatches" if m > 1 else "")
+        raise InputError(f"the factory's batch has {rows} rows, which {parts} cannot divide "
+                         "evenly", where=f"{config.spec}, args[0].shape[0] on --mesh {mesh}",
+                         fix=f"make the batch a multiple of {dp * m} rows, or change the mesh")
+
+
+# --- one rank ---------------------------------------------------------------------------------
+
+
 def train(config: RunConfig) -> list[float]:
-    """One rank's part (module docstring): plan, maybe resume, train, maybe save."""
+    """One rank's part (module docstring): plan, maybe resume, train, save."""
     from shardfx.cli import load_job
 
     torch.manual_seed(config.seed)
     job = load_job(config.spec)
     mesh = dict(MeshSpec.parse(config.mesh).axes)
+    pipeline = {k: v for k in ("microbatches", "schedule", "virtual_stages")
+                if (v := getattr(config.parallel, k)) is not None}
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
-                             precision=config.precision, zero=config.zero,
-                             **dict(config.pipeline))
+                             precision=config.precision, zero=config.zero, **pipeline)
+    sinks = Sinks(config.metrics.jsonl, config.metrics.tensorboard, rank() == 0)
     if rank() == 0:
+        print(f"shardfx run, resolved config:\n{config.to_toml()}")
         print(str(plan).rstrip("\n"))  # what it decided, before it runs
-    runner = plan.runner(optimizer=lambda ps: torch.optim.AdamW(ps, lr=config.lr))
-    start = load_checkpoint(config, runner) if config.resume else 0
-    batches = _data(job, config.seed, start)
-    tokens = _tokens(job.args)
-    losses, times = [], []
-    with _Progress(config, start) as progress:
+        sinks.event("start", config=config.to_dict(), world_size=world_size())
+    meta = run_checkpoints_meta(config)
+    start = meta["step"] if meta else 0
+    runner = plan.runner(optimizer=lambda ps: _adamw(ps, config),
+                         clip_grad_norm=config.clip_grad_norm or math.inf)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        runner.optimizer, lambda i: lr_factor(config, start + i)) \
+        if runner.optimizer is not None else None
+    position = start * config.accumulate
+    if meta:
+        position = int(runner.load(config.resume)["data_position"])
+        if rank() == 0:
+            print(f"resumed from {config.resume} at step {start} (data position: batch "
+                  f"{position})")
+            sinks.event("resume", path=config.resume, step=start, data_position=position)
+    data = data_batches(job, config.data.tokens, config.seed, position)
+    try:
+        return _loop(config, plan, runner, schedule, data, start, sinks, job.args)
+    finally:
+        sinks.close()
+
+
+def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
+    o = config.optimizer
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay)
+
+
+def lr_factor(config: RunConfig, step: int) -> float:
+    """The learning rate of step ``step`` (0-based) as a fraction of ``lr`` (module docstring)."""
+    s = config.lr_schedule
+    if step < s.warmup:
+        return (step + 1) / (s.warmup + 1)
+    if s.decay == "constant":
+        return 1.0
+    span = max(1, config.steps - s.warmup - 1)
+    progress = min(1.0, (step - s.warmup) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if s.decay == "cosine" else 1 - progress
+    return s.final_lr + (1 - s.final_lr) * shape
+
+
+def _loop(config: RunConfig, plan, runner, schedule, data, start: int, sinks: Sinks,
+          job_args: tuple) -> list[float]:
+    tokens, unit = _tokens(job_args)
+    tokens *= config.accumulate
+    flops = sum(plan.compute_rows()["whole model"]) * config.accumulate
+    peak = peak_flops(config.metrics.peak_tflops, config.metrics.gpu, config.precision)
+    losses, records = [], []
+    with Progress(config, start, unit) as progress:
         for step in range(start, config.steps):
-            args, targets = next(batches)
+            group = [next(data) for _ in range(config.accumulate)]
             last = step == config.steps - 1
+            lr = runner.optimizer.param_groups[0]["lr"] if runner.optimizer else config.lr
             t0 = time.perf_counter()
-            loss = _traced_step(runner, plan, config, args, targets) if last and config.trace \
-                else runner.step(args, targets)
+            loss = _traced_step(runner, plan, config, group) if last and config.metrics.trace \
+                else runner.step_batches(group)
             value = loss.item()  # waits for the step: the time is the step's
-            times.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if schedule is not None:
+                schedule.step()
+            per_device = flops / seconds / world_size()
+            m = StepMetrics(step + 1, value, lr, runner.grad_norm, seconds,
+                            tokens / seconds, per_device / 1e12,
+                            per_device / peak if peak else None,
+                            every_rank(memory(plan.device), plan.device))
             losses.append(value)
-            progress.step(step, value, times[-1], tokens[0] / times[-1], tokens[1],
-                          _memory(plan.device))
-        progress.summary(losses, times, tokens, _memory(plan.device))
-    if config.save:
-        save_checkpoint(config, runner, config.steps)
+            records.append(m)
+            progress.step(m)
+            sinks.step(m)
+            if config.save and (last or (config.every and (step + 1) % config.every == 0)):
+                path = save_checkpoint(config, runner, step + 1)
+                progress.note(f"checkpoint: {path}/ (step {step + 1})")
+                sinks.event("checkpoint", path=path, step=step + 1)
+        progress.summary(records)
     return losses
 
 
-# --- data -----------------------------------------------------------------------------------
-
-
-def _data(job, seed: int, start: int) -> Iterator[tuple[tuple, tuple]]:
-    """The batches from ``start`` on: the factory's, or synthetic ones (module docstring)."""
-    if getattr(job, "batches", None) is not None:
-        yield from itertools.islice(job.batches, start, None)  # the resumed run's from start
-        raise InputError("the factory's batches ran out before the last step", where="batches",
-                         fix="give as many batches as --steps (or an endless iterator)")
-    step = start
-    while True:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        yield tuple(_like(t, gen) for t in job.args), tuple(_like(t, gen) for t in job.targets)
-        step += 1
-
-
-def _like(t: Any, gen: torch.Generator) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return t
-    if t.is_floating_point():
-        return torch.randn(t.shape, generator=gen, dtype=t.dtype)
-    if t.dtype == torch.bool:
-        return t.clone()
-    high = max(int(t.max()) + 1, 1) if t.numel() else 1
-    return torch.randint(0, high, t.shape, generator=gen, dtype=t.dtype)
-
-
 def _tokens(args: tuple) -> tuple[int, str]:
-    """What a step processes: the first integer input's elements (token ids), else rows."""
+    """What a batch holds: the first integer input's elements (token ids), else rows."""
     leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
     ids = next((t for t in leaves if not t.is_floating_point() and t.dim()), None)
     if ids is not None:
@@ -150,40 +247,44 @@ def _tokens(args: tuple) -> tuple[int, str]:
     return (leaves[0].shape[0] if leaves and leaves[0].dim() else 1), "rows/s"
 
 
-def _memory(device: torch.device) -> tuple[float, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "peak allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS"
-
-
-def _traced_step(runner, plan, config: RunConfig, args, targets) -> torch.Tensor:
+def _traced_step(runner, plan, config: RunConfig, group) -> torch.Tensor:
     """The last step, traced (module docstring)."""
     if plan.schedule is not None:
-        loss = runner.step(args, targets)
-        runner.trace(config.trace)
+        loss = runner.step_batches(group)
+        runner.trace(config.metrics.trace)
         return loss
     if rank() != 0:
-        return runner.step(args, targets)
+        return runner.step_batches(group)
     with torch.profiler.profile() as prof:
-        loss = runner.step(args, targets)
-    prof.export_chrome_trace(config.trace)
+        loss = runner.step_batches(group)
+    prof.export_chrome_trace(config.metrics.trace)
     return loss
 
 
-# --- checkpoints ----------------------------------------------------------------------------
+# --- checkpoints ------------------------------------------------------------------------------
 
 
-def save_checkpoint(config: RunConfig, runner, step: int) -> None:
-    """``config.save``: the runner's state as a distributed checkpoint (``runner.save``: every
-    rank its shards, all or nothing), with the data position and the run's settings."""
-    runner.save(config.save, data_position=step, spec=config.spec, run_seed=config.seed,
-                run_mesh=config.mesh)
+def save_checkpoint(config: RunConfig, runner, step: int) -> str:
+    """The runner's state as ``save/step-N`` (``runner.save``: every rank its shards, all or
+    nothing), with the data position and the resolved config; then the oldest beyond
+    ``keep`` go."""
+    path = run_checkpoints.step_dir(config.save, step)
+    runner.save(path, data_position=step * config.accumulate, spec=config.spec,
+                run_seed=config.seed, run_mesh=config.mesh, run_config=config.to_dict())
+    if rank() == 0:
+        run_checkpoints.prune(config.save, config.keep)
+    if world_size() > 1:
+        dist.barrier()  # no rank goes on while an old checkpoint is half deleted
+    return path
 
 
-def load_checkpoint(config: RunConfig, runner) -> int:
-    """Load ``config.resume`` into ``runner`` (saved on any mesh); returns the step it was
-    saved at, where the data resumes."""
-    return int(runner.load(config.resume)["data_position"])
+def run_checkpoints_meta(config: RunConfig) -> dict[str, Any] | None:
+    """The checkpoint this run resumes from: its meta (None when it starts afresh)."""
+    if not config.resume:
+        return None
+    from shardfx.runtime.checkpoint import check
+
+    return check(config.resume)
 
 
 def _resume_meta(config: RunConfig) -> dict[str, Any]:
@@ -197,73 +298,12 @@ def _resume_meta(config: RunConfig) -> dict[str, Any]:
         raise InputError(f"{config.resume} is a shardfx checkpoint, but not one shardfx run "
                          "wrote (no data position)", where=where,
                          fix="resume from a directory written by shardfx run --save")
-    if meta["data_position"] >= config.steps:
-        raise InputError(f"the checkpoint is at step {meta['data_position']}, and --steps is "
+    if meta["step"] >= config.steps:
+        raise InputError(f"the checkpoint is at step {meta['step']}, and --steps is "
                          f"{config.steps} in all", where=where,
-                         fix=f"ask for more steps than {meta['data_position']}")
+                         fix=f"ask for more steps than {meta['step']}")
     if meta.get("run_seed", config.seed) != config.seed:
         log.warning("resuming from %s with --seed %d; it was saved with --seed %d: the batches "
                     "from here on are --seed %d's", config.resume, config.seed,
                     meta["run_seed"], config.seed)
     return meta
-
-
-def _barrier() -> None:
-    if world_size() > 1:
-        dist.barrier()
-
-
-# --- what rank 0 prints ---------------------------------------------------------------------
-
-
-class _Progress:
-    """A progress bar and one line per step on rank 0 (``rich``); nothing on the others."""
-
-    def __init__(self, config: RunConfig, start: int):
-        self.config, self.start, self.on = config, start, rank() == 0
-        self.mesh = str(MeshSpec.parse(config.mesh))  # "dp=2,tp=2", "1 device"
-        self.bar = None
-
-    def __enter__(self) -> "_Progress":
-        if self.on:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(),
-                                MofNCompleteColumn(), TimeRemainingColumn())
-            self.bar.start()
-            self.task = self.bar.add_task(f"training {self.config.spec} on {self.mesh}",
-                                          total=self.config.steps, completed=self.start)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def step(self, step: int, loss: float, seconds: float, rate: float, unit: str,
-             memory: tuple[float, str]) -> None:
-        if not self.on:
-            return
-        self.bar.console.print(
-            f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps}  "
-            f"loss {loss:.6f}  {seconds * 1e3:8.1f} ms  {rate:>10,.0f} {unit}  "
-            f"{memory[1]} {memory[0] / 2**30:.2f} GiB")
-        self.bar.update(self.task, completed=step + 1)
-
-    def summary(self, losses: list[float], times: list[float], tokens: tuple[int, str],
-                memory: tuple[float, str]) -> None:
-        if not self.on or not losses:
-            return
-        from rich.table import Table
-
-        median = statistics.median(times)
-        table = Table(title=f"shardfx run: {self.config.spec} on {self.mesh}",
-                      title_justify="left")
-        for col in ("steps", "first loss", "last loss", "median step", tokens[1], memory[1]):
-            table.add_column(col, justify="right")
-        table.add_row(f"{self.start + 1}-{self.start + len(losses)}", f"{losses[0]:.6f}",
-                      f"{losses[-1]:.6f}", f"{median * 1e3:.1f} ms",
-                      f"{tokens[0] / median:,.0f}", f"{memory[0] / 2**30:.2f} GiB")
-        self.bar.console.print(table)
-        if self.config.save:
-            self.bar.console.print(f"checkpoint: {self.config.save}/ (step {self.config.steps})")
-

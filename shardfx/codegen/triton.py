@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
+from shardfx import choose_triton_mode
 from shardfx.codegen.triton_ops import HELPERS, expression
+
+choose_triton_mode()  # before this module's kernels import triton
 
 
 @dataclass(frozen=True)
