@@ -15,6 +15,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import shardfx
 from shardfx.mesh import MeshSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
+from shardfx.metrics import memory  # noqa: E402  (CUDA's peak allocated, or peak RSS)
 import nanogpt  # noqa: E402  (the model, the data and the loss, side by side in examples/)
 
 
@@ -44,7 +46,10 @@ def train(mesh: dict[str, int], steps: int, lr: float, schedule: str = "1f1b",
     losses = []
     for _ in range(steps):
         x, y = nanogpt.get_batch(text, idx.shape[0], idx.shape[1], gen)  # (B, T) each
-        losses.append(runner.step((x,), (y,)).item())
+        t0 = time.perf_counter()
+        loss = runner.step((x,), (y,)).item()  # .item() waits for the step
+        seconds = time.perf_counter() - t0
+        losses.append((loss, seconds, memory(plan.device)))
     return losses
 
 
@@ -81,11 +86,14 @@ def main() -> None:
                               timeout=120, deadline=900)
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun every rank gets here
         return
-    ours, reference = per_rank[0], eager_losses(a.steps, a.lr)
-    assert all(r == ours for r in per_rank), "ranks disagree on the loss"
-    print(f"\n{'step':>4}  {'shardfx ' + a.mesh:>18}  {'one device':>12}")
+    ours, reference = [loss for loss, _, _ in per_rank[0]], eager_losses(a.steps, a.lr)
+    assert all([loss for loss, _, _ in r] == ours for r in per_rank), "ranks disagree on the loss"
+    print(f"\n{'step':>4}  {'shardfx ' + a.mesh:>18}  {'one device':>12}  {'step time':>10}  "
+          f"{'peak memory (largest rank)':>26}")
     for i, (l, e) in enumerate(zip(ours, reference)):
-        print(f"{i:4d}  {l:18.6f}  {e:12.6f}")
+        seconds = max(r[i][1] for r in per_rank)
+        peak = max(r[i][2] for r in per_rank)
+        print(f"{i:4d}  {l:18.6f}  {e:12.6f}  {seconds * 1e3:7.1f} ms  {peak / 2**30:22.2f} GiB")
     worst = max(abs(l - e) / abs(e) for l, e in zip(ours, reference))
     print(f"max relative difference: {worst:.1e}")
 

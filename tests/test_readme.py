@@ -122,9 +122,11 @@ def test_python_block(source: str, tmp_path: Path):
 
 @pytest.mark.parametrize("argv, block", sh_lines())
 def test_sh_line(argv: list[str], block: str, tmp_path_factory: pytest.TempPathFactory):
-    assert argv[0] in ("shardfx", "torchrun"), \
+    assert argv[0] in ("shardfx", "torchrun", "python"), \
         f"no way to run {shlex.join(argv)!r}: teach test_readme.py"
-    if argv[0] == "torchrun":  # the same entry point as the torchrun script
+    if argv[0] == "python":  # an example's script, by this Python
+        command = [sys.executable]
+    elif argv[0] == "torchrun":  # the same entry point as the torchrun script
         command = [sys.executable, "-m", "torch.distributed.run"]
     else:
         script = Path(sys.executable).with_name("shardfx")
@@ -136,7 +138,7 @@ def test_sh_line(argv: list[str], block: str, tmp_path_factory: pytest.TempPathF
     done = subprocess.run(command + argv[1:], cwd=tmp_path, env=env(), capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     check(done, f"the README command {shlex.join(argv)!r}")
-    assert "shardfx plan:" in done.stdout, done.stdout[-2000:]
+    assert argv[0] == "python" or "shardfx plan:" in done.stdout, done.stdout[-2000:]
     if "--dump" in argv:
         out = tmp_path / argv[argv.index("--dump") + 1]
         assert (out / "plan.txt").is_file() and (out / "program_train.py").is_file(), \
