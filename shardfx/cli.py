@@ -171,7 +171,9 @@ def _mesh(text: str) -> MeshSpec:
 
 def inspect_command(ns: argparse.Namespace) -> int:
     import shardfx
+    from shardfx.config import check_axes
 
+    check_axes(list(pipeline_kwargs(ns)), ns.zero, ns.mesh, str(ns.mesh))
     job = load_job(ns.spec)
     plan = shardfx.partition(
         job.model, job.args,

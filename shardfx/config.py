@@ -213,6 +213,21 @@ def _checked(f: dataclasses.Field, value: Any, where: str) -> Any:
     return value
 
 
+def check_axes(pipeline: list[str], zero: int, mesh, mesh_text: str) -> None:
+    """Options the mesh has no axis for: ``pipeline`` options given (field names) without a
+    pp axis, a ZeRO stage without dp."""
+    where = f"--mesh {mesh_text or '(one device)'}"
+    flags = " and ".join(f"--{n.replace('_', '-')}" for n in pipeline)
+    if pipeline and mesh.axis("pp") <= 1:
+        raise InputError(f"{flags} given, but the mesh {mesh} has no pp axis: only a pipeline "
+                         "runs a schedule over microbatches", where=where,
+                         fix=f"add a pp axis (--mesh pp=2,...) or drop {flags}")
+    if zero and mesh.axis("dp") <= 1:
+        raise InputError(f"--zero {zero} shards the training state over dp, and the mesh {mesh} "
+                         "has no dp axis", where=where,
+                         fix="add a dp axis (--mesh dp=2,...) or drop --zero")
+
+
 def _close(word: str, known) -> str:
     match = difflib.get_close_matches(word, list(known), n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""

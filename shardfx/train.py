@@ -46,7 +46,7 @@ import torch.utils._pytree as pytree
 
 import shardfx
 from shardfx import run_checkpoints
-from shardfx.config import RunConfig
+from shardfx.config import RunConfig, check_axes
 from shardfx.data import batches as data_batches
 from shardfx.data import token_shape
 from shardfx.errors import InputError
@@ -114,16 +114,9 @@ def _check_fields(config: RunConfig, mesh: MeshSpec) -> None:
     need(config.clip_grad_norm is None or config.clip_grad_norm > 0,
          f"clip_grad_norm is {config.clip_grad_norm}", "--clip-grad-norm",
          "a positive norm, or leave it out")
-    pipeline = [f"--{n.replace('_', '-')}" for n in ("microbatches", "schedule", "virtual_stages")
-                if getattr(config.parallel, n) is not None]
-    need(not pipeline or mesh.axis("pp") > 1,
-         f"{' and '.join(pipeline)} given, but the mesh {mesh} has no pp axis: only a pipeline "
-         "runs a schedule over microbatches", f"--mesh {config.mesh or '(one device)'}",
-         f"add a pp axis (--mesh pp=2,...) or drop {' and '.join(pipeline)}")
-    need(config.zero == 0 or mesh.axis("dp") > 1,
-         f"--zero {config.zero} shards the training state over dp, and the mesh {mesh} has no "
-         "dp axis", f"--mesh {config.mesh or '(one device)'}",
-         "add a dp axis (--mesh dp=2,...) or drop --zero")
+    given = [n for n in ("microbatches", "schedule", "virtual_stages")
+             if getattr(config.parallel, n) is not None]
+    check_axes(given, config.zero, mesh, config.mesh)
     need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
          "directory", "--every", "give --save DIR, where the checkpoints go")
 

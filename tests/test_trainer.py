@@ -162,3 +162,10 @@ def test_a_run_killed_between_checkpoints_resumes_with_the_same_losses(tmp_path)
     subprocess.run([sys.executable, "examples/plot_metrics.py", str(tmp_path / "a.jsonl"),
                     str(log), "--out", str(page)], cwd=REPO, check=True, capture_output=True)
     assert page.read_text().count("<polyline") >= 2
+
+
+def test_inspect_refuses_a_schedule_without_a_pp_axis(capsys):
+    from shardfx import cli
+
+    assert cli.main(["inspect", SPEC, "--mesh", "dp=2", "--schedule", "gpipe"]) == 1
+    assert "--schedule given, but the mesh dp=2 has no pp axis" in capsys.readouterr().err
