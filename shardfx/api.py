@@ -17,7 +17,8 @@ from shardfx.hints import check_hint_axes
 from shardfx.ir.text import ir_to_text
 from shardfx.memory import optimizer_model
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import Captured, capture, capture_leaves, microbatch
+from shardfx.partitioner.capture import (Captured, capture, capture_leaves, check_model,
+                                         microbatch)
 from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
 from shardfx.passes.manager import Options, PassRecord, dump_failure
 from shardfx.pipeline import deferred_codegen
@@ -166,10 +167,10 @@ def partition(
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
     (microbatches without a pp axis, an unknown schedule name) is an error.
     """
+    check_model(model)  # before anything reads its parameters (choose_device does)
     spec = MeshSpec.parse(mesh)
     _check_pipeline_request(spec, microbatches, schedule, virtual_stages)
-    types = {name: type(m).__name__ for name, m in model.named_modules()} \
-        if isinstance(model, torch.nn.Module) else {}
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
     if virtual_stages is None:
         virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
     options = Options(mesh=spec, shard=shard, module_types=types, microbatches=microbatches,

@@ -412,8 +412,9 @@ class Plan:
 
     @property
     def precision(self):
-        """What ops compute in: a ``PrecisionReport`` (how many ops in the low dtype and in
-        fp32, the casts, ops kept in fp32 for want of a kernel), or the fp32 ``Precision``."""
+        """What ops compute in: a ``PrecisionReport`` (how many ops really compute in the low
+        dtype, how many stay in their own (fp32; fp64 values are not cast), the casts, ops kept
+        in fp32 for want of a kernel), or the fp32 ``Precision``."""
         return self.ir.meta.get(M.PRECISION, self.options.precision)
 
     def replicated_ops(self) -> list[str]:

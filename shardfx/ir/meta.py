@@ -70,7 +70,8 @@ class InputKind(str, enum.Enum):
     TARGET = "target"  # a leaf of example_targets
     TANGENT = "tangent"  # d(loss)/d(loss): 1.0, or the loss scale under fp16
     MESH = "mesh"  # per-rank facts of a per-device program: a process group name, a coordinate
-    CONSTANT = "constant"  # a tensor the model makes from Python values (x[:, [0, 1]]'s index)
+    CONSTANT = "constant"  # a tensor the model makes from Python values (x[:, [0, 1]]'s index),
+    # or reads from outside the model (a global, a tensor loss_fn closes over)
     RNG = "rng"  # i64[3] [seed, step, slice]: the random state of dropout masks (passes.rng)
 
     def __str__(self) -> str:
@@ -83,7 +84,8 @@ class InputRole:
 
     ``name`` is the module FQN for parameters and buffers (``transformer.h.0.attn.c_attn.weight``),
     ``args[i]`` / ``targets[i]`` for the i-th flattened leaf of the user's inputs, ``loss`` for
-    the tangent, the name torch gave a constant (``_tensor_constant0``; its value is in the
+    the tangent, the name torch gave a constant (``_tensor_constant0``) or, for a tensor read
+    from outside the model, the user's name for it (``class_weights``; its value is in the
     placeholder's ``CONSTANT``). ``aliases`` lists other FQNs bound to the same tensor (tied
     weights, e.g. GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``).
     """
@@ -103,8 +105,10 @@ class InputRole:
 @dataclass(frozen=True, eq=False)
 class Constant:
     """The value of a CONSTANT input: a tensor the traced code built from Python values, such as
-    the index of ``h[:, [0, 1]]``. torch leaves it in the graph as a module attribute; shardfx
-    makes it an input like the others (torch.export lifts constants alike), so every program,
+    the index of ``h[:, [0, 1]]``, or read from outside the model, such as a module-level global
+    or class weights ``loss_fn`` closes over (``partitioner.constants``), as it was when the
+    model was partitioned. torch leaves such tensors in the graph as module attributes; shardfx
+    makes each an input like the others (torch.export lifts constants alike), so every program,
     on one device, sharded or cut into pipeline stages, takes it as an input the runner feeds.
     A constant is the same on every device: replicated on every mesh axis. Compared by identity
     (tensors have no single truth value)."""

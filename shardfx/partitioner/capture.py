@@ -8,9 +8,12 @@ Two torch steps, then our naming:
    the joint forward+backward graph. Every input and output carries a descriptor saying what it is
    (parameter FQN, user input index, gradient of which parameter, mutated buffer).
 3. We turn the descriptors into ``ROLE`` / ``OUTPUTS`` meta, give placeholders readable names,
-   drop the ``None`` outputs, make tensor constants inputs (``CONSTANT``), merge tied
-   parameters into one input whose gradient is the sum, and check that every trainable
-   parameter the loss depends on has its gradient (``gradients``).
+   drop the ``None`` outputs, make tensor constants inputs (``CONSTANT``): those torch builds
+   from Python values and the tensors the code reads from outside the model, closed over by
+   ``loss_fn`` or global (``constants``); write a class-weighted mean loss as its sum over its
+   total weight (``weighted_mean``), merge tied parameters into one input whose gradient is
+   the sum, and check that every trainable parameter the loss depends on has its gradient
+   (``gradients``).
 
 For training the traced callable is ``loss_fn(model(*args), *targets)``; for inference, the model.
 A model on the meta device is traced as on its run device (``fake``). A list of repeated blocks
@@ -38,12 +41,15 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, insert_op, placeholder_name
+from shardfx.partitioner.constants import (UserConstant, as_buffers, mutated_constant,
+                                           user_constants)
 from shardfx.partitioner.fake import on_meta, run_device, traced_as
 from shardfx.partitioner.gradients import check_gradients, no_silent_backward
 from shardfx.partitioner.microbatching import output_of
 from shardfx.partitioner.repeats import (Reads, Repeat, cut_to_traced, differing_reads,
                                          find_repeats, glue_between)
 from shardfx.partitioner.stamp import NotRepeatable, NotStampable, rename_in_order, stamp
+from shardfx.partitioner.weighted_mean import weighted_means_as_sums
 
 log = logging.getLogger("shardfx.capture")
 
@@ -147,13 +153,18 @@ def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode
         with _hf_cache_off(model), fakes as fake_example, no_silent_backward(model):
             ep = _export(traced, fake_example, model)
             _check_static(ep, model)
+            prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX
+            loss_fn = traced.loss_fn if isinstance(traced, _LossOf) else None
+            constants = user_constants(ep, model, loss_fn, prefix)
+            exported = ep.module()
+            as_buffers(exported, constants)  # lifted by the joint trace, not met as real tensors
             with contextlib.ExitStack() as stack:
                 grad_mode = torch.enable_grad() if mode is M.Mode.TRAIN else torch.no_grad()
                 with grad_mode:
-                    joint = aot_export_joint_with_descriptors(stack, ep.module(), fake_example)
+                    joint = aot_export_joint_with_descriptors(stack, exported, fake_example)
                 gm = joint.graph_module
-    prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX
-    _to_ir(gm, mode, type(model).__name__, prefix, n_args)
+    _to_ir(gm, mode, model, prefix, n_args, constants)
+    weighted_means_as_sums(gm.graph)  # a weighted mean loss split over dp is not a mean of means
     _merge_tied_parameters(gm, model)
     if mode is M.Mode.TRAIN:
         check_gradients(gm, ep, model, prefix)
@@ -298,16 +309,28 @@ def _user_frame(e: BaseException) -> str | None:
 # --- descriptors to IR ---------------------------------------------------------------------
 
 
-def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_args: int) -> None:
-    """Replace aot's descriptors with our roles; flat calling convention; readable names."""
+def _to_ir(gm: fx.GraphModule, mode: M.Mode, model: torch.nn.Module, prefix: str, n_args: int,
+           constants: dict[str, UserConstant]) -> None:
+    """Replace aot's descriptors with our roles; flat calling convention; readable names.
+    ``constants``: the buffers that stand for tensors read from outside the model, by FQN
+    (``partitioner.constants``): CONSTANT inputs, after the others."""
     graph = gm.graph
     for node in graph.find_nodes(op="placeholder"):
-        role = _input_role(node.meta["desc"], prefix, n_args)
-        node.meta[M.ROLE] = role
-        node._rename(placeholder_name(role))
+        desc = node.meta["desc"]
+        if isinstance(desc, d.BufferAOTInput) and desc.target in constants:
+            const = constants[desc.target]
+            node.meta[M.ROLE] = M.InputRole(M.InputKind.CONSTANT, const.name)
+            node.meta[M.CONSTANT] = M.Constant(const.value)
+            graph.find_nodes(op="placeholder")[-1].append(node)  # after the other inputs
+        else:
+            node.meta[M.ROLE] = _input_role(desc, prefix, n_args)
+        node._rename(placeholder_name(node.meta[M.ROLE]))
     out_node = graph.output_node()
     values, roles = [], []
     for value, desc in zip(out_node.args[0], out_node.meta["desc"]):
+        if isinstance(desc, d.InputMutationAOTOutput) and \
+                getattr(desc.mutated_input, "target", None) in constants:
+            raise mutated_constant(constants[desc.mutated_input.target], model)
         role = _output_role(desc, prefix, mode)
         if value is None or role is None:
             continue
@@ -325,7 +348,7 @@ def _to_ir(gm: fx.GraphModule, mode: M.Mode, model_name: str, prefix: str, n_arg
                         k: (path.removeprefix(prefix) if path != prefix.rstrip(".") else "", cls)
                         for k, (path, cls) in stack.items()}
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, a tuple out: no pytree specs
-    gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=model_name)
+    gm.meta[M.GRAPH] = M.GraphInfo(mode=mode, model=type(model).__name__)
 
 
 def _lift_constants(gm: fx.GraphModule) -> None:
@@ -463,13 +486,30 @@ def _merge_tied_parameters(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     out.meta[M.OUTPUTS] = tuple(r for r in roles if r is not None)
 
 
+def check_model(model: Any) -> None:
+    """Raise an InputError naming what was given when ``model`` is not an ``nn.Module``."""
+    if isinstance(model, torch.nn.Module):
+        return
+    given = type(model).__name__
+    fix = "pass the torch.nn.Module itself: partition(model, example_args, ...)"
+    if isinstance(model, dict):
+        given = f"{given} of {len(model)} entries (a state dict?)"
+        fix = "build the module and load the weights into it (model.load_state_dict(state)), " \
+              "then pass the module"
+    elif isinstance(model, str):
+        given = f"the string {model!r}"
+        fix = "build the model first (e.g. transformers.AutoModelForCausalLM.from_pretrained(" \
+              "name) or your own nn.Module) and pass it"
+    elif callable(model):
+        given = f"{given} {getattr(model, '__qualname__', model)!r}"
+        fix = "pass the torch.nn.Module (a function has no parameters to train); to plan a " \
+              "function, wrap it in an nn.Module whose forward calls it"
+    raise InputError(f"model must be a torch.nn.Module, got {given}",
+                     where="partition(model, ...)", fix=fix)
+
+
 def _check_inputs(model: Any, args: Any, loss_fn: Any, targets: Any) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise InputError(
-            f"model must be a torch.nn.Module, got {type(model).__name__}",
-            where="partition(model, ...)",
-            fix="pass the module itself (not a function or a state dict)",
-        )
+    check_model(model)
     for what, value in (("example_args", args), ("example_targets", targets)):
         if not isinstance(value, tuple):
             raise InputError(

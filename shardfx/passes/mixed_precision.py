@@ -14,7 +14,9 @@ Ensures:  under ``Options.precision`` bf16 or fp16, the ops of ``LOW_PRECISION``
           gradients, buffer updates, model outputs) have their traced dtypes: gradients leave
           in fp32, for an fp32 optimizer on fp32 master weights. VAL is updated on every node
           whose dtype changed, PHASE recomputed (``assign_phase``), and ``gm.meta[PRECISION]``
-          says what ran where. fp32 leaves the graph as it is.
+          says what ran where. fp32 leaves the graph as it is. Values of another dtype than
+          fp32 (an fp64 model) are not cast, as torch.autocast leaves them; the report counts
+          the ops that read them in their own dtype, not in the low one.
 
 This is what ``torch.autocast`` does, applied to the captured forward and backward at ATen
 level: the lists follow autocast's CUDA lists, which name composite ops (``linear``,
@@ -41,6 +43,7 @@ import torch.fx as fx
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, fake_value, op_nodes
 from shardfx.passes.assign_phase import assign_phase
+from shardfx.precision import DTYPES
 
 aten = torch.ops.aten
 
@@ -102,18 +105,34 @@ _VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, at
 
 @dataclass(frozen=True)
 class PrecisionReport:
-    """What ``mixed_precision`` did, for ``print(plan)``."""
+    """What ``mixed_precision`` did, for ``print(plan)``: only what really runs in the low
+    dtype is counted as such. Values in another dtype than fp32 (an fp64 model) are not cast,
+    as ``torch.autocast`` leaves them: their matmuls are counted in ``uncast``."""
 
     compute: str
     low: int  # ops that compute in the low dtype
-    full: int  # ops of FULL_PRECISION kept in their traced dtype
+    full: int  # ops of FULL_PRECISION kept in the dtype they were traced in
     casts: int  # cast nodes inserted
     stayed: tuple[tuple[str, int], ...] = ()  # (op, count) that cannot run in it on the device
     device: str = "cpu"
+    full_in: tuple[str, ...] = ("fp32",)  # the dtypes those FULL_PRECISION ops compute in
+    uncast: tuple[tuple[str, int], ...] = ()  # (dtype, count): matmul-class ops left in a
+    # dtype that is not cast (fp64), as autocast leaves it
 
     def __str__(self) -> str:
-        text = (f"{self.compute}: {self.low} ops in {self.compute} (matmuls, attention), "
-                f"{self.full} in fp32 (softmax, norms, loss, reductions), {self.casts} casts")
+        full = f"{self.full} in {'/'.join(self.full_in) or 'fp32'} (softmax, norms, loss, " \
+               f"reductions), {self.casts} casts"
+        uncast = ", ".join(f"{n} ops in {dtype}" for dtype, n in self.uncast)
+        why = "shardfx casts fp32 values only, as torch.autocast does"
+        if self.low == 0 and self.uncast:
+            dtypes = "/".join(dtype for dtype, _ in self.uncast)
+            text = (f"{self.compute} asked, but no op computes in {self.compute}: the model "
+                    f"computes in {dtypes}, which is not cast ({why}): {uncast} (matmuls, "
+                    f"attention), {full}")
+        else:
+            text = f"{self.compute}: {self.low} ops in {self.compute} (matmuls, attention), {full}"
+            if self.uncast:
+                text += f"; not cast ({why}): {uncast} (matmuls, attention)"
         if self.stayed:
             ops = ", ".join(f"{op} x{n}" for op, n in self.stayed)
             text += f"; kept in fp32, no {self.compute} kernel on {self.device}: {ops}"
@@ -143,6 +162,8 @@ class _Edit:
         self.casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         self.counts: Counter = Counter()
         self.stayed: Counter = Counter()
+        self.uncast: Counter = Counter()  # matmul-class ops by the dtype they stay in
+        self.full_in: Counter = Counter()  # FULL_PRECISION ops by the dtype they compute in
         self.device = device  # where the ops run: their kernels are tried there
 
     # --- one op -----------------------------------------------------------------------------
@@ -156,6 +177,7 @@ class _Edit:
         elif node.target in FULL_PRECISION:
             self.counts["full"] += 1
             self._as_traced(node)
+            self.full_in[_dtype_name(_dtype(_first(self.traced[node])))] += 1
         elif any(_dtype(a) != _dtype(self.traced.get(a)) for a in node.all_input_nodes):
             self._follow(node)
 
@@ -168,8 +190,11 @@ class _Edit:
         node.args, node.kwargs = fx.node.map_arg(
             (node.args, node.kwargs), lambda a: self.cast(a, self.low, node)
             if self._lowers(a) else a)
-        self.counts["low"] += 1
         self._revalue(node)
+        if any(_dtype(a) == self.low for a in node.all_input_nodes):
+            self.counts["low"] += 1
+        else:  # no operand in fp32 or the low dtype (an fp64 model): it computes as traced
+            self.uncast[_dtype_name(_dtype(node))] += 1
 
     def _lowers(self, a: fx.Node) -> bool:
         """An fp32 operand a low-precision op reads in the low dtype; not one a low-precision
@@ -243,12 +268,26 @@ class _Edit:
     def report(self, compute: str) -> PrecisionReport:
         return PrecisionReport(compute, self.counts["low"], self.counts["full"],
                                self.counts["casts"], tuple(sorted(self.stayed.items())),
-                               self.device.type)
+                               self.device.type, tuple(sorted(self.full_in)),
+                               tuple(sorted(self.uncast.items())))
 
 
 def _dtype(a) -> torch.dtype | None:
     val = a.meta.get(M.VAL) if isinstance(a, fx.Node) else a
     return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _first(val):
+    """A value, or the first of several (``native_layer_norm``'s output, mean, rstd)."""
+    return val[0] if isinstance(val, (tuple, list)) and val else val
+
+
+_SHORT = {**{dtype: name for name, dtype in DTYPES.items()}, torch.float64: "fp64"}
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    """``fp64``, ``fp32``, ``bf16``, ``fp16``; another dtype as torch names it."""
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _name(node: fx.Node) -> str:

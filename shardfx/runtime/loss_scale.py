@@ -17,6 +17,9 @@ multiplied by ``growth_factor``. The defaults are ``torch.amp.GradScaler``'s.
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -84,9 +87,34 @@ class LossScaler:
                 "settings": asdict(self.settings)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped = int(state.get("skipped", 0))
+        """Resume from ``state_dict()``: ``scale`` a finite positive number, ``good_steps`` and
+        ``skipped`` (optional: 0, as before it was saved) non-negative ints. Anything else is
+        an InputError naming the key, and the scaler is left as it was."""
+        where = "runner.loss_scaler.load_state_dict"
+        fix = "pass what runner.loss_scaler.state_dict() returned: {'scale': a finite " \
+              "positive number, 'good_steps': an int >= 0, 'skipped': an int >= 0}"
+        if not isinstance(state, Mapping):
+            raise InputError(f"a loss scaler state must be a dict, got {type(state).__name__}",
+                             where=where, fix=fix)
+        missing = [k for k in ("scale", "good_steps") if k not in state]
+        if missing:
+            raise InputError(f"the loss scaler state lacks {', '.join(map(repr, missing))} "
+                             f"(it has {sorted(map(str, state))})", where=where, fix=fix)
+        scale = state["scale"]
+        if not (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+                and math.isfinite(scale) and scale > 0):
+            raise InputError(f"loss scale must be a finite positive number, got "
+                             f"{type(scale).__name__} {scale!r}", where=f"{where}: 'scale'",
+                             fix=fix)
+        counts = {"good_steps": state["good_steps"], "skipped": state.get("skipped", 0)}
+        for key, value in counts.items():
+            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                    and value >= 0):
+                raise InputError(f"{key} must be a non-negative int, got "
+                                 f"{type(value).__name__} {value!r}", where=f"{where}: {key!r}",
+                                 fix=fix)
+        self.scale = float(scale)
+        self.good_steps, self.skipped = int(counts["good_steps"]), int(counts["skipped"])
 
 
 def loss_scaler(precision, loss_scaling) -> LossScaler | None:
@@ -109,16 +137,3 @@ def loss_scaler(precision, loss_scaling) -> LossScaler | None:
 def seed(scaler: LossScaler | None) -> float:
     """What the backward starts from, times the runner's own factor: the scale, or 1."""
     return 1.0 if scaler is None else scaler.scale
-
-
-def step_optimizer(optimizer: torch.optim.Optimizer | None, scaler: LossScaler | None,
-                   grads: list[torch.Tensor]) -> None:
-    """The step's end on every rank: unscale and check ``grads`` (this rank's), then step the
-    optimizer unless some rank overflowed."""
-    if scaler is not None:
-        found_inf = scaler.unscale(grads)
-        scaler.update(found_inf)
-        if found_inf:
-            return
-    if optimizer is not None:
-        optimizer.step()
