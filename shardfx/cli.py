@@ -75,7 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardfx {ns.name}: error: {e}", file=sys.stderr)
         return 2
     except ShardfxError as e:
+        from shardfx.runtime.launch import record_for_torchrun
+
         print(f"shardfx {ns.name}: error: {e}", file=sys.stderr)
+        record_for_torchrun(e)  # torchrun's summary shows it, not "To enable traceback see"
         return 1
 
 

@@ -53,7 +53,8 @@ from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
 from shardfx.metrics import (Progress, Sinks, StepMetrics, check_tensorboard, every_rank,
                              memory, peak_flops)
-from shardfx.runtime.launch import rank, under_torchrun, world_size
+from shardfx.runtime.launch import check_world, rank, under_torchrun, world_size
+from shardfx.runtime.watchdog import arrive
 
 log = logging.getLogger("shardfx.run")
 
@@ -76,6 +77,7 @@ def preflight(config: RunConfig) -> None:
     from shardfx.cli import load_job
 
     mesh = MeshSpec.parse(config.mesh)
+    check_world(mesh.size, where=f"--mesh {config.mesh or '(one device)'}")  # under torchrun
     _check_fields(config, mesh)
     check_tensorboard(config.metrics.tensorboard)
     peak_flops(config.metrics.peak_tflops, config.metrics.gpu, config.precision)
@@ -204,6 +206,7 @@ def _loop(config: RunConfig, plan, runner, schedule, data, start: int, sinks: Si
     losses, records = [], []
     with Progress(config, start, unit) as progress:
         for step in range(start, config.steps):
+            arrive(f"step {step + 1}")  # under torchrun, a rank that never gets here is named
             group = [next(data) for _ in range(config.accumulate)]
             last = step == config.steps - 1
             lr = runner.optimizer.param_groups[0]["lr"] if runner.optimizer else config.lr

@@ -26,14 +26,18 @@ the machine, unless the user chose a count (``_set_threads``).
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set, or the process group already initialized),
 ``launch`` spawns nothing: it runs ``fn(*args)`` once in this process, initializing the process
 group from the environment with ``timeout`` if needed (and destroying it after), and returns
-every rank's result gathered with ``all_gather_object``. An exception in ``fn`` propagates
-unchanged; torchrun stops the other ranks.
+every rank's result gathered with ``all_gather_object``. Before any process group is made,
+``check_world`` compares torchrun's world size with ``nprocs``. An exception in ``fn``
+propagates; torchrun stops the other ranks. A communication error, though, becomes a
+``LaunchError`` naming the rank(s) the collective waited for, with where each last arrived
+and, on this host, its stack (``runtime.watchdog``), as a spawned run's report does. A
+ShardfxError's message is what torchrun's summary shows for the rank (``record_for_torchrun``).
 """
 
 from __future__ import annotations
 
 import faulthandler
-import itertools
+import json
 import math
 import os
 import pickle
@@ -54,13 +58,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardfx.errors import ShardfxError
+from shardfx.errors import InputError, ShardfxError
+from shardfx.runtime import watchdog
+from shardfx.runtime.watchdog import STACK_SIGNAL, read_stacks
 
 GRACE_S = 2.0  # how long the other ranks may run on after the first one fails
 KILL_WAIT_S = 1.0  # between SIGTERM and SIGKILL
 CONSEQUENCE_S = 1.0  # a communication error this long before another failure is its consequence
-STACK_SIGNAL = signal.SIGUSR1  # asks a rank still running for its Python stack
-STACK_WAIT_S = 0.5  # how long a rank gets to write its stack
+HEAD_START_S = 3.0  # under torchrun, how long the first rank has to report an error alone
 
 
 class LaunchError(ShardfxError):
@@ -80,8 +85,8 @@ class LaunchError(ShardfxError):
         parts = [self.args[0]]
         if tb:
             parts.append(f"traceback of rank {rank}:\n{tb.rstrip()}")
-        parts += [f"stack of rank {r}, still running when it was stopped (most recent call "
-                  f"first):\n{s.rstrip()}" for r, s in sorted(self.stacks.items())]
+        parts += [f"stack of rank {r}, still running (most recent call first):\n{s.rstrip()}"
+                  for r, s in sorted(self.stacks.items())]
         self.args = ("\n\n".join(parts),)
 
 
@@ -267,33 +272,7 @@ def _stacks(procs: list, outcomes: list[_Outcome | None], folder: str) -> dict[i
     running = [r for r, o in enumerate(outcomes) if o is None and procs[r].is_alive()]
     for r in running:
         os.kill(procs[r].pid, STACK_SIGNAL)
-    end = time.monotonic() + STACK_WAIT_S
-    stacks = {}
-    for r in running:
-        path = Path(_stack_file(folder, r))
-        while _read(path).count("\n") < 2 and time.monotonic() < end:  # the id line, no dump
-            time.sleep(0.01)
-        time.sleep(0.05)  # let the rank finish writing
-        stacks[r] = _main_stack(_read(path))
-    return stacks
-
-
-def _read(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
-
-
-def _main_stack(dump: str) -> str:
-    """The main thread's frames, fn's down, from a stack file: its main thread's id, then
-    faulthandler's dump of every thread (most recent call first)."""
-    ident, _, threads = dump.partition("\n")
-    ident = ident.removeprefix("main thread ")
-    for thread in threads.split("\n\n"):
-        header, _, frames = thread.partition("\n")
-        if ident and ident in header:
-            return "\n".join(itertools.takewhile(lambda line: not line.endswith(" in _worker"),
-                                                 frames.splitlines()))
-    return "(none: the rank did not write its stack)"
-
+    return read_stacks({r: Path(_stack_file(folder, r)) for r in running}, below="_worker")
 
 
 def _stop(procs: list, answered: list[int]) -> None:
@@ -424,7 +403,10 @@ def _exit_with_parent() -> None:
 
 
 def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) -> list[Any]:
-    """Under torchrun: run fn once here and gather every rank's result."""
+    """Under torchrun: run fn once here and gather every rank's result (module docstring)."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    where = f"shardfx.launch({name!r}, nprocs={nprocs}) under torchrun"
+    check_world(nprocs, where, instead=f"pass nprocs={_torchrun_world()}")
     owned = not dist.is_initialized()
     if owned:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -432,17 +414,90 @@ def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) 
         gpu = _gpu(backend, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=gpu)
     try:
-        if dist.get_world_size() != nprocs:
-            raise LaunchError(
-                f"launch asked for nprocs={nprocs}, but this process is already one of "
-                f"{dist.get_world_size()} ranks", where="shardfx.launch under torchrun",
-                fix="pass nprocs equal to the torchrun world size, or call fn directly")
-        results: list[Any] = [None] * nprocs
-        dist.all_gather_object(results, fn(*args))
+        with watchdog.watch(below="_run_in_process"):
+            try:
+                watchdog.arrive(f"the start of {name}")
+                value = fn(*args)
+                watchdog.arrive(f"the end of {name}")
+                results: list[Any] = [None] * nprocs
+                dist.all_gather_object(results, value)
+            except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+                _fail(e, where, timeout)
+                raise
         return results
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _fail(e: BaseException, where: str, timeout: float) -> None:
+    """Under torchrun, as fn ends with ``e``: record it (``watchdog.ending``); a communication
+    error becomes a LaunchError naming the ranks this one waited for, when the watchdog can
+    tell; a ShardfxError goes to torchrun's summary (``record_for_torchrun``)."""
+    communication = _communication_error(e)
+    verdict = watchdog.ending(e, communication, timeout)
+    if verdict is not None:
+        summary = (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
+        error = LaunchError(verdict.cause, where=f"{where}; rank {rank()}'s collective: "
+                            f"{summary}", fix=verdict.fix, stacks=verdict.stacks)
+        if not verdict.first:  # a peer says it already: torchrun stops this rank meanwhile
+            time.sleep(HEAD_START_S)
+        record_for_torchrun(error)
+        raise error from e
+    if isinstance(e, ShardfxError):
+        record_for_torchrun(e)
+
+
+def check_world(mesh_size: int, where: str, *, instead: str | None = None) -> None:
+    """Under torchrun, raise an InputError unless its world size (``WORLD_SIZE``, or the
+    default process group's size) is ``mesh_size``; outside torchrun, nothing.
+
+    Call it before any process group is made: a mismatch is then one message, with the fix in
+    the command line's terms, not a rendezvous or collective failing on every rank.
+    ``where``: what asked for ``mesh_size`` (e.g. "--mesh dp=4"); ``instead``: the other fix
+    than resizing the torchrun job (default: a --mesh of that size). The message goes to
+    torchrun's summary (``record_for_torchrun``). Every rank raises it, local rank 0 at once
+    and the others HEAD_START_S later: torchrun stops them when rank 0 fails, so the message
+    is printed once per node, not once per rank.
+    """
+    if not under_torchrun():
+        return
+    world = _torchrun_world()
+    if world == mesh_size:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // local)
+    start = (f"start torchrun with --nproc-per-node {mesh_size}" if nodes == 1 else
+             f"start torchrun with --nnodes x --nproc-per-node = {mesh_size} processes "
+             f"(now {nodes} x {local})")
+    instead = instead or f"give a --mesh of {world} devices, e.g. --mesh dp={world}"
+    processes = "process" if mesh_size == 1 else "processes"
+    error = InputError(f"the mesh needs {mesh_size} {processes}, but torchrun started {world}",
+                       where=where, fix=f"{start}, or {instead}")
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        time.sleep(HEAD_START_S)  # torchrun stops this rank once local rank 0 has failed
+    record_for_torchrun(error)
+    raise error
+
+
+def _torchrun_world() -> int:
+    return dist.get_world_size() if _initialized() else int(os.environ["WORLD_SIZE"])
+
+
+def record_for_torchrun(e: BaseException) -> None:
+    """Under torchrun, make ``e``'s message what torchrun's summary of this rank's failure
+    shows (instead of "To enable traceback see: ..."): write it to the error file torchrun
+    reads, ``TORCHELASTIC_ERROR_FILE``, as ``torch.distributed.elastic``'s ``@record`` does,
+    without the traceback. An exception recorded later replaces it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = {"message": f"{type(e).__name__}: {e}",
+               "extraInfo": {"timestamp": str(int(time.time()))}}
+    try:
+        Path(path).write_text(json.dumps({"message": message}))
+    except OSError:
+        pass  # torchrun's summary then says "To enable traceback see: ..."
 
 
 def _gpu(backend: str, local_rank: int) -> torch.device | None:
