@@ -353,3 +353,15 @@ def rank_0_returns_first() -> int:
 
 def test_rank_0_keeps_the_store_until_every_rank_is_done():
     assert launch(rank_0_returns_first, nprocs=2) == [0, 1]
+
+
+def draw() -> list[int]:
+    return torch.randint(0, 1000, (4,)).tolist()
+
+
+def test_ranks_start_from_the_same_rng_state_and_shardfx_loaded():
+    """Ranks fork from a server that imported shardfx.api (torch and shardfx's parts): each
+    starts with them loaded, and from the server's RNG state, so a batch drawn before seeding
+    is the same on every rank (the README's checkpoint example relies on it)."""
+    first, second = launch(draw, nprocs=2)
+    assert first == second

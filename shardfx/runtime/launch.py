@@ -386,11 +386,14 @@ def _context():
     """Ranks fork from a fork server, a clean process that imported shardfx (and torch) once.
 
     Like "spawn", a rank inherits none of the caller's threads, CUDA state or modules; unlike
-    spawn, it starts in ~0.1 s, not the ~4 s of importing torch and shardfx afresh. Ranks get the
-    caller's os.environ as of the launch; modules read theirs when the server started.
+    spawn, it starts in ~0.1 s, not the ~4 s of importing torch and shardfx afresh (``shardfx``
+    loads its parts on first use: the server imports ``shardfx.api``, which brings them). Ranks
+    get the caller's os.environ as of the launch; modules read theirs when the server started.
+    Every rank starts from the server's torch RNG state, so ranks that draw a batch with
+    ``torch.randint`` before seeding draw the same one.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["shardfx"])
+    ctx.set_forkserver_preload(["shardfx", "shardfx.api"])
     return ctx
 
 
