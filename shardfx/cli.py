@@ -36,10 +36,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardfx.errors import MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    import torch
 
 FACTORY_KEYS = ("model", "args", "loss_fn", "targets", "batches")
 FACTORY_SHAPE = ('return {"model": module, "args": (x,), "loss_fn": fn, "targets": (y,)} '
@@ -55,7 +58,7 @@ class SpecError(ShardfxError):
 class Job:
     """What a factory returned, checked: the arguments of ``shardfx.partition``."""
 
-    model: "torch.nn.Module"
+    model: torch.nn.Module
     args: tuple
     loss_fn: Callable[..., Any] | None = None
     targets: tuple = ()

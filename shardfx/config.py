@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -145,7 +146,9 @@ class RunConfig:
 
 
 def _toml(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+    """A TOML value: JSON's string escapes are TOML's basic string's."""
+    return str(v).lower() if isinstance(v, bool) else json.dumps(v) if isinstance(v, str) \
+        else str(v)
 
 
 SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}

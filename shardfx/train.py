@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from typing import Any
 
@@ -53,6 +52,7 @@ from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
 from shardfx.metrics import (Progress, Sinks, StepMetrics, check_tensorboard, every_rank,
                              memory, peak_flops)
+from shardfx.runtime.checkpoint import check
 from shardfx.runtime.launch import check_world, rank, under_torchrun, world_size
 from shardfx.runtime.watchdog import arrive
 
@@ -152,27 +152,26 @@ def train(config: RunConfig) -> list[float]:
                 if (v := getattr(config.parallel, k)) is not None}
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
                              precision=config.precision, zero=config.zero, **pipeline)
-    sinks = Sinks(config.metrics.jsonl, config.metrics.tensorboard, rank() == 0)
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")
         print(str(plan).rstrip("\n"))  # what it decided, before it runs
-        sinks.event("start", config=config.to_dict(), world_size=world_size())
-    meta = run_checkpoints_meta(config)
+    meta = check(config.resume) if config.resume else None  # checked before spawning
     start = meta["step"] if meta else 0
     runner = plan.runner(optimizer=lambda ps: _adamw(ps, config),
                          clip_grad_norm=config.clip_grad_norm or math.inf)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         runner.optimizer, lambda i: lr_factor(config, start + i)) \
         if runner.optimizer is not None else None
-    position = start * config.accumulate
-    if meta:
-        position = int(runner.load(config.resume)["data_position"])
-        if rank() == 0:
-            print(f"resumed from {config.resume} at step {start} (data position: batch "
-                  f"{position})")
-            sinks.event("resume", path=config.resume, step=start, data_position=position)
+    position = int(runner.load(config.resume)["data_position"]) if meta else 0
     data = data_batches(job, config.data.tokens, config.seed, position)
+    sinks = Sinks(config.metrics.jsonl, config.metrics.tensorboard, rank() == 0)
     try:
+        sinks.event("start", config=config.to_dict(), world_size=world_size())
+        if meta:
+            if rank() == 0:
+                print(f"resumed from {config.resume} at step {start} (data position: batch "
+                      f"{position})")
+            sinks.event("resume", path=config.resume, step=start, data_position=position)
         return _loop(config, plan, runner, schedule, data, start, sinks, job.args)
     finally:
         sinks.close()
@@ -274,20 +273,9 @@ def save_checkpoint(config: RunConfig, runner, step: int) -> str:
     return path
 
 
-def run_checkpoints_meta(config: RunConfig) -> dict[str, Any] | None:
-    """The checkpoint this run resumes from: its meta (None when it starts afresh)."""
-    if not config.resume:
-        return None
-    from shardfx.runtime.checkpoint import check
-
-    return check(config.resume)
-
-
 def _resume_meta(config: RunConfig) -> dict[str, Any]:
     """The checkpoint's meta, checked against this run before any process plans: an incomplete
     checkpoint, or one this run cannot continue, is an InputError naming the fix."""
-    from shardfx.runtime.checkpoint import check
-
     where = f"--resume {config.resume}"
     meta = check(config.resume)
     if "data_position" not in meta:

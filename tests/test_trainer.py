@@ -22,7 +22,7 @@ import shardfx
 from shardfx.config import RunConfig, load_toml
 from shardfx.data import TokenFile
 from shardfx.errors import InputError
-from shardfx.train import lr_factor, run
+from shardfx.train import lr_factor
 
 REPO = Path(__file__).parents[1]
 SPEC = str(REPO / "examples" / "nanogpt.py") + ":workload"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from shardfx.errors import InputError
 
 WHERE = "runner.step_batches(batches)"
@@ -36,3 +38,8 @@ def accumulated(batches: Any) -> list[tuple[tuple, tuple]]:
                              where=f"{WHERE}, batch {i}", fix=FIX)
     return [(tuple(a) if isinstance(a, list) else a, tuple(t) if isinstance(t, list) else t)
             for a, t in batches]
+
+
+def mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The step's loss: one batch's as the program gave it, or the mean of several."""
+    return losses[0].detach() if len(losses) == 1 else torch.stack([v.detach() for v in losses]).mean()

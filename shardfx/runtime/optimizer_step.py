@@ -57,11 +57,11 @@ def global_norm(grads: list[Grad]) -> float:
     squares = torch.zeros(1, dtype=torch.float64, device=collective_device())
     mine = [g.tensor for g in grads if g.counted and g.tensor.numel()]
     if mine:
-        norms = torch._foreach_norm([t.float() if t.dtype.itemsize < 4 else t for t in mine])
+        norms = torch._foreach_norm(mine)
         squares[0] = torch.stack([n.double() for n in norms]).square().sum().to(squares.device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(squares)
-    return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float(squares.item())
+    return math.sqrt(squares.item())  # inf or nan when a gradient is
 
 
 def clip_limit(value: float | None) -> float | None:

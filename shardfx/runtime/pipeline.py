@@ -48,7 +48,7 @@ from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.memory import check_optimizer
-from shardfx.runtime.accumulate import accumulated
+from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
@@ -116,6 +116,7 @@ class PipelineRunner:
         self.clip_grad_norm = clip_limit(clip_grad_norm)
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
+        self._counted: dict[str, bool] | None = None  # per owned tensor, for the norm
         self._tied = self._tied_parameters()
         self._grads: dict[str, torch.Tensor] = {}
         self._final = final_gradients(self._steps)  # step index -> gradients done there
@@ -163,10 +164,10 @@ class PipelineRunner:
         for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
         self._tangent = 1.0 / len(batches)
-        loss = torch.zeros((), device=self.device)
+        losses = []
         for index, (args, targets) in enumerate(batches):
             self._batch = index
-            loss += self._backward(args, targets, trained)
+            losses.append(self._backward(args, targets, trained))
         self.step_count += 1
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
@@ -174,7 +175,7 @@ class PipelineRunner:
         if self._zero is not None:  # every replica's updated rows, gathered
             self._zero.after_step(self._stepped, self._dp.group_name)
         self._share_tied()
-        return self._broadcast_loss(loss / len(batches))
+        return self._broadcast_loss(mean_loss(losses))
 
     def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
         """One batch through the schedule: its gradients added to the ``.grad`` of what this
@@ -209,12 +210,16 @@ class PipelineRunner:
 
     def _norm_terms(self, trained: dict) -> list[Grad]:
         """The gradients this rank owns, each with whether it counts it in the global norm:
-        over dp every replica holds the same (ZeRO: its rows), over tp as placed."""
-        axes = (("dp", self._dp_size),) + (self._tp.spec.axes if self._tp is not None else ())
-        coord = {"dp": self._dp_index, **(self._tp.coord if self._tp is not None else {})}
-        return [Grad(p.grad, counted((Replicate(),) + tuple(self._program.placements.get(fqn, ())),
-                                     axes, coord, "dp" if fqn in self._stepped else None))
-                for fqn, p in trained.items() if fqn in self._owned and p.grad is not None]
+        over dp every replica holds the same (ZeRO: its rows), over tp as placed (decided
+        once: the layouts do not change)."""
+        if self._counted is None:
+            axes = (("dp", self._dp_size),) + (self._tp.spec.axes if self._tp else ())
+            coord = {"dp": self._dp_index, **(self._tp.coord if self._tp else {})}
+            self._counted = {
+                fqn: counted((Replicate(), *self._program.placements.get(fqn, ())), axes, coord,
+                             "dp" if fqn in self._stepped else None) for fqn in self._owned}
+        return [Grad(p.grad, self._counted[fqn]) for fqn, p in trained.items()
+                if fqn in self._owned and p.grad is not None]
 
     def _execute(self, program: StageProgram, steps: list[Step], flat: list,
                  weights: dict[str, torch.Tensor]) -> torch.Tensor:

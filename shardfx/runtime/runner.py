@@ -23,7 +23,7 @@ from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
-from shardfx.runtime.accumulate import accumulated
+from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step
 from shardfx.memory import check_optimizer
@@ -79,6 +79,7 @@ class Runner:
         self.clip_grad_norm = clip_limit(clip_grad_norm)
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
+        self._counted: dict[str, bool] | None = None  # per stepped tensor, for the norm
 
     # --- training and inference -------------------------------------------------------------
 
@@ -95,13 +96,13 @@ class Runner:
         for p in trained.values():  # the last step's gradients go before this one's come
             p.grad = None
         self._tangent = 1.0 / len(batches)  # d(mean of the batches' losses)/d(one of them)
-        loss = torch.zeros((), device=self.device)
+        losses = []
         for index, (args, targets) in enumerate(batches):
             flat = self._plan.check_inputs(args, targets)
             self._same_batch(flat)
             self._batch = index  # its dropout masks are its own
             outs = self._run(self._plan.program, flat)
-            loss += next(v for r, v in outs if r.kind is M.OutputKind.LOSS).detach()
+            losses.append(next(v for r, v in outs if r.kind is M.OutputKind.LOSS))
             self._set_grads(trained, {r.name: v for r, v in outs
                                       if r.kind is M.OutputKind.GRAD})
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
@@ -111,7 +112,7 @@ class Runner:
                                      self.clip_grad_norm)
         if self._zero is not None:  # ZeRO-1, 2: every rank's updated rows, gathered
             self._zero.after_step(self._stepped, self._shards.groups["dp"])
-        return loss / len(batches)
+        return mean_loss(losses)
 
     def _set_grads(self, trained: dict, grads: dict) -> None:
         """Each stepped tensor's ``.grad`` from the program's gradients (ZeRO: this rank's
@@ -129,12 +130,16 @@ class Runner:
                 p.grad.add_(g)
 
     def _norm_terms(self, trained: dict) -> list[Grad]:
-        """This rank's gradients, each with whether it counts it in the global norm."""
-        axes = self._plan.mesh.axes
-        coord = self._shards.coord if self._shards is not None else {}
-        return [Grad(p.grad, counted(self._placements.get(name, ()), axes, coord,
-                                     "dp" if name in self._stepped else None))
-                for name, p in trained.items() if p.grad is not None]
+        """This rank's gradients, each with whether it counts it in the global norm (decided
+        once: the layouts do not change)."""
+        if self._counted is None:
+            axes = self._plan.mesh.axes
+            coord = self._shards.coord if self._shards is not None else {}
+            self._counted = {name: counted(self._placements.get(name, ()), axes, coord,
+                                           "dp" if name in self._stepped else None)
+                             for name in trained}
+        return [Grad(p.grad, self._counted[name]) for name, p in trained.items()
+                if p.grad is not None]
 
     @property
     def loss_scale(self) -> float | None:
