@@ -57,7 +57,10 @@ def global_norm(grads: list[Grad]) -> float:
     squares = torch.zeros(1, dtype=torch.float64, device=collective_device())
     mine = [g.tensor for g in grads if g.counted and g.tensor.numel()]
     if mine:
-        norms = torch._foreach_norm(mine)
+        low = [t for t in mine if t.dtype.itemsize < 4]  # their norms in fp32: bf16 rounds
+        high = [t for t in mine if t.dtype.itemsize >= 4]
+        norms = [*(torch._foreach_norm(low, 2, dtype=torch.float32) if low else ()),
+                 *(torch._foreach_norm(high) if high else ())]
         squares[0] = torch.stack([n.double() for n in norms]).square().sum().to(squares.device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(squares)
