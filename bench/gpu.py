@@ -201,7 +201,7 @@ def with_shardfx(kernels: str):
         plan = shardfx.partition(model, (ids,), w.loss_fn, (targets,), precision=precision,
                                  kernels=kernels)
         planned = time.perf_counter() - start
-        runner = plan.runner(optimizer=adamw)
+        runner = plan.runner(optimizer=adamw, keep_grads=True)
         notes = [f"{len(plan.kernels())} fused Triton kernels"] if kernels == "auto" else []
         return (lambda: runner.step((ids,), (targets,))), runner.grads, planned, notes
     return make

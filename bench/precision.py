@@ -142,7 +142,8 @@ def shardfx_row(factory: Callable, batch, a, precision: str, variant: str | None
         plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
                                  precision=precision, optimizer="adamw", **partition_kwargs)
         planned = time.perf_counter() - t0
-        runner = plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+        runner = plan.runner(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                             keep_grads=True)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
         row = run_row(variant, lambda: runner.step((ids,), (targets,)), (runner, ids, targets),
                       batch, a)

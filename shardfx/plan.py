@@ -111,16 +111,18 @@ class Plan:
 
     def runner(self, optimizer: OptimizerFactory | None = None,
                loss_scaling: "LossScaling | bool | None" = None,
-               clip_grad_norm: float | None = None) -> Runner:
+               clip_grad_norm: float | None = None, keep_grads: bool = False) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer.
         ``loss_scaling``: dynamic loss scaling (``runtime.loss_scale``); None scales fp16
         plans only, False never, True or a ``LossScaling`` always. ``clip_grad_norm``: clip
         the global gradient norm to it before each optimizer step, as
         ``torch.nn.utils.clip_grad_norm_`` on one device (``runtime.optimizer_step``; the norm
-        before clipping is ``runner.grad_norm``)."""
+        before clipping is ``runner.grad_norm``). Each step's gradients are freed after its
+        optimizer step, as ``zero_grad(set_to_none=True)``; ``keep_grads=True`` keeps them in
+        each parameter's ``.grad`` until the next step (and for ``runner.grads()``)."""
         if self.stage_program is not None:
-            return PipelineRunner(self, optimizer, loss_scaling, clip_grad_norm)
-        return Runner(self, optimizer, loss_scaling, clip_grad_norm)
+            return PipelineRunner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads)
+        return Runner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads)
 
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
         """The forward-only program (captured on first use for a training plan)."""

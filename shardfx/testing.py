@@ -270,7 +270,7 @@ def compare_training(
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
     _refuse_dropout(plan, model)
     runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling,
-                         clip_grad_norm=clip_grad_norm)
+                         clip_grad_norm=clip_grad_norm, keep_grads=True)
     reference = f"autocast {precision.compute}" if precision.low else "eager fp32"
     report = Report(factor, rtol, plan=plan, runner=runner, reference=reference)
     state = runner.state_dict()

@@ -171,7 +171,7 @@ def _bucketed_vs_unbucketed(make: str, bucket_bytes: int) -> list[str]:
     bucketed = copy.copy(plan)
     bucketed.program = bucket_gradients(plan.program, bucket_bytes=bucket_bytes)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    runners = [p.runner(optimizer=sgd) for p in (plan, bucketed)]
+    runners = [p.runner(optimizer=sgd, keep_grads=True) for p in (plan, bucketed)]
     g = torch.Generator().manual_seed(2)
     differ = []
     for step in range(2):

@@ -150,7 +150,7 @@ def gpt2():
 def _train(build, batches: list, loss_fn, mesh: dict) -> tuple[torch.Tensor, dict, dict]:
     torch.manual_seed(0)
     model = build().train()
-    runner = shardfx.partition(model, batches[0][0], loss_fn, batches[0][1], **mesh).runner(sgd)
+    runner = shardfx.partition(model, batches[0][0], loss_fn, batches[0][1], **mesh).runner(sgd, keep_grads=True)
     losses = torch.stack([runner.step(x, y) for x, y in batches])
     return losses, runner.grads(), runner.state_dict()
 

@@ -8,7 +8,11 @@ microbatches and accumulated batches, reduced over dp):
 2. with ``clip_grad_norm`` set, the global L2 norm of the gradients is measured (``global_norm``)
    and, when it exceeds the limit, every gradient is multiplied by ``limit / (norm + 1e-6)``, as
    ``torch.nn.utils.clip_grad_norm_`` does on one device;
-3. the optimizer steps, unless a rank overflowed.
+3. the optimizer steps, unless a rank overflowed;
+4. the gradients go (``release``), as ``zero_grad(set_to_none=True)`` after the step would:
+   they are not held between steps (through the next forward, where the activations peak)
+   unless the runner was asked to keep them (``plan.runner(keep_grads=True)``, for
+   ``runner.grads()`` or ``p.grad``).
 
 The global norm is one device's: the norm of the whole gradients, however they are cut. Each
 rank adds the squares of the gradient elements it *counts*: a tensor sharded over a mesh axis
@@ -76,6 +80,22 @@ def clip_limit(value: float | None) -> float | None:
                          where=WHERE, fix="clip_grad_norm=1.0 clips the global gradient norm "
                          "to 1; float('inf') only measures it; None does neither")
     return float(value)
+
+
+def release(params, keep: bool) -> None:
+    """Drop each parameter's ``.grad`` after the optimizer step, unless ``keep``."""
+    if not keep:
+        for p in params:
+            p.grad = None
+
+
+def check_kept(keep: bool) -> None:
+    """``runner.grads()`` on a runner that frees its gradients after each step: a named error."""
+    if not keep:
+        raise InputError("the runner frees each step's gradients after its optimizer step, so "
+                         "there are none to return", where="runner.grads()",
+                         fix="plan.runner(..., keep_grads=True) keeps the last step's "
+                             "gradients (in .grad and for runner.grads())")
 
 
 def finish_step(optimizer: torch.optim.Optimizer | None, scaler: LossScaler | None,

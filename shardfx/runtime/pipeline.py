@@ -50,7 +50,8 @@ from shardfx.measure import mark
 from shardfx.memory import check_optimizer
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
-from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step
+from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
+                                            release)
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.runtime.buckets import GradBuckets, final_gradients
@@ -71,7 +72,8 @@ if TYPE_CHECKING:
 
 
 class PipelineRunner:
-    def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None, clip_grad_norm=None):
+    def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None, clip_grad_norm=None,
+                 keep_grads: bool = False):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
         coord = coordinate(mesh)
         self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
@@ -114,6 +116,7 @@ class PipelineRunner:
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
         self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)
+        self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
         self._counted: dict[str, bool] | None = None  # per owned tensor, for the norm
@@ -175,6 +178,7 @@ class PipelineRunner:
         if self._zero is not None:  # every replica's updated rows, gathered
             self._zero.after_step(self._stepped, self._dp.group_name)
         self._share_tied()
+        release(trained.values(), self.keep_grads)
         return self._broadcast_loss(mean_loss(losses))
 
     def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
@@ -518,7 +522,9 @@ class PipelineRunner:
         return ZeroRows(layouts, plan.options.zero, self._dp_index, self._dp, gather)
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """The last step's full gradients, on every rank (each sent by its owner)."""
+        """The last step's full gradients, on every rank (each sent by its owner): a runner
+        made with ``keep_grads=True`` keeps them."""
+        check_kept(self.keep_grads)
         mine, trained = {}, self._trained()
         for fqn in sorted(self._owned):  # ZeRO: every replica's rows; then every tp shard
             g = trained[fqn].grad

@@ -2,8 +2,8 @@
 
 On one device the runner binds the program's parameter and buffer inputs to the model's own
 tensors and updates them in place, as an eager training loop would: the user's optimizer gets
-the model's ``nn.Parameter`` objects, their ``.grad`` holds the last step's gradients, and the
-model sees the trained weights (moved to ``plan.device`` first, when they are elsewhere). On a
+the model's ``nn.Parameter`` objects, their ``.grad`` holds each step's gradients until its
+optimizer step (the last step's after it, with ``keep_grads``), and the model sees the trained weights (moved to ``plan.device`` first, when they are elsewhere). On a
 mesh each rank keeps its own shard of every parameter on its device (new ``nn.Parameter``
 objects: the optimizer steps on shards), cuts its slice of each global batch and moves it
 there, and ``state_dict`` gathers full tensors. The program itself, not the original module,
@@ -25,7 +25,8 @@ from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
-from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step
+from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
+                                            release)
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
@@ -45,8 +46,10 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 class Runner:
     def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None,
-                 loss_scaling=None, clip_grad_norm: float | None = None):
+                 loss_scaling=None, clip_grad_norm: float | None = None,
+                 keep_grads: bool = False):
         self._plan = plan
+        self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         model = plan.model
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
@@ -112,6 +115,7 @@ class Runner:
                                      self.clip_grad_norm)
         if self._zero is not None:  # ZeRO-1, 2: every rank's updated rows, gathered
             self._zero.after_step(self._stepped, self._shards.groups["dp"])
+        release(trained.values(), self.keep_grads)
         return mean_loss(losses)
 
     def _set_grads(self, trained: dict, grads: dict) -> None:
@@ -208,7 +212,9 @@ class Runner:
         return self._shards.full(local, self._placements.get(name, ()))
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """The last step's gradients, full tensors by parameter FQN (tied weights once)."""
+        """The last step's gradients, full tensors by parameter FQN (tied weights once):
+        a runner made with ``keep_grads=True`` keeps them."""
+        check_kept(self.keep_grads)
         out = {}
         for name, p in self._trained().items():
             if p.grad is not None:
