@@ -167,11 +167,13 @@ def _train(cases: list[tuple]) -> list[tuple]:
     for name, mesh, zero, *pipeline in cases:
         shard = "megatron" if "tp" in mesh else "replicate"
         pipeline = pipeline[0] if pipeline else {}
-        if name == "odd":
+        if name in ("odd", "sequential"):  # sequential: parameters named "0.weight"
             g = torch.Generator().manual_seed(3)
             data = [((torch.randn(8, 8, generator=g),), (torch.randn(8, 3, generator=g),))
                     for _ in range(3)]
-            report = compare_training(Odd(), data, F.mse_loss, mesh=mesh, shard=shard, zero=zero)
+            model = Odd() if name == "odd" else torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+            report = compare_training(model, data, F.mse_loss, mesh=mesh, shard=shard, zero=zero)
         else:
             report = compare_training(tiny(name), token_batches(3, 8 if pipeline else 4),
                                       lm_loss, mesh=mesh, shard=shard, zero=zero, **pipeline)
@@ -181,7 +183,7 @@ def _train(cases: list[tuple]) -> list[tuple]:
         moments = sum(t.numel() * t.element_size() for s in runner.optimizer.state.values()
                       for k, t in s.items() if k != "step")
         inferred = True
-        if name != "odd" and not pipeline:  # inference on the trained weights: eager's outputs
+        if name not in ("odd", "sequential") and not pipeline:  # inference on the trained weights: eager's outputs
             args = token_batches(1, 4)[0][0]
             eager = tiny(name)
             eager.load_state_dict(runner.state_dict())
@@ -203,7 +205,7 @@ def _check(results: list[list[tuple]]) -> None:
 def test_zero_on_two_ranks_trains_like_one_device():
     _check(shardfx.launch(_train, [
         ("gpt2", {"dp": 2}, 1), ("gpt2", {"dp": 2}, 2), ("gpt2", {"dp": 2}, 3),
-        ("llama", {"dp": 2}, 3), ("mixtral", {"dp": 2}, 3),
+        ("llama", {"dp": 2}, 3), ("mixtral", {"dp": 2}, 3), ("sequential", {"dp": 2}, 1),
     ], nprocs=2, timeout=120, deadline=900))
 
 

@@ -179,7 +179,7 @@ def _gather_bucket(b: int, bucket: list[str], layouts: dict[str, M.ZeroShard],
     graph, fake = fx.Graph(), FakeTensorMode()
     shards = []
     for fqn in bucket:
-        node = graph.placeholder(re.sub(r"\W", "_", fqn))
+        node = graph.placeholder(re.sub(r"^(?=\d)", "p", re.sub(r"\W", "_", fqn)))  # "0.weight"
         node.meta[M.ROLE] = M.InputRole(M.InputKind.PARAM, fqn)
         with fake:
             node.meta[M.VAL] = torch.empty(layouts[fqn].shard_shape, dtype=dtypes[fqn])
