@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from shardfx.device_model import DeviceModel
+from shardfx.device_model import device_model as choose_device_model
 from shardfx.errors import InputError, LossError, PassError, PipelineError, ShardfxError
 from shardfx.hints import check_hint_axes
 from shardfx.ir.text import ir_to_text
@@ -133,6 +135,7 @@ def partition(
     zero: int = 0,
     *,
     device: str | torch.device | None = None,
+    device_model: str | os.PathLike | DeviceModel | None = None,
     debug: bool | None = None,
 ) -> Plan:
     """Trace ``model`` on ``example_args`` (one global batch) and plan it for ``mesh``.
@@ -161,6 +164,11 @@ def partition(
     ops. ``device``: where this process's programs run (``runtime.device``): by default
     ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.
+    ``device_model``: the speeds every choice that trades time is made at (stage cuts,
+    recomputation, the schedule under a budget) and ``plan.predicted_step`` is predicted on
+    (``shardfx.device_model``): a preset ("h100", "h200", "cpu"), a JSON file, or a
+    ``DeviceModel``; by default this machine's ``shardfx calibrate`` file for ``device``, else
+    the GPU's preset on CUDA, else "cpu".
     ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
@@ -180,6 +188,8 @@ def partition(
                       precision=Precision.parse(precision), kernels=_kernels(kernels),
                       fused_loss=_flag(fused_loss, "fused_loss"), zero=_zero(zero, spec),
                       device=choose_device(device, model, example_args))
+    options = dataclasses.replace(options,
+                                  device_model=choose_device_model(device_model, options.device))
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

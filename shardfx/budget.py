@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from shardfx.device_model import default_model
 from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
@@ -44,7 +45,7 @@ class Candidate:
     schedule: Schedule
     fits: bool
     recompute_flops: int = 0  # per step, every microbatch
-    step: float = 0.0  # simulated seconds of a step (estimate_cost's speeds)
+    step: float = 0.0  # simulated seconds of a step (on the plan's device model)
     skipped: bool = False  # not fitted: recomputing nothing, it is slower than one that fits
     choice: Choice | None = None  # what remat recomputes for it
 
@@ -160,8 +161,10 @@ def _schedules(plan) -> list[tuple[str, Schedule]]:
 
 
 def _step_seconds(plan, schedule: Schedule, recomputing: bool = True) -> float:
-    """A step's simulated length: per stage, the forward's estimated time, twice that for the
-    backward (``stage_cut.node_time``'s split), plus the recomputed ops (if ``recomputing``)."""
+    """A step's simulated length on the plan's device model (``Options.device_model``): per
+    stage, the forward's estimated time, twice that for the backward (``stage_cut.node_time``'s
+    split), plus the recomputed ops (if ``recomputing``)."""
+    model = default_model(plan.options)
     forward: dict[int, float] = {}
     redo: dict[int, float] = {}
     for node in op_nodes(plan.ir.graph):
@@ -170,9 +173,9 @@ def _step_seconds(plan, schedule: Schedule, recomputing: bool = True) -> float:
             continue
         if M.REMAT in node.meta:
             if recomputing:
-                redo[stage] = redo.get(stage, 0.0) + recompute_seconds(node)
+                redo[stage] = redo.get(stage, 0.0) + recompute_seconds(node, model)
         elif node.meta[M.PHASE] is M.Phase.FORWARD:
-            forward[stage] = forward.get(stage, 0.0) + node_time(node) / 3
+            forward[stage] = forward.get(stage, 0.0) + node_time(node, model) / 3
 
     def seconds(action: Action) -> float:
         f = forward.get(action.stage, 0.0)

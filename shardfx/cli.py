@@ -6,6 +6,7 @@
     shardfx run MODULE:FACTORY [--mesh ...] [--steps N] [--lr LR] [--seed S] [--precision P]
                                [--zero K] [pipeline options] [--save DIR] [--resume DIR]
                                [--trace FILE]
+    shardfx calibrate [--device cpu|cuda] [--quick] [--no-links] [--out FILE]
     shardfx --version
 
 ``inspect`` imports MODULE (a dotted module such as ``mypkg.models``, or a path to a .py file
@@ -17,7 +18,9 @@ runs. FACTORY returns either
 
 (``loss_fn`` and ``targets`` optional) or the tuple ``(model, args[, loss_fn[, targets]])``.
 ``run`` trains it (``shardfx.train``); its dict may add ``"batches"``, an iterable of
-``(args, targets)`` to train on instead of synthetic batches.
+``(args, targets)`` to train on instead of synthetic batches. ``calibrate`` measures this
+machine (matmul FLOP/s per dtype, memory bandwidth, the link between two local processes) and
+writes the ``DeviceModel`` plans then use by default (``shardfx.calibrate``).
 
 Exit codes: 0 planned; 1 shardfx rejected the model (a ``ShardfxError``, message printed);
 2 the command line is wrong (bad MODULE:FACTORY, bad ``--mesh``, unknown option). Errors print
@@ -120,7 +123,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dump", metavar="DIR",
                    help="also write the IR after every pass, the program, plan.txt and "
                         "plan.html (the plan as a page) to DIR")
+    p.add_argument("--device-model", metavar="NAME|FILE",
+                   help="the device speeds the plan trades time at and predicts its step on: "
+                        "h100, h200, cpu or a JSON file (default: this machine's calibration, "
+                        "else the GPU's preset, else cpu)")
     p.set_defaults(command=inspect_command, name="inspect")
+
+    c = commands.add_parser(
+        "calibrate", help="measure this machine's speeds for the time model plans use",
+        description="Measure matmul FLOP/s per dtype (float64, float32, bfloat16, float16), "
+        "memory bandwidth (a large copy) and the link between two processes spawned here "
+        "(gloo, or NCCL on two GPUs: latency from tiny all-reduces, bandwidth from a large "
+        "one); print them and write them as JSON to $SHARDFX_CACHE, else "
+        "$XDG_CACHE_HOME/shardfx, else ~/.cache/shardfx, in a file named after the device. "
+        "partition() then uses that file by default (device_model=None). The link between "
+        "machines cannot be measured here and keeps the preset's numbers.")
+    c.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="what to measure (default: cuda if torch sees a GPU, else cpu)")
+    c.add_argument("--quick", action="store_true",
+                   help="small sizes and few repetitions: seconds, rougher numbers")
+    c.add_argument("--no-links", dest="links", action="store_false",
+                   help="skip the two-process link measurement (keep the preset's link)")
+    c.add_argument("--out", metavar="FILE", help="write the JSON here instead of the cache")
+    c.set_defaults(command=calibrate_command, name="calibrate")
 
     r = commands.add_parser(
         "run", help="train a model factory on a mesh, as flags and a TOML config say",
@@ -186,7 +211,7 @@ def inspect_command(ns: argparse.Namespace) -> int:
         loss_fn=None if ns.infer else job.loss_fn,
         example_targets=() if ns.infer else job.targets,
         mesh=dict(ns.mesh.axes), precision=ns.precision, memory_budget=ns.budget,
-        zero=ns.zero, **pipeline_kwargs(ns))
+        zero=ns.zero, device_model=ns.device_model, **pipeline_kwargs(ns))
     print(str(plan).rstrip("\n"))
     if plan.schedule is not None:
         print(f"\nSchedule ({plan.schedule.ranks} ranks, {plan.schedule.microbatches} "
@@ -195,6 +220,20 @@ def inspect_command(ns: argparse.Namespace) -> int:
         out = plan.dump(ns.dump)
         print(f"dumped the IR after every pass, the program and plan.txt to {out}/; "
               f"open {out / 'plan.html'} in a browser to look at the plan")
+    return 0
+
+
+def calibrate_command(ns: argparse.Namespace) -> int:
+    import torch
+
+    from shardfx.calibrate import calibrate, write
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = calibrate(device, quick=ns.quick, links=ns.links,
+                      log=lambda what: print(f"measuring {what} ...", file=sys.stderr))
+    print(model.describe())
+    path = write(model, ns.out, device)
+    print(f"wrote {path}")
     return 0
 
 

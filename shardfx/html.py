@@ -1,9 +1,10 @@
 """``plan.html``: what shardfx decided for a plan, as one page to open in a browser.
 
-The page shows, top to bottom: the model, mode, mesh and device, and the FLOPs of a step for
-the whole model and per device; a pipeline plan's stages (time share, parameters, saved
-activations, memory of their pp rank) and its schedule as a grid of ranks by time slots, every
-action one slot wide as ``str(schedule)`` draws it; the predicted memory per device; the
+The page shows, top to bottom: the model, mode, mesh and device, the FLOPs of a step for the
+whole model and per device, and the step time predicted on the plan's device model; a pipeline
+plan's stages (time share, parameters, saved activations, memory of their pp rank) and its
+schedule as a grid of ranks by time slots, every action one slot wide as ``str(schedule)``
+draws it; the predicted memory per device; the
 collectives, totalled per axis and kind, then one by one with the reason for each; and every
 parameter as a row, under its layer in model order, with its full shape, its placement on each
 mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its bytes per device.
@@ -82,13 +83,16 @@ def _header(plan) -> str:
         sched = plan.options.schedule
         facts.append(("schedule", f"{sched if isinstance(sched, str) else 'custom'}, "
                                   f"{plan.schedule.microbatches} microbatches"))
+    step = plan.predicted_step
+    facts.append((f"step on {step.model}, predicted", step.duration))
     cards = "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(str(v))}</dd></div>" for k, v in facts)
     compute = plan.compute_rows()
     rows = [f"<tr><th>{phase}</th>" + "".join(_td(flops(v[i]), "num") for v in compute.values())
             + "</tr>" for i, phase in enumerate(["forward", "backward"][:1 + train])]
     head = ["FLOPs", *(w if w == "whole model" else f"per device: {w}" for w in compute)]
     return (f"<header><h1>shardfx plan: {escape(s.model)}</h1><dl>{cards}</dl>"
-            + _table(head, rows, "compute per step, estimated") + "</header>")
+            + _table(head, rows, "compute per step, estimated")
+            + f"<p>{escape(str(step))}</p></header>")
 
 
 # --- layers -------------------------------------------------------------------------------

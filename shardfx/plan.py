@@ -20,6 +20,7 @@ from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen import zero as zero_codegen
 from shardfx.codegen.program import Program
 from shardfx.codegen.triton import FusedKernel
+from shardfx.device_model import DeviceModel, default_model
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.html import plan_html
 from shardfx.ir.text import ir_to_text
@@ -42,6 +43,7 @@ from shardfx.runtime.loss_scale import LossScaling
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
 from shardfx.schedule import GENERATORS, Schedule, check, forward_only, generate
+from shardfx.step_time import PredictedStep, predict_step
 
 
 class Plan:
@@ -282,7 +284,21 @@ class Plan:
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self.memory_rows(),
                       notes=self._memory_notes(), compute=self.compute_rows(),
-                      slices=self.options.slices if self.stage_program is not None else 1)
+                      slices=self.options.slices if self.stage_program is not None else 1,
+                      predicted=str(self.predicted_step))
+
+    @property
+    def device_model(self) -> DeviceModel:
+        """The ``DeviceModel`` the plan traded time on and predicts its step with
+        (``partition(..., device_model=)``)."""
+        return default_model(self.options)
+
+    @cached_property
+    def predicted_step(self) -> PredictedStep:
+        """One step's predicted seconds on ``device_model``: compute (ops of the generated
+        programs, fused kernels as one, and the optimizer's step), communication (collectives
+        on their axis's link, a pipeline's sends) and the total (``shardfx.step_time``)."""
+        return predict_step(self)
 
     def memory_rows(self) -> dict[str, DeviceMemory]:
         """``memory_breakdown`` grouped: one row for an SPMD plan's devices, one per pp rank."""

@@ -15,10 +15,12 @@ from shardfx.memory import KINDS, DeviceMemory
 def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
            replicated: list[str] = (), stages: list[dict] = (), traced: str = "",
            memory: dict[str, DeviceMemory] | None = None, notes: list[str] = (),
-           compute: dict[str, tuple[int, int]] | None = None, slices: int = 1) -> str:
+           compute: dict[str, tuple[int, int]] | None = None, slices: int = 1,
+           predicted: str = "") -> str:
     """The plan as text tables. Each says whose numbers it holds: the whole model (the
     parameters, the compute of a step, the activations of the traced batch) or one device
-    (``compute``'s other columns, the memory at the peak, the communication)."""
+    (``compute``'s other columns, the memory at the peak, the communication, the ``predicted``
+    step time, a line under the memory table)."""
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     s = summary
@@ -69,6 +71,8 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
         console.print(table)
     if memory:
         console.print(_memory(memory))
+    if predicted:
+        console.print(predicted)
     for note in notes:
         console.print(note)
     if stages:

@@ -2,6 +2,8 @@
 
 ``SHARDFX_DEBUG=1`` is set before shardfx is imported, so ``verify`` runs after every pass of
 every plan a test builds: a pass that leaves the IR broken fails the test that exercised it.
+``SHARDFX_CACHE`` points at a folder with no calibration in it, so plans use the ``cpu``
+preset's speeds wherever the suite runs.
 
 Models are tiny (hidden 32, 2 layers, vocab 64, sequence 8, batch 2) and dropout is off, so the
 eager and the shardfx run compute the same function and the whole suite stays fast on CPU.
@@ -13,6 +15,9 @@ import os
 from dataclasses import dataclass
 
 os.environ["SHARDFX_DEBUG"] = "1"
+# Plans are made on the "cpu" device model, not on a `shardfx calibrate` file this machine may
+# have: a calibration must not move the stage cuts and recomputation tests expect.
+os.environ["SHARDFX_CACHE"] = os.path.join(os.path.dirname(__file__), "no-calibration")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

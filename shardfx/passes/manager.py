@@ -57,6 +57,7 @@ class Options:
     fused_loss: bool = True  # the LM head's matmul and cross-entropy in chunks (passes.fused_loss)
     zero: int = 0  # ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters
     device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
+    device_model: Any = None  # a shardfx.device_model.DeviceModel: the speeds time is traded at
 
     @property
     def slices(self) -> int:

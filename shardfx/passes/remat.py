@@ -11,9 +11,11 @@ Ensures:  a forward value chosen for recomputation is copied into the backward (
 (``s_v``) or recompute it (``r_v``). A value the backward reads is kept or recomputed; a value
 recomputed needs each forward input kept or recomputed (parameters and batch inputs are always
 there; across the edge of a repeated block it must be kept, so a block recomputes on its
-own, unless it is a view, recomputed for free); the kept bytes of each budget group (a device; a pipeline rank, each stage's bytes
-times the microbatches its schedule keeps in flight) stay under a limit; minimise the
-recompute time (``estimate_cost``'s FLOPs and bytes, through ``stage_cut.node_time``'s rates).
+own, unless it is a view, recomputed for free); the kept bytes of each budget group (a
+device; a pipeline rank, each stage's bytes times the microbatches its schedule keeps in
+flight) stay under a limit; minimise the recompute time (each op's roofline time on the plan's
+device model, ``DeviceModel.node_seconds``: a memory-bound pointwise chain and a matmul are
+weighed by what they cost in time, not by FLOPs).
 A min-cut (PyTorch's default partitioner) finds the fewest saved bytes for a fixed set of
 recomputable ops, but has no budget and no cost to trade against it; a budgeted choice is a
 knapsack with precedence constraints, which an ILP states exactly and HiGHS solves in
@@ -54,7 +56,8 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 from shardfx.memory import _bases, value_bytes
 from shardfx.passes.estimate_cost import is_view
-from shardfx.passes.stage_cut import BYTES_PER_S, FLOPS_PER_S, block_of
+from shardfx.device_model import DeviceModel, model_of
+from shardfx.passes.stage_cut import block_of
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,9 @@ def local_bytes(node: fx.Node, axes) -> int:
     return math.prod(local_shape(val.shape, out, axes)) * val.element_size()
 
 
-def recompute_seconds(node: fx.Node) -> float:
-    cost: M.NodeCost = node.meta[M.COST]
-    return cost.flops / FLOPS_PER_S + cost.out_bytes / BYTES_PER_S
+def recompute_seconds(node: fx.Node, model: DeviceModel) -> float:
+    """Seconds recomputing ``node`` takes on ``model`` (``DeviceModel.node_seconds``)."""
+    return model.node_seconds(node)
 
 
 def recomputable(node: fx.Node) -> bool:
@@ -165,7 +168,7 @@ class Problem:
         weight_part = _read_by_weight_gradients(gm, split_backward)
         for node in self.forward:
             i = self.var[node]
-            self.cost[i] += recompute_seconds(node)
+            self.cost[i] += recompute_seconds(node, model_of(gm))
             nbytes = local_bytes(node, axes)
             if isinstance(node.meta.get(M.VAL), (tuple, list)):  # kept: all its elements
                 nbytes = sum(local_bytes(u, axes) for u in node.users
@@ -345,7 +348,7 @@ def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndar
     graph.lint()
     gm.recompile()
     flops = sum(c.meta[M.COST].flops for c in copies.values())
-    seconds = sum(recompute_seconds(c) for c in copies.values())
+    seconds = sum(recompute_seconds(c, model_of(gm)) for c in copies.values())
     return Choice(tuple(n.name for n in copies), flops, seconds, {}, {})
 
 

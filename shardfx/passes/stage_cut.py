@@ -1,6 +1,7 @@
 """stage_cut: cut the forward into pipeline stages of balanced cost.
 
 Requires: PHASE, COST on ops; ROLE on placeholders; ``options.stages`` (pp x virtual stages);
+          ``options.device_model`` (None: the ``cpu`` preset) for the time of each op;
           torch's ``seq_nr`` on ops (the joint trace pairs each backward op with the forward op
           it differentiates by this number).
 Ensures:  STAGE (0 .. stages-1) on every op and on every placeholder an op reads (a parameter
@@ -21,9 +22,11 @@ Where the cuts go:
     for models without numbered blocks, where few bytes cross; among those, the cuts that
     minimize the most expensive stage: binary search on that cost, each stage filled greedily
     up to the farthest candidate that stays under it.
-A stage's cost is an estimate of its forward and backward time from FLOPs and bytes written;
-``stage_report`` prints each stage's cost, parameter and activation bytes, and the tensors
-crossing each cut.
+A stage's cost is an estimate of its forward and backward time: each op's
+``DeviceModel.node_seconds`` on ``options.device_model`` (FLOPs at the dtype's peak, or bytes
+read and written at the memory bandwidth, whichever takes longer), times three for its share of
+the backward. ``stage_report`` prints each stage's cost, parameter and activation bytes, and
+the tensors crossing each cut.
 """
 
 from __future__ import annotations
@@ -34,14 +37,12 @@ import torch
 import torch.fx as fx
 
 from shardfx.codegen.spmd import local_shape
+from shardfx.device_model import DeviceModel, default_model, model_of
 from shardfx.errors import PipelineError
 from shardfx.hints import PIPE_SPLIT
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 
-# Relative speeds for the time estimate: only ratios between stages matter.
-FLOPS_PER_S = 1e12
-BYTES_PER_S = 1e11
 CANDIDATE_SLACK = 1.5  # a cut may carry up to this many times the cheapest cut's bytes
 
 
@@ -69,7 +70,7 @@ def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
                     where=", ".join(forward[i].name for i in markers),
                     fix="put work between markers, and none at the very start or end of forward")
     else:
-        cuts = _balanced_cuts(forward, stages)
+        cuts = _balanced_cuts(forward, stages, default_model(options))
     bounds = [0, *cuts, len(forward)]
     for s in range(stages if stages > 1 else 1):
         for node in forward[bounds[s]:bounds[s + 1]]:
@@ -146,10 +147,10 @@ def _backward_stages(gm: fx.GraphModule, forward: list[fx.Node]) -> None:
         node.meta[M.STAGE] = min([stage, *from_bwd])
 
 
-def node_time(node: fx.Node) -> float:
-    """Estimated seconds of the op and of its share of the backward (about twice the forward)."""
-    cost: M.NodeCost = node.meta[M.COST]
-    return 3 * (cost.flops / FLOPS_PER_S + cost.out_bytes / BYTES_PER_S)
+def node_time(node: fx.Node, model: DeviceModel) -> float:
+    """Estimated seconds of a forward op on ``model`` and of its share of the backward (about
+    twice the forward)."""
+    return 3 * model.node_seconds(node)
 
 
 def crossing_bytes(forward: list[fx.Node]) -> list[int]:
@@ -198,14 +199,14 @@ def _candidates(forward: list[fx.Node]) -> list[int]:
     return [i for i in range(1, len(forward)) if crossing[i] <= CANDIDATE_SLACK * cheapest]
 
 
-def _balanced_cuts(forward: list[fx.Node], stages: int) -> list[int]:
+def _balanced_cuts(forward: list[fx.Node], stages: int, model: DeviceModel) -> list[int]:
     candidates = _candidates(forward)
     if len(candidates) < stages - 1:
         raise _too_many(stages, len(candidates))
     prefix = [0.0]
     for node in forward:
-        prefix.append(prefix[-1] + node_time(node))
-    lo, hi = max(node_time(n) for n in forward), prefix[-1]
+        prefix.append(prefix[-1] + node_time(node, model))
+    lo, hi = max(prefix[i + 1] - prefix[i] for i in range(len(forward))), prefix[-1]
     best = _greedy(candidates, prefix, stages, hi)
     for _ in range(50):  # binary search on the largest stage cost
         mid = (lo + hi) / 2
@@ -249,10 +250,12 @@ def _local_bytes(val, placements, axes) -> int:
 
 
 def stage_report(gm: fx.GraphModule) -> list[dict]:
-    """Per stage: forward ops, estimated time, parameter bytes, activation bytes one microbatch
-    leaves for the backward, and what it sends to later stages. Bytes are per device: a stage
-    sharded over tp holds its shards (placements from shard_propagate)."""
+    """Per stage: forward ops, estimated time (on the IR's device model, ``model_of``),
+    parameter bytes, activation bytes one microbatch leaves for the backward, and what it sends
+    to later stages. Bytes are per device: a stage sharded over tp holds its shards
+    (placements from shard_propagate)."""
     axes = gm.meta[M.GRAPH].mesh
+    model = model_of(gm)
     rows: dict[int, dict] = {}
     for node in gm.graph.nodes:
         if M.STAGE not in node.meta:
@@ -267,7 +270,7 @@ def stage_report(gm: fx.GraphModule) -> list[dict]:
         if node.meta[M.PHASE] is not M.Phase.FORWARD:
             continue
         row["ops"] += 1
-        row["time"] += node_time(node)
+        row["time"] += node_time(node, model)
         if any(u.meta.get(M.PHASE) is M.Phase.BACKWARD for u in node.users):
             saved = node.meta[M.COST].out_bytes  # kept for the backward; views own nothing
             sharding, val = node.meta.get(M.SHARDING), node.meta[M.VAL]
