@@ -94,6 +94,7 @@ def _fit_budget(plan, budget: int) -> None:
     candidates = _schedules(plan)
     tried: list[Candidate] = []
     error: MemoryBudgetError | None = None
+    lowest_name = ""
     held = None  # the candidate whose recomputation the IR holds
     for name, schedule in candidates:
         fastest = min((c.step for c in tried if c.fits), default=None)
@@ -107,7 +108,8 @@ def _fit_budget(plan, budget: int) -> None:
             choice = _fit_schedule(plan, budget)
         except MemoryBudgetError as e:
             tried.append(Candidate(name, schedule, False))
-            error = e
+            if error is None or _least(e) < _least(error):
+                error, lowest_name = e, name  # the candidate that comes closest
             continue
         flops = choice.flops * schedule.microbatches if choice else 0
         tried.append(Candidate(name, schedule, True, flops, _step_seconds(plan, schedule),
@@ -119,11 +121,11 @@ def _fit_budget(plan, budget: int) -> None:
     fitting = [c for c in tried if c.fits]
     if not fitting:
         _evaluate(plan)
-        if len(candidates) > 1:  # the last candidate keeps the fewest in flight
-            last = MemoryBudgetError(f"{error.cause}, with {tried[-1].name}",
-                                     where=error.where, fix=error.fix)
-            last.least = getattr(error, "least", None)
-            raise last
+        if len(candidates) > 1:  # the one that comes closest, named
+            closest = MemoryBudgetError(f"{error.cause}, with {lowest_name}",
+                                        where=error.where, fix=error.fix)
+            closest.least = getattr(error, "least", None)
+            raise closest
         raise error
     best = min(fitting, key=lambda c: c.step)  # the first (the schedule asked for) on a tie
     plan.schedule, plan._memory = best.schedule, None
@@ -132,6 +134,11 @@ def _fit_budget(plan, budget: int) -> None:
     else:
         undo(plan.ir)
         plan.remat = _fit_schedule(plan, budget)
+
+
+def _least(error: MemoryBudgetError) -> int:
+    least = getattr(error, "least", None)
+    return least.total if least is not None else 2 ** 62
 
 
 def _fit_schedule(plan, budget: int) -> Choice | None:

@@ -63,8 +63,8 @@ class PipelineError(ShardfxError, ValueError):
 
 
 class MemoryBudgetError(ShardfxError, ValueError):
-    """A memory budget no plan can meet, even recomputing every activation it may: the
-    message gives the smallest peak shardfx can reach and what it is made of."""
+    """A memory budget no plan can meet: the message gives the lowest peak shardfx's search
+    reaches (a budget it meets) and what it is made of."""
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n?[ \t]*([^\n]*)')

@@ -396,29 +396,35 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
     The ILP bounds the bytes kept for the backward; the peak also holds what does not depend
     on that choice (state, gradients, temporaries) and what recomputation adds (recomputed
     values and their temporaries in the backward). So each group's limit is searched by
-    bisection between the fewest bytes it can keep (which must fit, or no plan does) and what
-    it keeps without remat, judging each candidate by its generated program's estimate: the
-    largest limits that fit recompute the least. (The peak is not monotone in the limit: a
-    larger limit can pick a cheaper recomputation with a larger temporary in the backward.
-    Interpolating between the ends, which assumes it is, settled on twice bisection's
-    recompute FLOPs for a 2-layer Llama at full AC's peak, so bisection it is.)"""
+    bisection between the fewest bytes it can keep and what it keeps without remat, judging
+    each candidate by its generated program's estimate: the largest limits that fit recompute
+    the least. (The peak is not monotone in the limit: a larger limit can pick a cheaper
+    recomputation with a larger temporary in the backward. Interpolating between the ends,
+    which assumes it is, settled on twice bisection's recompute FLOPs for a 2-layer Llama at
+    full AC's peak, so bisection it is.)
+
+    Recomputing the most is not always the lowest peak (a recomputed value's transient can
+    outweigh what keeping it cost), so when it does not fit, ``lowest`` searches the limits
+    for the lowest peak: the budget a ``MemoryBudgetError`` states is that peak, reached by a
+    plan this search finds again at that budget."""
     memory = evaluate()
-    if all(m.total <= budget for m in memory.values()):
+    if _fits(memory, budget):
         return None
     problem = Problem(gm, group_of, weight_of, split_backward)
     before = problem.kept_bytes(problem.must & problem.can_keep)
     keep, again = problem.smallest()
     fewest = problem.kept_bytes(keep)
-    apply(gm, problem, keep, again)
-    least = evaluate()
-    if any(m.total > budget for m in least.values()):
-        undo(gm)
-        evaluate()  # the programs as they were
-        raise _infeasible(budget, least)
-    undo(gm)
     best, best_limits = (keep, again), dict(fewest)
-    lo = {g: fewest.get(g, 0) for g in memory}  # fits
-    hi = {g: before.get(g, 0) for g in memory}  # may not
+    most = _trial(gm, problem, best, evaluate)
+    if not _fits(most, budget):
+        found = lowest(gm, problem, {0.0: (most, best, fewest), 1.0: (memory, None, before)},
+                       evaluate)
+        if not _fits(found[0], budget):
+            evaluate()  # the programs as they were
+            raise _infeasible(budget, found[0])
+        best, best_limits = found[1], found[2]
+    lo = {g: best_limits.get(g, 0) for g in memory}  # fits
+    hi = {g: max(before.get(g, 0), lo[g]) for g in memory}  # may not
     tol = {g: max(1, before.get(g, 0) // 100) for g in memory}
     for g in memory:
         if memory[g].total <= budget:
@@ -432,28 +438,78 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
         if solution is None:  # the solver's time limit: treat as not fitting
             hi.update({g: mid[g] for g in searching})
             continue
-        apply(gm, problem, *solution)
-        memory = evaluate()
-        undo(gm)
+        memory = _trial(gm, problem, solution, evaluate)
         for g in searching:
             if memory[g].total <= budget:
                 lo[g] = mid[g]
             else:
                 hi[g] = mid[g]
-        if all(m.total <= budget for m in memory.values()):
+        if _fits(memory, budget):
             best, best_limits = solution, mid
     if best_limits != lo:  # each group's largest limit that fitted, together
         solution = problem.solve(lo)
-        if solution is not None:
-            apply(gm, problem, *solution)
-            if all(m.total <= budget for m in evaluate().values()):
-                best = solution
-            undo(gm)
+        if solution is not None and _fits(_trial(gm, problem, solution, evaluate), budget):
+            best = solution
     best = _keep_what_fits(gm, problem, best, budget, evaluate)
     choice = apply(gm, problem, *best)
     evaluate()
     return Choice(choice.recomputed, choice.flops, choice.seconds, before,
                   problem.kept_bytes(best[0]))
+
+
+# Where ``lowest`` tries the limits first, as a share of the way from the fewest kept bytes
+# to all of them; it then halves the step around the best until it is 1/64.
+SHARES = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
+
+
+def lowest(gm: fx.GraphModule, problem: Problem, ends: dict, evaluate
+           ) -> tuple[dict, tuple | None, dict]:
+    """The lowest peak any choice reaches, searched: ``ends`` holds recomputing the most
+    (share 0.0) and nothing (1.0), each as (memory per group, choice or None, limits); between
+    them the ILP's choice at limits a share of the way from the fewest kept bytes to all of
+    them (every group at the same share), refined around the best. Returns the lowest as
+    ``ends`` holds them. Deterministic: the same search at the budget it states finds the
+    same plan."""
+    fewest, before = ends[0.0][2], ends[1.0][2]
+
+    def at(share: float) -> dict:
+        return {g: int(fewest.get(g, 0) + share * (before.get(g, 0) - fewest.get(g, 0)))
+                for g in ends[1.0][0]}
+
+    def peak(memory: dict) -> int:
+        return max(m.total for m in memory.values())
+
+    tried = dict(ends)
+
+    def attempt(share: float) -> None:
+        if share in tried or not 0 < share < 1:
+            return
+        solution = problem.solve(at(share))
+        if solution is not None:
+            tried[share] = (_trial(gm, problem, solution, evaluate), solution, at(share))
+
+    for share in SHARES:
+        attempt(share)
+    step = SHARES[0]
+    while step > 1 / 64:
+        step /= 2
+        centre = min(tried, key=lambda s: (peak(tried[s][0]), -s))
+        attempt(centre - step)
+        attempt(centre + step)
+    return min(tried.values(), key=lambda t: peak(t[0]))
+
+
+def _trial(gm: fx.GraphModule, problem: Problem, solution: tuple, evaluate) -> dict:
+    """Each group's memory with ``solution`` applied; the IR is left as it was."""
+    apply(gm, problem, *solution)
+    try:
+        return evaluate()
+    finally:
+        undo(gm)
+
+
+def _fits(memory: dict, budget: int) -> bool:
+    return all(m.total <= budget for m in memory.values())
 
 
 def _keep_what_fits(gm: fx.GraphModule, problem: Problem, best: tuple, budget: int, evaluate,
@@ -480,9 +536,9 @@ def _infeasible(budget: int, memory: dict):
 
     group, least = max(memory.items(), key=lambda kv: kv[1].total)
     error = MemoryBudgetError(
-        f"no plan fits memory_budget={budget} bytes: recomputing every activation it may, the "
-        f"fullest device{'' if len(memory) == 1 else f' ({group_name(group)})'} still needs "
-        f"{least.total} bytes ({_parts(least)})",
+        f"no plan fits memory_budget={budget} bytes: the lowest peak found (recomputing from "
+        f"nothing to every activation it may) is {least.total} bytes on the fullest device"
+        f"{'' if len(memory) == 1 else f' ({group_name(group)})'} ({_parts(least)})",
         where="partition(..., memory_budget=...)",
         fix=f"a budget of at least {least.total} bytes; {_advice(least)}")
     error.least = least  # the smallest peak found: shardfx.budget names a ZeRO stage from it
