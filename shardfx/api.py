@@ -74,6 +74,16 @@ def _flag(value: object, name: str) -> bool:
     return value
 
 
+def _fused_loss(value: object) -> bool | str:
+    if value == "auto":
+        return "auto"
+    if not isinstance(value, bool):
+        raise InputError(f"fused_loss must be True, False or \"auto\", got {value!r}",
+                         where="partition(..., fused_loss=...)",
+                         fix='fused_loss="auto" (fuse where memory matters), True or False')
+    return value
+
+
 def _zero(zero: object, spec: MeshSpec) -> int:
     """``zero`` is a ZeRO stage this mesh can run (``passes.zero``)."""
     where = f"partition(..., zero={zero!r}) on mesh {spec}"
@@ -131,7 +141,7 @@ def partition(
     optimizer: str | None = "adamw",
     precision: str | Precision = "fp32",
     kernels: str = "auto",
-    fused_loss: bool = True,
+    fused_loss: bool | str = "auto",
     zero: int = 0,
     *,
     device: str | torch.device | None = None,
@@ -161,7 +171,9 @@ def partition(
     ops, "auto" Triton on CUDA and ATen on CPU. ``fused_loss``: an LM head whose logits only
     feed a cross-entropy runs as one op over chunks of rows, forward and backward, so the
     (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
-    ops. ``device``: where this process's programs run (``runtime.device``): by default
+    ops; "auto" fuses only where the memory it saves matters: when the plan without it is over
+    ``memory_budget`` or near the device's memory (``passes.fused_loss.fusing_reason``; it
+    recomputes the head's matmul in the backward, so it never saves time). ``device``: where this process's programs run (``runtime.device``): by default
     ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.
     ``device_model``: the speeds every choice that trades time is made at (stage cuts,
@@ -186,7 +198,7 @@ def partition(
                       memory_budget=parse_bytes(memory_budget),
                       optimizer=optimizer_model(optimizer).name,
                       precision=Precision.parse(precision), kernels=_kernels(kernels),
-                      fused_loss=_flag(fused_loss, "fused_loss"), zero=_zero(zero, spec),
+                      fused_loss=_fused_loss(fused_loss), zero=_zero(zero, spec),
                       device=choose_device(device, model, example_args))
     options = dataclasses.replace(options,
                                   device_model=choose_device_model(device_model, options.device))

@@ -30,9 +30,9 @@ from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
-from shardfx.passes.fused_loss import FusedLoss
+from shardfx.passes.fused_loss import FusedLoss, fusing_reason
 from shardfx.passes.manager import Options, PassRecord, changes, snapshot
-from shardfx.passes.remat import Choice, group_name
+from shardfx.passes.remat import Choice, by_module, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.passes.zero import zero_layouts
 from shardfx.runtime.device import place
@@ -54,6 +54,10 @@ class Plan:
         self.options = options
         self._example_args = example_args
         self._captured = captured
+        auto_fused = options.fused_loss == "auto"
+        if auto_fused:  # planned without, then fused if the memory it saves matters
+            options = self.options = dataclasses.replace(options, fused_loss=False)
+        self.fused_loss_reason = ""  # why "auto" fused the LM head ("" if it did not)
         self.ir, program, self.history, self.collectives = compile_ir(captured.gm, options)
         self.program: Program | None = program
         self.stage_program = self.schedule = None
@@ -69,6 +73,8 @@ class Plan:
         self.budget_candidates: list[Candidate] = []  # a pipeline's schedules tried
         self.program_records: list[PassRecord] = []  # the budget's last emission's passes
         self._memory: dict[int, DeviceMemory] | None = None
+        if auto_fused and self.mode is M.Mode.TRAIN:
+            self._choose_fused_loss()
         if options.memory_budget is not None:
             self._fit_budget(options.memory_budget)
         state = model.state_dict()
@@ -225,6 +231,25 @@ class Plan:
     @cached_property
     def summary(self) -> Summary:
         return summarize(self.ir)
+
+    def _choose_fused_loss(self) -> None:
+        """``fused_loss="auto"``: fuse the LM head with its loss only where the memory it
+        saves matters (``passes.fused_loss.fusing_reason``) and the peak drops."""
+        from shardfx.budget import _evaluate
+
+        peak = max(self.memory_estimate().values())
+        reason = fusing_reason(peak, self.options.memory_budget,
+                               default_model(self.options).memory)
+        if not reason:
+            return
+        unfused = self.options
+        self.options = dataclasses.replace(unfused, fused_loss=True)
+        _evaluate(self)
+        if self.fused_losses() and max(self.memory_estimate().values()) < peak:
+            self.fused_loss_reason = reason
+            return
+        self.options = unfused
+        _evaluate(self)
 
     def _fit_budget(self, budget: int) -> None:
         """Recompute activations (and in a pipeline, keep fewer microbatches in flight) until
@@ -393,7 +418,9 @@ class Plan:
                 f"{f.vocab}) in {f.chunks} chunks of {f.rows} rows, forward and backward: the "
                 f"{nbytes(f.logits_bytes)} of logits, their log-softmax and their gradient are "
                 f"never materialised; the backward recomputes a chunk's logits "
-                f"(partition(..., fused_loss=False) keeps the ATen ops)")
+                + (f"(fused_loss=\"auto\" fused it: {self.fused_loss_reason})"
+                   if self.fused_loss_reason else
+                   "(partition(..., fused_loss=False) keeps the ATen ops)"))
         budget = self.options.memory_budget
         if budget is not None:
             if self.remat is None:
@@ -406,7 +433,8 @@ class Plan:
                 notes.append(f"Rematerialization under memory_budget {nbytes(budget)}: "
                              f"{len(r.recomputed)} ops recomputed in the backward, "
                              f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
-                             f"for the backward {kept}")
+                             f"for the backward {kept}; recomputed, by module: "
+                             f"{by_module(self.ir, r.recomputed)}")
             if self.budget_candidates:
                 notes.append("Schedules tried under memory_budget (the fastest that fits is "
                              "run):\n" + "\n".join(

@@ -5,12 +5,15 @@ as the memory model predicts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardfx
 from shardfx.codegen.linear_ce import chunk_rows
+from shardfx.device_model import PRESETS
 from shardfx.measure import measured_peak
 from shardfx.testing import adamw, compare_training
 
@@ -26,7 +29,7 @@ def head_ops(plan) -> list[str]:
 
 
 def test_llama_trains_like_eager_with_its_head_fused():
-    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss)
+    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, fused_loss=True)
     assert head_ops(report.plan) == ["linear_cross_entropy", "linear_cross_entropy_backward"]
     f, = report.plan.fused_losses()
     assert (f.weight, f.tokens, f.vocab, f.hidden, f.rows) == ("lm_head_weight", 32, 64, 32, 16)
@@ -49,19 +52,22 @@ def summed_loss_ignoring(out, targets):
 
 
 def test_ignored_targets_and_a_summed_loss():
-    report = compare_training(tiny("gpt2", 2), token_batches(2), summed_loss_ignoring)
+    report = compare_training(tiny("gpt2", 2), token_batches(2), summed_loss_ignoring,
+                              fused_loss=True)
     assert len(report.plan.fused_losses()) == 1
 
 
 def test_bf16_trains_within_autocast():
-    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, precision="bf16")
+    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, precision="bf16",
+                              fused_loss=True)
     assert head_ops(report.plan) == ["linear_cross_entropy", "linear_cross_entropy_backward"]
 
 
 def _dp_and_pp():
-    dp = compare_training(tiny("llama", 2), token_batches(2), lm_loss, mesh={"dp": 2})
+    dp = compare_training(tiny("llama", 2), token_batches(2), lm_loss, mesh={"dp": 2},
+                          fused_loss=True)
     pp = compare_training(tiny("nanogpt", 2), token_batches(2), lm_loss, mesh={"pp": 2},
-                          microbatches=2)
+                          microbatches=2, fused_loss=True)
     return len(dp.plan.fused_losses()), len(pp.plan.fused_losses())
 
 
@@ -114,7 +120,33 @@ def test_a_chunk_of_logits_is_about_the_size_of_the_hidden_states(tokens, vocab,
     assert chunk_rows(tokens, vocab, hidden) == rows
 
 
-def test_fused_loss_takes_a_bool():
+def test_fused_loss_takes_a_bool_or_auto():
     (args, targets), = token_batches(1)
-    with pytest.raises(shardfx.InputError, match=r"fused_loss must be True or False, got 'no'"):
+    with pytest.raises(shardfx.InputError,
+                       match=r"fused_loss must be True, False or \"auto\", got 'no'"):
         shardfx.partition(tiny("llama", 1), args, lm_loss, targets, fused_loss="no")
+
+
+def test_auto_fuses_only_where_the_memory_matters():
+    """By default the head stays ATen ops (fused, it recomputes its matmul: never faster);
+    it is fused when the plan without it is over the budget or near the device's memory,
+    and print(plan) says why."""
+    batches = token_batches(1, batch=8)
+    plan = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1])
+    assert not plan.fused_losses() and not plan.fused_loss_reason
+    peak = max(plan.memory_estimate().values())
+    fused = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1],
+                              fused_loss=True)
+    between = (peak + max(fused.memory_estimate().values())) // 2
+    under = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1],
+                              memory_budget=between)
+    assert len(under.fused_losses()) == 1 and "over memory_budget" in under.fused_loss_reason
+    assert 'fused_loss="auto" fused it' in str(under)
+    assert under.remat is None  # the fused head alone brings it under
+    small = dataclasses.replace(PRESETS["h100"], memory=peak)
+    near = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1],
+                             device_model=small)
+    assert len(near.fused_losses()) == 1 and "of the device's" in near.fused_loss_reason
+    roomy = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1],
+                              device_model="h100")  # 80 GB: no reason to
+    assert not roomy.fused_losses()

@@ -50,12 +50,16 @@ def check(budget: int, predicted: int, measured: int, text: str) -> None:
 def test_one_device_under_budget_and_equal_to_eager():
     *row, plan = trained_under_budget()
     check(*row, str(plan))
+    # what is recomputed, by module, a block's index as *
+    assert "recomputed, by module: model.layers.*." in " ".join(str(plan).split())
 
 
 @pytest.mark.parametrize("kw", [dict(mesh={"tp": 2}),
                                 dict(mesh={"pp": 2}, microbatches=4, schedule="1f1b"),
+                                # 35% of the fused plan's peak, where the schedules below
+                                # were chosen between
                                 dict(mesh={"pp": 2}, microbatches=4, schedule="gpipe",
-                                     share=0.35)],
+                                     share=0.35, fused_loss=True)],
                          ids=["tp2", "pp2-1f1b", "pp2-gpipe-35%"])
 def test_under_budget_on_a_mesh(kw):
     for budget, predicted, measured, text, tried in shardfx.launch(_trained, kw, nprocs=2):

@@ -51,7 +51,7 @@ def test_zero2_reduce_scatters_each_gradient_into_its_rows():
 def test_each_program_pass_is_recorded_as_it_left_the_program():
     """chunked_loss and zero_reduce_scatter rewrite one module in place: the history holds the
     program after each, not the final program under both names."""
-    records = {r.name: r.text for r in plan_of(2).history}
+    records = {r.name: r.text for r in plan_of(2, fused_loss=True).history}
     assert "zero_rs0_reduce_scatter" not in records["chunked_loss"]
     assert "linear_cross_entropy" in records["chunked_loss"]
     assert "zero_rs0_reduce_scatter" in records["zero_reduce_scatter"]
@@ -59,7 +59,10 @@ def test_each_program_pass_is_recorded_as_it_left_the_program():
 
 
 def test_zero3_gathers_each_block_ahead_and_again_in_backward():
-    plan = plan_of(3)
+    # the fused head: with the ATen one the backward's grad_h = d @ w reads the LM head's
+    # forward copy (t(t(w))), which lives from the head's forward to its backward, right
+    # after (FSDP keeps its last layer gathered the same way)
+    plan = plan_of(3, fused_loss=True)
     graph = plan.program.module.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for p in graph.find_nodes(op="placeholder"):

@@ -22,6 +22,14 @@ The pattern, as the joint graph writes ``F.cross_entropy(h @ w.T, target)`` (vie
 Anything else reading the logits, their log-softmax or their gradient (a model that returns
 its logits, an accuracy metric, a bias's gradient) leaves the head as it is; so does a
 vocabulary sharded over tp (its collectives sit between the ops).
+
+**When** (``partition(..., fused_loss="auto")``, the default): the chunked head recomputes
+each chunk's logits in the backward (a third more of the head's FLOPs) and moves the same
+bytes a chunk at a time, so on the device model it never saves time (a 64-token microbatch's
+head ran 1.7x slower on a pipeline's last stage). It saves the logits, their log-softmax and
+their gradient, which matters only where memory is short: ``fusing_reason`` says when (the plan
+without it over ``memory_budget``, or over ``NEAR`` of the device model's memory), and the
+plan fuses only then, and only if the peak drops (``Plan._choose_fused_loss``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,22 @@ aten = torch.ops.aten
 
 _VIEWS = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default,
                     aten.alias.default, aten.detach.default})
+
+
+NEAR = 0.9  # of the device's memory: a plan over it fuses its head
+
+
+def fusing_reason(peak: int, budget: int | None, memory: float) -> str:
+    """Why a plan whose unfused peak is ``peak`` bytes should fuse its LM head, or "": it is
+    over ``budget`` (``memory_budget``) or over ``NEAR`` of the device's ``memory`` (0: unknown)."""
+    from shardfx.report import nbytes
+
+    if budget is not None and peak > budget:
+        return f"without it the peak, {nbytes(peak)}, is over memory_budget {nbytes(budget)}"
+    if memory and peak > NEAR * memory:
+        return (f"without it the peak, {nbytes(peak)}, is over {NEAR:.0%} of the device's "
+                f"{nbytes(int(memory))}")
+    return ""
 
 
 @dataclass(frozen=True)

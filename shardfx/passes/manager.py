@@ -54,7 +54,8 @@ class Options:
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
     kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
-    fused_loss: bool = True  # the LM head's matmul and cross-entropy in chunks (passes.fused_loss)
+    fused_loss: bool | str = True  # the LM head's matmul and cross-entropy in chunks
+    # (passes.fused_loss); "auto" is decided by the plan (Plan._choose_fused_loss)
     zero: int = 0  # ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters
     device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
     device_model: Any = None  # a shardfx.device_model.DeviceModel: the speeds time is traded at

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -543,6 +544,25 @@ def _infeasible(budget: int, memory: dict):
         fix=f"a budget of at least {least.total} bytes; {_advice(least)}")
     error.least = least  # the smallest peak found: shardfx.budget names a ZeRO stage from it
     return error
+
+
+def by_module(gm: fx.GraphModule, names: tuple[str, ...], most: int = 8) -> str:
+    """What is recomputed, by the module that runs it (``ir.text.origin``), a repeated
+    block's index as ``*``: "model.layers.*.mlp.act_fn (1 op x 8 blocks), ..."."""
+    from shardfx.ir.text import origin
+
+    wanted, ops, blocks = set(names), defaultdict(int), defaultdict(set)
+    for node in gm.graph.nodes:
+        if node.name in wanted:
+            path = origin(node).split(" ")[0] or "(no module)"
+            key = re.sub(r"\.\d+(?=\.|$)", ".*", path)
+            ops[key] += 1
+            blocks[key].add(path)
+    rows = sorted(ops, key=lambda k: -ops[k])
+    text = ", ".join(f"{k} ({ops[k] // len(blocks[k])} op{'s' * (ops[k] // len(blocks[k]) > 1)}"
+                     + (f" x {len(blocks[k])} blocks)" if len(blocks[k]) > 1 else ")")
+                     for k in rows[:most])
+    return text + (f", and {len(rows) - most} more modules" if len(rows) > most else "")
 
 
 def group_name(group) -> str:
