@@ -103,7 +103,8 @@ class Metrics:
     tensorboard: str | None = _f(None, "write TensorBoard scalars to this directory", str)
     peak_tflops: float | None = _f(None, "one device's peak TFLOP/s, for MFU", float)
     gpu: str | None = _f(None, "a GPU whose peak to use for MFU: h100 | h200 | a100 | l4", str)
-    trace: str | None = _f(None, "write the last step as a Chrome trace to this file", str)
+    trace: str | None = _f(None, "profile the last step: a Chrome trace to this file, and "
+                                 "per rank its compute, communication and idle time", str)
 
 
 @dataclass

@@ -28,8 +28,11 @@ initial weights), plans what it returns with ``shardfx.partition`` and trains it
   rank's peak memory), and writes them to a JSONL file and TensorBoard when asked.
 
 Without torchrun the mesh's processes are spawned (``shardfx.launch``); under torchrun each
-process is one rank. ``[metrics] trace``: the last step as a Chrome trace (a pipeline's
-``runner.trace``, else ``torch.profiler`` on rank 0).
+process is one rank. ``[metrics] trace``: every rank profiles the last step
+(``torch.profiler``); rank 0 writes it as a Chrome trace (a pipeline's ``runner.trace``, else
+rank 0's profile) and prints, under the step's line, where each rank's time went: compute,
+exposed and issued communication, idle (``shardfx.step_trace``), also a ``"trace"`` event in
+the JSONL file.
 """
 
 from __future__ import annotations
@@ -37,14 +40,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 import shardfx
-from shardfx import run_checkpoints
+from shardfx import run_checkpoints, step_trace
 from shardfx.config import RunConfig, check_axes
 from shardfx.data import batches as data_batches
 from shardfx.data import token_shape
@@ -210,8 +213,8 @@ def _loop(config: RunConfig, plan, runner, schedule, data, start: int, sinks: Si
             last = step == config.steps - 1
             lr = runner.optimizer.param_groups[0]["lr"] if runner.optimizer else config.lr
             t0 = time.perf_counter()
-            loss = _traced_step(runner, plan, config, group) if last and config.metrics.trace \
-                else runner.step_batches(group)
+            loss, traced = _traced_step(runner, plan, config, group) \
+                if last and config.metrics.trace else (runner.step_batches(group), None)
             value = loss.item()  # waits for the step: the time is the step's
             seconds = time.perf_counter() - t0
             if schedule is not None:
@@ -225,6 +228,11 @@ def _loop(config: RunConfig, plan, runner, schedule, data, start: int, sinks: Si
             records.append(m)
             progress.step(m)
             sinks.step(m)
+            if traced:  # where each rank's traced step went (shardfx.step_trace)
+                times = traced()
+                progress.note("\n".join(step_trace.lines(times)))
+                sinks.event("trace", path=config.metrics.trace, step=step + 1,
+                            ranks=[t.as_dict() for t in times])
             if config.save and (last or (config.every and (step + 1) % config.every == 0)):
                 path = save_checkpoint(config, runner, step + 1)
                 progress.note(f"checkpoint: {path}/ (step {step + 1})")
@@ -242,18 +250,28 @@ def _tokens(args: tuple) -> tuple[int, str]:
     return (leaves[0].shape[0] if leaves and leaves[0].dim() else 1), "rows/s"
 
 
-def _traced_step(runner, plan, config: RunConfig, group) -> torch.Tensor:
-    """The last step, traced (module docstring)."""
-    if plan.schedule is not None:
-        loss = runner.step_batches(group)
-        runner.trace(config.metrics.trace)
-        return loss
-    if rank() != 0:
-        return runner.step_batches(group)
+def _traced_step(runner, plan, config: RunConfig, group) -> tuple[torch.Tensor, Callable]:
+    """The last step, profiled on every rank (module docstring): its loss, and what to call
+    on every rank once the step is timed: it writes the Chrome trace and returns every rank's
+    ``StepTime`` (a small all-gather)."""
     with torch.profiler.profile() as prof:
         loss = runner.step_batches(group)
-    prof.export_chrome_trace(config.metrics.trace)
-    return loss
+        if loss.device.type == "cuda":  # the kernels the profile counts have run
+            torch.cuda.synchronize(loss.device)
+
+    def report() -> list[step_trace.StepTime]:
+        mine = step_trace.step_time(prof)
+        if plan.schedule is not None:
+            runner.trace(config.metrics.trace)  # a collective over pp; rank 0 writes
+        elif rank() == 0:
+            prof.export_chrome_trace(config.metrics.trace)
+        if world_size() == 1:
+            return [mine]
+        times: list = [None] * world_size()
+        dist.all_gather_object(times, mine)
+        return times
+
+    return loss, report
 
 
 # --- checkpoints ------------------------------------------------------------------------------
