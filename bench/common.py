@@ -47,20 +47,35 @@ def timed(fn) -> float:
 
 def alternate(contestants: dict, warmup: int, steps: int) -> tuple[dict, dict]:
     """On every rank: each contestant's step in turn, ``warmup`` untimed rounds then ``steps``
-    timed, barriers around each step. Returns the step times (seconds) and the last results."""
+    timed, barriers around each step (none in a process without a process group). Returns the
+    step times (seconds) and the last results."""
     import torch.distributed as dist
 
+    barrier = dist.barrier if dist.is_available() and dist.is_initialized() else lambda: None
     times: dict[str, list[float]] = {k: [] for k in contestants}
     results = {}
     for i in range(warmup + steps):
         for name, step in contestants.items():
-            dist.barrier()
+            barrier()
             start = time.perf_counter()
             results[name] = step()
-            dist.barrier()
+            barrier()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return times, results
+
+
+def clocked(step, cpu: list, losses: list):
+    """``step``, with its process CPU time (``time.process_time``: every thread of this
+    process) appended to ``cpu`` and its loss (``.item()``) to ``losses``."""
+    def run():
+        start = time.process_time()
+        loss = step()
+        cpu.append(time.process_time() - start)
+        losses.append(loss.item())
+        return loss
+
+    return run
 
 
 def count(params: int) -> str:

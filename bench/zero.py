@@ -95,7 +95,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardfx
-from bench.common import alternate, append_results, count, machine
+from bench.common import alternate, append_results, clocked, count, machine
 from bench.spmd import batch, llama, loss_fn
 from shardfx.measure import mark, measured_peak
 from shardfx.memory import DeviceMemory
@@ -205,10 +205,10 @@ def race(layers: int, b: int, s: int, warmup: int, steps: int, phases: list[list
                 built[name] = planned(ZERO[name], shared, x, y)
         for name in phase:
             cpu[name], losses[name] = [], []
-        clocked = {k: _clocked(c.step, cpu[k], losses[k]) for k, c in built.items()}
-        phase_times, _ = alternate(clocked, warmup, steps)
+        clocked_steps = {k: clocked(c.step, cpu[k], losses[k]) for k, c in built.items()}
+        phase_times, _ = alternate(clocked_steps, warmup, steps)
         times |= phase_times
-        for name, step in clocked.items():  # one more step each, measured
+        for name, step in clocked_steps.items():  # one more step each, measured
             c = built[name]
             dist.barrier()
             peak = measured_peak(step, *c.existing, x, y)
@@ -219,24 +219,12 @@ def race(layers: int, b: int, s: int, warmup: int, steps: int, phases: list[list
             if c.modelled is not None:
                 m = c.modelled
                 modelled[name] = (m.parameters + m.gradients + m.optimizer, m.total)
-        del built, clocked, c, shared
+        del built, clocked_steps, c, shared
         gc.collect()
     memories = [None] * DP
     dist.all_gather_object(memories, memory)
     return dict(times=times, cpu=cpu, losses=losses, first=first, memory=memories,
                 modelled=modelled) if rank == 0 else None
-
-
-def _clocked(step, cpu: list, losses: list):
-    """``step``, with its process CPU time and its loss recorded."""
-    def run():
-        start = time.process_time()
-        loss = step()
-        cpu.append(time.process_time() - start)
-        losses.append(loss.item())
-        return loss
-
-    return run
 
 
 # --- the tables ---------------------------------------------------------------------------------
