@@ -1,17 +1,17 @@
-"""Activation rematerialization on CPU: eager, full activation checkpointing and PyTorch's own
-memory-budgeted partitioner, measured on one training step of a Llama.
+"""Activation rematerialization on CPU along the whole memory curve: eager, full activation
+checkpointing and PyTorch's own memory-budgeted partitioner (torch.compile's min-cut) at a sweep
+of ``activation_memory_budget`` values, against shardfx's remat at each of their measured peaks
+and at shardfx's own floor, measured on training steps of a Llama.
 
 The model is a Hugging Face ``LlamaForCausalLM`` built from a config with random weights (seeded,
 no download; ``use_cache=False``, ``attn_implementation="sdpa"``): by default 6 layers, hidden
 1024, intermediate 2816, 16 heads, 8 KV heads, vocabulary 32000 (136.3 M parameters, 520 MiB in
 fp32), trained on one batch of 8 x 512 random token ids with ``F.cross_entropy`` on
 ``model(ids).logits`` and AdamW (lr 1e-3, fp32). Every flag can be changed; ``--small`` is a
-quick check (2 layers, hidden 128, vocabulary 1000, 4 x 64 tokens). The batch is what makes the
-budgets mean something: weights, gradients and AdamW's state and temporaries peak at 2330 MiB
-in the optimizer's update whatever is recomputed, and at 4 x 256 tokens eager's whole step
-peaks at only 2428 MiB, so every budget under it is either met by the optimizer's floor or
-impossible; at 8 x 512 the activations are several times that and the budgets bite on them.
-Every row starts from the same weights (a deepcopy of one model) and trains on the same batch:
+quick check (2 layers, hidden 128, vocabulary 1000, 4 x 64 tokens). At 8 x 512 tokens the
+activations, not AdamW's update, make the peak (eager's 5030 MiB against 1560 MiB of weights and
+AdamW state), so every budget bites on what the forward keeps for the backward. Every row starts
+from the same weights (a deepcopy of one model) and trains on the same batch:
 
 - ``eager``: ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``, nothing
   recomputed;
@@ -19,12 +19,23 @@ Every row starts from the same weights (a deepcopy of one model) and trains on t
   use_reentrant=False)``, through Hugging Face's ``activation_checkpointing_enable`` (the
   deprecated ``gradient_checkpointing_enable`` on older versions); the bench checks that every
   decoder layer is switched on and that the recompute FLOPs are > 0;
-- ``torch.compile budget B`` for B in ``--budgets`` (0.5, 0.75): the loss function (model +
-  loss) under ``torch.compile`` with ``torch._functorch.config.activation_memory_budget = B``
-  (set with ``config.patch`` around every step of the row), which aot_autograd's min-cut
-  partitioner turns into a 0-1 knapsack: keep at most B of the activations the default
-  partition would save, recompute the rest at the fewest FLOPs. The backward and the optimizer
-  step run as usual outside the compiled region.
+- ``torch.compile budget B`` for B in ``--budgets`` (0, 0.1, 0.25, 0.5, 0.75, 1): the loss
+  function (model + loss) under ``torch.compile`` with
+  ``torch._functorch.config.activation_memory_budget = B`` (set with ``config.patch`` around
+  every step of the row), which aot_autograd's min-cut partitioner turns into a 0-1 knapsack:
+  keep at most B of the activations the default partition would save, recompute the rest at
+  the fewest FLOPs. The backward and the optimizer step run as usual outside the compiled
+  region. A budget torch cannot run is a row with its error;
+- ``shardfx at X``: ``partition(model, (ids,), loss, (targets,), memory_budget=P,
+  optimizer="adamw")`` on one device (``fused_loss="auto"``, the default: the LM head is fused
+  with its loss where the unfused plan misses the budget) for every distinct measured peak P of
+  full AC and of the torch.compile rows (whole-step peaks, weights, gradients and AdamW state
+  included: the same memory), its runner stepping AdamW (lr 1e-3, ``.grad`` freed after each
+  optimizer step, the runner's default) as the other rows do. A budget no plan meets is a row
+  with shardfx's ``MemoryBudgetError``: a finding, not a gap;
+- ``shardfx floor``: the budget a ``MemoryBudgetError`` states when planning with
+  ``memory_budget=1`` (``error.least.total``: the lowest peak shardfx's search reaches, which a
+  plan meets by construction), then planned and run at exactly that budget.
 
 Backend. The compiled rows use ``aot_eager`` (aot_autograd with ``min_cut_rematerialization_
 partition`` and a no-op compiler: the partitioned forward and backward graphs run op by op),
@@ -54,39 +65,43 @@ for_cpu`` and its backward), so the bench adds PyTorch's own SDPA formulas for t
 discount, as upstream).
 
 Per row, one warm-up step (it compiles, and creates AdamW's state), then one step under the
-memory tracker, one under the FLOP counter and ``--steps`` timed steps:
+memory tracker, one under the FLOP counter (not both in one step: ``FlopCounterMode``
+decomposes ops it has no formula for, and under it the fused LM head's step measured 9% above
+the same step measured alone, on the ``--small`` model), then ``--steps`` timed steps (default
+5):
 
 - measured peak: ``measured_peak(step, model, optimizer, ids, targets)``, the peak of live
   tensor storage during the step counting weights, gradients and AdamW state, minus the batch's
-  bytes; and its ratio to eager's;
-- recompute GFLOPs: the step's FLOPs (``FlopCounterMode``, matmuls and attention) minus eager's,
-  and the ratio to full AC's. Recomputed pointwise ops (activations, norms, rotary) have no
-  formula and count 0, so a budget can save memory at 0 recompute GFLOPs. For the compiled
+  bytes; and its ratio to eager's. fwd+bwd: the same step's peak up to the end of its backward
+  (``shardfx.measure.mark("fwd+bwd")``, before ``opt.step()``, as shardfx's runner marks it);
+- predicted peak (shardfx rows): ``plan.memory_estimate()[0]`` (which, like the measured peak,
+  leaves the batch out), and its error against the measured peak (goal: within 2%);
+- recompute GFLOPs: the step's FLOPs (``FlopCounterMode``, matmuls and attention) minus eager's;
+  its ratio to full AC's, and for a shardfx row to torch.compile's at the same peak (the
+  fewest of the torch rows that peak there). Recomputed pointwise ops (activations, norms,
+  rotary) have no formula and count 0, so a budget can save memory at 0 recompute GFLOPs; a
+  fused LM head recomputes its logits' matmul in the backward, which counts. For the compiled
   rows the FLOPs of the forward and backward graphs are also summed statically from their
   nodes with the same formulas, and the bench warns if the two counts differ;
-- fwd+bwd peak: the same measured step's peak up to the end of its backward, before
-  ``opt.step()`` (the step calls ``shardfx.measure.mark("fwd+bwd")`` there, as shardfx's
-  runner does), and its ratio to eager's. Where a row's whole step peaks in ``opt.step()``
-  (the gradients and AdamW's per-parameter temporaries on top of the weights and AdamW
-  state), the measured peak is that floor, and this column is where rematerialization shows;
-- step s: median of the timed steps (``gc.collect()`` before each);
-- loss: an eager ``no_grad`` forward of the row's model after all its steps (warm-up, memory,
-  FLOPs, timed: 3 + ``--steps`` updates), which must agree with eager's to 1e-4 relative (a
-  warning is printed otherwise).
+- step s: median wall and CPU (``time.process_time``, every thread of the process) seconds of
+  the timed steps (``gc.collect()`` before each);
+- fused, ops recomputed (shardfx rows): ``plan.fused_losses()`` (the LM head computed with its
+  loss in chunks) and ``len(plan.remat.recomputed)``;
+- loss: an eager ``no_grad`` forward of the row's model after all its steps (3 + ``--steps``
+  updates), which must agree with eager's to 1e-4 relative (a warning is printed otherwise).
 
-shardfx rows: ``partition(model, (ids,), loss, (targets,), memory_budget=B,
-optimizer="adamw")`` on one device at the byte budgets from the rows above (full AC's measured
-peak, 0.5 x and 0.75 x eager's, and each torch.compile row's measured peak, to compare
-recompute FLOPs at the same memory: whole-step peaks, weights and AdamW state included), its runner
-stepping AdamW (lr 1e-3) as the other rows do, measured the same way; per row also the plan's
-predicted peak against the measured one, the ops it recomputes and the planning time. A budget
-no plan meets is a row with shardfx's ``MemoryBudgetError``.
+Under the table a summary: at every point where both run, whether shardfx recomputes at most
+torch.compile's FLOPs (goal: everywhere); at full AC's peak, shardfx's recompute over full
+AC's (goal <= 0.5); the largest predicted-vs-measured error (goal <= 2%); shardfx rows that
+failed or measured over their budget.
 
     python -m bench.remat [--small] [--layers 6] [--hidden 1024] [--inter 2816] [--heads 16]
-                          [--kv 8] [--vocab 32000] [--batch 8] [--seq 512] [--steps 1]
-                          [--budgets 0.5,0.75] [--backend aot_eager] [--no-append]
+                          [--kv 8] [--vocab 32000] [--batch 8] [--seq 512] [--steps 5]
+                          [--budgets 0,0.1,0.25,0.5,0.75,1] [--backend aot_eager]
+                          [--no-append]
 
-Prints the table and appends it to bench/RESULTS.md with the machine and date.
+Prints the table and appends it to bench/RESULTS.md with the machine, its load average and the
+date.
 """
 
 from __future__ import annotations
@@ -97,6 +112,7 @@ import copy
 import functools
 import gc
 import math
+import os
 import statistics
 import sys
 import time
@@ -108,7 +124,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from bench.common import append_results, count, machine, timed
+from bench.common import append_results, count, machine
 from shardfx.measure import mark, measured_peak
 from shardfx.passes.estimate_cost import CPU_ATTENTION_FLOPS
 
@@ -196,9 +212,17 @@ def final_loss(model, ids, targets) -> float:
 
 # --- FLOPs ------------------------------------------------------------------------------------
 
+def _addmm_inplace(*args, out_val=None, **kwargs) -> int:
+    return flop_registry[aten.addmm](*args, out_val=out_val, **kwargs)
+
+
+_addmm_inplace._get_raw = True  # FlopCounterMode(custom_mapping=...): already by shapes
+
 # FlopCounterMode knows no CPU attention kernel: PyTorch's own SDPA formulas for them, as
-# shardfx's cost model counts them.
-EXTRA_FLOPS = CPU_ATTENTION_FLOPS
+# shardfx's cost model counts them. Nor in-place addmm_ (its registry has addmm, keyed by
+# overload packet): shardfx's fused LM head sums the weight's gradient with it, chunk by
+# chunk, and without a formula that matmul (2 x tokens x hidden x vocab) would count 0.
+EXTRA_FLOPS = {**CPU_ATTENTION_FLOPS, aten.addmm_: _addmm_inplace}
 
 
 class _CountThroughCompile(torch.utils.flop_counter._FlopCounterMode):
@@ -289,23 +313,33 @@ class CountingBackend:
 
 # --- one row ----------------------------------------------------------------------------------
 
+def clock(step: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and CPU seconds (``time.process_time``: every thread of this process) of one
+    ``step()``, garbage collected first (the previous step's graphs are large)."""
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    step()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def measure(variant: str, step: Callable[[], Any], existing: tuple, model_loss: Callable[[], float],
-            batch: tuple[torch.Tensor, torch.Tensor], steps: int, *, budget: str = "-",
+            batch: tuple[torch.Tensor, torch.Tensor], a, *, budget: str = "-",
             through_compile: bool = False) -> dict:
     """A table row for ``step`` (one training step): a warm-up step, one step under the memory
     tracker (``existing``: what lives before it: model, optimizer, batch, runner), one under
-    the FLOP counter, ``steps`` timed; then ``model_loss()``. ``through_compile``: the step
+    the FLOP counter, ``a.steps`` timed; then ``model_loss()``. ``through_compile``: the step
     calls torch.compile'd code (see the module docstring)."""
     step()
     peak = measured_peak(step, *existing, through_compile=through_compile)
-    fwd_bwd = peak.marks.get("fwd+bwd")
     flops = step_flops(step, through_compile)
-    times = [timed(step) for _ in range(steps)]
+    times = [clock(step) for _ in range(a.steps)]
+    fwd_bwd = peak.marks.get("fwd+bwd")
     batch_bytes = sum(t.untyped_storage().nbytes() for t in batch)
     return dict(variant=variant, budget=budget, peak=peak.total - batch_bytes,
                 fwd_bwd=None if fwd_bwd is None else fwd_bwd - batch_bytes,
                 existing=peak.existing - batch_bytes, flops=flops,
-                step_s=statistics.median(times), loss=model_loss(), notes=[])
+                wall=[w for w, _ in times], cpu=[c for _, c in times],
+                loss=model_loss(), notes=[])
 
 
 def failed(variant: str, budget: str, error: BaseException) -> dict:
@@ -317,7 +351,7 @@ def eager_row(factory, batch, a) -> dict:
     model = factory()
     opt = adamw(model)
     return measure("eager", training_step(loss_of, model, opt, *batch), (model, opt, *batch),
-                   lambda: final_loss(model, *batch), batch, a.steps)
+                   lambda: final_loss(model, *batch), batch, a)
 
 
 def full_ac_row(factory, batch, a) -> dict:
@@ -337,13 +371,14 @@ def full_ac_row(factory, batch, a) -> dict:
                          "decoder layers")
     opt = adamw(model)
     row = measure("full AC", training_step(loss_of, model, opt, *batch), (model, opt, *batch),
-                  lambda: final_loss(model, *batch), batch, a.steps)
+                  lambda: final_loss(model, *batch), batch, a)
     row["notes"].append(f"checkpointing on in {on} / {len(model.model.layers)} decoder layers")
     return row
 
 
 def compiled_row(factory, batch, a, budget: float) -> dict:
-    variant = f"torch.compile budget {budget:g}"
+    variant = f"torch.compile {budget:g}"
+    label = f"{budget:g} of activations"
     torch._dynamo.reset()
     try:
         model = factory()
@@ -353,16 +388,16 @@ def compiled_row(factory, batch, a, budget: float) -> dict:
         step = training_step(compiled, model, opt, *batch)
         with torch._functorch.config.patch(activation_memory_budget=budget):
             row = measure(variant, step, (model, opt, *batch), lambda: final_loss(model, *batch),
-                          batch, a.steps, budget=f"{budget:g} of activations",
-                          through_compile=True)
+                          batch, a, budget=label, through_compile=True)
     except Exception as e:  # noqa: BLE001 - a row that cannot run is reported, not fatal
         traceback.print_exc()
-        return failed(variant, f"{budget:g} of activations", e)
+        return failed(variant, label, e)
     finally:
         torch._dynamo.reset()
     ran = 3 + a.steps  # warm-up, memory, FLOPs, timed
     graphs = collections.Counter(kind for kind, _ in backend.graphs)
     row["static_flops"] = backend.static_flops()
+    row["torch_budget"] = budget
     row["notes"].append(f"{graphs['fw']} forward / {graphs['bw']} backward graph(s), "
                         f"ran {backend.runs['fw']} / {backend.runs['bw']} times")
     if graphs["fw"] != 1 or graphs["bw"] != 1 or backend.runs["fw"] != ran \
@@ -376,47 +411,90 @@ def compiled_row(factory, batch, a, budget: float) -> dict:
 
 # --- shardfx ----------------------------------------------------------------------------------
 
+def shardfx_floor(model_factory: Callable[[], torch.nn.Module],
+                  batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int | None, str]:
+    """The budget shardfx states for ``memory_budget=1``: ``MemoryBudgetError.least.total``
+    (bytes; like the measured peaks here, shardfx's memory model leaves the batch out), and a
+    note with its parts."""
+    import shardfx
+
+    ids, targets = batch
+    model = model_factory()
+    t0 = time.perf_counter()
+    try:
+        shardfx.partition(model, (ids,), _loss_on_logits, (targets,), memory_budget=1,
+                          optimizer="adamw")
+    except shardfx.MemoryBudgetError as e:
+        least = getattr(e, "least", None)
+        took = time.perf_counter() - t0
+        if least is None:
+            return None, f"MemoryBudgetError at memory_budget=1 has no .least: {e}"
+        parts = ", ".join(f"{k} {v}" for k, v in vars(least).items()
+                          if isinstance(v, int) and v and k != "total")
+        return least.total, (f"shardfx floor: memory_budget=1 raised MemoryBudgetError in "
+                             f"{took:.1f} s, least.total {least.total} B "
+                             f"({least.total / MiB:.1f} MiB; {parts})")
+    return None, "shardfx floor: memory_budget=1 did not raise MemoryBudgetError"
+
+
 def shardfx_rows(model_factory: Callable[[], torch.nn.Module],
                  batch: tuple[torch.Tensor, torch.Tensor],
-                 budgets: dict[str, int], steps: int = 3) -> list[dict]:
-    """shardfx's rematerialization at each byte budget: ``partition(..., memory_budget=B,
+                 budgets: dict[int, list[str]], a) -> list[dict]:
+    """shardfx's rematerialization at each byte budget (``budgets``: bytes -> what they are,
+    e.g. ["full AC", "torch.compile 0.5"]): ``partition(..., memory_budget=B,
     optimizer="adamw")`` on one device, its runner stepping AdamW (lr 1e-3) as the other rows
-    do. Per row also the plan's predicted peak against the measured one, the ops it chose to
-    recompute and the planning time."""
+    do. Per row also the plan's predicted peak, whether it fused the LM head, the ops it chose
+    to recompute and the planning time."""
     import shardfx
 
     rows = []
     ids, targets = batch
-    for label, nbytes in budgets.items():
-        variant = f"shardfx {label}"
+    for nbytes, labels in budgets.items():
+        variant = f"shardfx at {' = '.join(labels)}"
+        label = f"{nbytes / MiB:.1f} MiB"
         model = model_factory()
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
                                      memory_budget=nbytes, optimizer="adamw")
-            planned = time.perf_counter() - t0
-        except shardfx.MemoryBudgetError as e:
-            rows.append(failed(variant, f"{nbytes / MiB:.1f} MiB", e))
+        except Exception as e:  # noqa: BLE001 - a budget shardfx refuses is a finding
+            if not isinstance(e, shardfx.MemoryBudgetError):
+                traceback.print_exc()
+            rows.append(failed(variant, label, e) | dict(labels=labels, target=nbytes))
             continue
+        planned = time.perf_counter() - t0
         runner = plan.runner(lambda params: torch.optim.AdamW(params, lr=1e-3))
-        row = measure(variant, lambda: runner.step((ids,), (targets,)), (runner, ids, targets),
-                      lambda: final_loss(model, *batch), batch, steps,
-                      budget=f"{nbytes / MiB:.1f} MiB")
-        predicted = plan.memory_estimate()[0]
-        row["predicted"] = predicted
+        try:
+            row = measure(variant, lambda: runner.step((ids,), (targets,)),
+                          (runner, ids, targets), lambda: final_loss(model, *batch), batch, a,
+                          budget=label)
+        except Exception as e:  # noqa: BLE001 - a plan that does not run is a finding
+            traceback.print_exc()
+            rows.append(failed(variant, label, e) | dict(labels=labels, target=nbytes))
+            continue
         chose = plan.remat
+        fused = plan.fused_losses()
+        row.update(labels=labels, target=nbytes,
+                   predicted=plan.memory_estimate()[0],
+                   fused=bool(fused), recomputed=0 if chose is None else len(chose.recomputed),
+                   planned_flops=0 if chose is None else chose.flops)
         row["notes"].append(
-            f"planned in {planned:.1f} s; predicted peak {predicted / MiB:.1f} MiB "
-            f"({predicted / row['peak'] - 1:+.1%} of measured); " +
-            ("nothing recomputed" if chose is None else
-             f"{len(chose.recomputed)} ops recomputed, kept for the backward "
-             f"{sum(chose.saved_before.values()) / MiB:.1f} -> "
-             f"{sum(chose.saved_after.values()) / MiB:.1f} MiB"))
+            f"planned in {planned:.1f} s; "
+            + (f"LM head fused ({plan.fused_loss_reason}; "
+               + ", ".join(f"{f.tokens} tokens x {f.vocab} in chunks of {f.rows}" for f in fused)
+               + "); " if fused else "LM head not fused; ")
+            + ("nothing recomputed" if chose is None else
+               f"{len(chose.recomputed)} ops recomputed ({chose.flops / 1e9:.2f} GFLOPs by the "
+               f"plan's count), kept for the backward "
+               f"{sum(chose.saved_before.values()) / MiB:.1f} -> "
+               f"{sum(chose.saved_after.values()) / MiB:.1f} MiB"))
         if row["peak"] > nbytes:
-            row["warn"] = f"{variant}: measured peak {row['peak']} B over its budget {nbytes} B"
+            row["warn"] = (f"measured peak {row['peak']} B ({row['peak'] / MiB:.1f} MiB) over "
+                           f"its budget {nbytes} B ({nbytes / MiB:.1f} MiB)")
         rows.append(row)
         del runner, plan, model
         gc.collect()
+        print(f"{variant}: done", file=sys.stderr, flush=True)
     return rows
 
 
@@ -427,40 +505,111 @@ def _loss_on_logits(out, targets: torch.Tensor) -> torch.Tensor:
 
 # --- table ------------------------------------------------------------------------------------
 
+def _ran(rows: list[dict], prefix: str) -> list[dict]:
+    return [r for r in rows if r["variant"].startswith(prefix) and "error" not in r]
+
+
+def torch_at(rows: list[dict], nbytes: int) -> dict | None:
+    """The torch.compile row that recomputes the fewest FLOPs among those peaking at ``nbytes``."""
+    peers = [r for r in _ran(rows, "torch.compile") if r["peak"] == nbytes]
+    return min(peers, key=lambda r: r["flops"], default=None)
+
+
 def table(rows: list[dict], title: str, notes: list[str]) -> str:
     eager = next(r for r in rows if r["variant"] == "eager")
     ac = next(r for r in rows if r["variant"] == "full AC")
     ac_recompute = ac["flops"] - eager["flops"]
     out = [title, "",
-           "| variant | budget | measured peak (MiB) | peak / eager peak | recompute GFLOPs | "
-           "recompute / full AC's | step s | loss | fwd+bwd peak (MiB) | fwd+bwd / eager's |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| variant | budget | measured peak (MiB) | / eager | fwd+bwd peak (MiB) | "
+           "predicted (MiB) | predicted vs measured | recompute GFLOPs | / torch.compile's "
+           "there | / full AC's | step s wall | step s CPU | fused head | ops recomputed | "
+           "loss |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['variant']} | {r['budget']} | {r['error']} | - | - | - | - | - "
-                       "| - | - |")
+            out.append(f"| {r['variant']} | {r['budget']} | {r['error']} |" + " - |" * 12)
             continue
         recompute = r["flops"] - eager["flops"]
         share = f"{recompute / ac_recompute:.2f}" if ac_recompute else "-"
-        if r.get("fwd_bwd") is not None and eager.get("fwd_bwd"):
-            fb = f"{r['fwd_bwd'] / MiB:.1f} | {r['fwd_bwd'] / eager['fwd_bwd']:.2f}"
-        else:
-            fb = "- | -"
+        fb = "-" if r.get("fwd_bwd") is None else f"{r['fwd_bwd'] / MiB:.1f}"
+        predicted = err = vs_torch = "-"
+        fused = ops = "-"
+        if "predicted" in r:
+            predicted = f"{r['predicted'] / MiB:.1f}"
+            err = f"{r['predicted'] / r['peak'] - 1:+.2%}"
+            peer = torch_at(rows, r["target"])
+            if peer is not None:
+                theirs = peer["flops"] - eager["flops"]
+                vs_torch = f"{recompute / theirs:.2f}" if theirs > 0 else \
+                    f"inf (torch {theirs / 1e9:.2f})"
+            fused, ops = ("yes" if r["fused"] else "no"), str(r["recomputed"])
         out.append(f"| {r['variant']} | {r['budget']} | {r['peak'] / MiB:.1f} | "
-                   f"{r['peak'] / eager['peak']:.2f} | {recompute / 1e9:.2f} | {share} | "
-                   f"{r['step_s']:.3f} | {r['loss']:.6f} | {fb} |")
+                   f"{r['peak'] / eager['peak']:.2f} | {fb} | {predicted} | {err} | "
+                   f"{recompute / 1e9:.2f} | {vs_torch} | {share} | "
+                   f"{statistics.median(r['wall']):.2f} | {statistics.median(r['cpu']):.2f} | "
+                   f"{fused} | {ops} | {r['loss']:.6f} |")
     return "\n".join(out + [""] + notes)
 
 
-def optimizer_peak_note(rows: list[dict]) -> list[str]:
-    """A note naming the rows whose step peaks in opt.step (gradients + AdamW's temporaries),
-    where the measured peak does not show what rematerialization saved."""
-    late = [r["variant"] for r in rows
-            if "error" not in r and r.get("fwd_bwd") is not None and r["peak"] > r["fwd_bwd"]]
-    if not late:
-        return []
-    return [f"peak in opt.step, above the forward + backward's, for: {', '.join(late)}; there "
-            "the measured peak hides what rematerialization saved (see fwd+bwd peak)."]
+def summary(rows: list[dict], floor: int | None) -> list[str]:
+    """The comparisons the bench is for, each with its goal."""
+    eager = next(r for r in rows if r["variant"] == "eager")
+    ac = next(r for r in rows if r["variant"] == "full AC")
+    ac_recompute = ac["flops"] - eager["flops"]
+    ours = [r for r in rows if r["variant"].startswith("shardfx")]
+    out = ["Summary:"]
+    points, wins = [], 0
+    for t in [r for r in rows if r["variant"].startswith("torch.compile")]:
+        if "error" in t:
+            points.append(f"{t['variant']}: torch did not run")
+            continue
+        s = next((r for r in ours if r.get("target") == t["peak"]), None)
+        if s is None or "error" in s:
+            points.append(f"{t['variant']} ({t['peak'] / MiB:.1f} MiB): shardfx did not run")
+            continue
+        theirs, mine = t["flops"] - eager["flops"], s["flops"] - eager["flops"]
+        ok = mine <= theirs
+        wins += ok
+        points.append(f"{t['variant']} ({t['peak'] / MiB:.1f} MiB): shardfx {mine / 1e9:.2f} "
+                      f"vs {theirs / 1e9:.2f} GFLOPs ({'<=' if ok else 'MORE'}; shardfx peak "
+                      f"{s['peak'] / MiB:.1f} MiB)")
+    both = sum("shardfx " in p and "did not run" not in p for p in points)
+    out.append(f"- shardfx recompute <= torch.compile's at the same measured peak (goal: every "
+               f"point): {wins} of {both} points where both ran. " + "; ".join(points) + ".")
+    at_ac = next((r for r in ours if r.get("target") == ac["peak"]), None)
+    if at_ac is None or "error" in at_ac:
+        out.append(f"- at full AC's peak ({ac['peak'] / MiB:.1f} MiB): shardfx did not run "
+                   "(goal <= 0.5 of full AC's recompute).")
+    else:
+        mine = at_ac["flops"] - eager["flops"]
+        ratio = mine / ac_recompute if ac_recompute else float("nan")
+        out.append(f"- at full AC's peak ({ac['peak'] / MiB:.1f} MiB): shardfx recomputes "
+                   f"{mine / 1e9:.2f} GFLOPs, {ratio:.2f} of full AC's {ac_recompute / 1e9:.2f} "
+                   f"(goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'}); peak "
+                   f"{at_ac['peak'] / MiB:.1f} MiB.")
+    errors = [(abs(r["predicted"] / r["peak"] - 1), r) for r in ours if "predicted" in r]
+    if errors:
+        worst, r = max(errors, key=lambda e: e[0])
+        out.append(f"- largest predicted-vs-measured peak error: {worst:.2%} ({r['variant']}: "
+                   f"predicted {r['predicted'] / MiB:.1f}, measured {r['peak'] / MiB:.1f} MiB; "
+                   f"goal <= 2%: {'met' if worst <= 0.02 else 'NOT met'}); "
+                   + ", ".join(f"{r['variant'].removeprefix('shardfx at ')} "
+                               f"{r['predicted'] / r['peak'] - 1:+.2%}" for _, r in errors)
+                   + ".")
+    if floor is not None:
+        f = next((r for r in ours if "floor" in r.get("labels", ())), None)
+        state = "not run" if f is None else f"did not run ({f['error']})" if "error" in f \
+            else f"measured {f['peak'] / MiB:.1f} MiB, recomputing " \
+                 f"{(f['flops'] - eager['flops']) / 1e9:.2f} GFLOPs"
+        out.append(f"- shardfx floor (memory_budget=1's MemoryBudgetError, least.total): {floor / MiB:.1f} MiB, {floor / eager['peak']:.2f} of eager's "
+                   f"peak; at it: {state}.")
+    fused = [r["variant"].removeprefix("shardfx at ") for r in ours if r.get("fused")]
+    out.append(f"- LM head fused (fused_loss=\"auto\") in: {', '.join(fused) or 'none'}.")
+    bad = [r for r in ours if "error" in r or "warn" in r]
+    out.append("- shardfx rows that failed or measured over their budget: " + (
+        "; ".join(f"{r['variant']}: {r.get('error') or r['warn']}" for r in bad) or "none")
+        + ".")
+    return out
 
 
 def checks(rows: list[dict]) -> list[str]:
@@ -487,11 +636,15 @@ def checks(rows: list[dict]) -> list[str]:
     return out
 
 
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     size_flags(parser, DEFAULT)
-    parser.add_argument("--steps", type=int, default=1, help="timed steps after the others")
-    parser.add_argument("--budgets", default="0.5,0.75",
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after the others")
+    parser.add_argument("--budgets", default="0,0.1,0.25,0.5,0.75,1",
                         help="comma-separated activation_memory_budget values for torch.compile")
     parser.add_argument("--backend", default="aot_eager",
                         choices=["aot_eager", "aot_eager_decomp_partition"])
@@ -500,53 +653,65 @@ def main() -> None:
     fill_sizes(a, DEFAULT)
     budgets = [float(b) for b in a.budgets.split(",") if b]
 
-    start = time.perf_counter()
+    start, cpu_start, load_start = time.perf_counter(), time.process_time(), load()
     factory, batch, params = workload(a)
 
     rows = []
     for name, make in [("eager", lambda: eager_row(factory, batch, a)),
                        ("full AC", lambda: full_ac_row(factory, batch, a)),
-                       *[(f"budget {b:g}", functools.partial(compiled_row, factory, batch, a, b))
+                       *[(f"torch.compile {b:g}",
+                          functools.partial(compiled_row, factory, batch, a, b))
                          for b in budgets]]:
         t0 = time.perf_counter()
         rows.append(make())
         gc.collect()
-        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"{name}: {time.perf_counter() - t0:.1f} s (load {load()})", file=sys.stderr,
+              flush=True)
+
+    # shardfx's budgets: every distinct measured peak of full AC and the torch.compile rows
+    byte_budgets: dict[int, list[str]] = {}
+    for r in rows[1:]:
+        if "error" not in r:
+            byte_budgets.setdefault(r["peak"], []).append(r["variant"])
+    t0 = time.perf_counter()
+    floor, floor_note = shardfx_floor(factory, batch)
+    print(f"{floor_note} (load {load()})", file=sys.stderr, flush=True)
+    if floor is not None:
+        byte_budgets.setdefault(floor, []).append("floor")
+    rows += shardfx_rows(factory, batch, byte_budgets, a)
+    print(f"shardfx: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
     eager = rows[0]
-    # Budgets in bytes for shardfx, from the measured peaks above.
-    byte_budgets = {"full AC peak": rows[1]["peak"],
-                    "0.5 x eager peak": int(0.5 * eager["peak"]),
-                    "0.75 x eager peak": int(0.75 * eager["peak"])}
-    for r in rows[2:]:  # the peer at its own memory: torch.compile's peaks
-        if "error" not in r:
-            byte_budgets[f"{r['variant']} peak"] = r["peak"]
-    t0 = time.perf_counter()
-    extra = shardfx_rows(factory, batch, byte_budgets, a.steps)
-    if extra:
-        rows += extra
-        print(f"shardfx: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    wall = time.perf_counter() - start
-
     title = (f"remat: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.inter}, "
              f"{a.heads} heads, {a.kv} KV heads, vocab {a.vocab} ({count(params)} params, "
              f"fp32, sdpa), batch {a.batch} x {a.seq}, F.cross_entropy, AdamW; per row one "
-             f"warm-up step, one measured for memory, one for FLOPs, {a.steps} timed; "
-             f"torch.compile rows on {a.backend}")
+             f"warm-up step, one measured for memory, one for FLOPs, "
+             f"{a.steps} timed; torch.compile rows on {a.backend} at activation_memory_budget "
+             f"{', '.join(f'{b:g}' for b in budgets)}; shardfx at each distinct measured peak "
+             f"and at its own floor")
     notes = [
         f"measured peak: live tensor storage at the step's peak (shardfx.measure), weights, "
         f"gradients and AdamW state included, the batch not; of which live before the step "
-        f"(weights + AdamW state): {eager['existing'] / MiB:.1f} MiB. eager step: "
-        f"{eager['flops'] / 1e9:.2f} GFLOPs (FlopCounterMode: matmuls and attention). "
-        "recompute: the step's FLOPs minus eager's (matmuls and attention only: recomputed "
-        "pointwise ops count 0). step s: median of the timed steps. loss: eager no-grad "
-        "forward after the row's last step. fwd+bwd peak: the same step's peak up to the end "
-        "of its backward, before opt.step.",
-        *optimizer_peak_note(rows),
-        f"budgets passed to shardfx_rows: " + ", ".join(
-            f"{k} {v} B ({v / MiB:.1f} MiB)" for k, v in byte_budgets.items()),
+        f"(weights + AdamW state): {eager['existing'] / MiB:.1f} MiB. fwd+bwd peak: the same "
+        f"step's peak up to the end of its backward. shardfx's memory_budget: the measured peak "
+        f"named in its variant, in bytes (shardfx's memory model, like these peaks, leaves the "
+        f"batch out); predicted: plan.memory_estimate(). eager step: {eager['flops'] / 1e9:.2f} "
+        f"GFLOPs (FlopCounterMode: matmuls and attention). recompute: the step's FLOPs minus "
+        f"eager's (matmuls and attention only: recomputed pointwise ops count 0); / "
+        f"torch.compile's there: over the torch.compile row(s) at the peak shardfx was given "
+        f"(the fewest recomputed). step s: median wall and CPU seconds of {a.steps} timed "
+        f"steps. loss: eager no-grad forward after the row's last step.",
+        "",
+        *summary(rows, floor),
+        "",
         *[f"{r['variant']}: " + "; ".join(r["notes"]) for r in rows if r.get("notes")],
-        f"wall time: {wall:.0f} s",
+        floor_note,
+        "step times (wall / CPU s): " + "; ".join(
+            f"{r['variant']} " + " ".join(f"{w:.1f}/{c:.1f}" for w, c in zip(r["wall"], r["cpu"]))
+            for r in rows if "wall" in r),
+        f"wall time: {wall:.0f} s (CPU {cpu:.0f} s); load average (1/5/15 min) {load_start} at "
+        f"the start, {load()} at the end",
     ]
     warns = checks(rows)
     text = table(rows, title, notes + warns)
@@ -554,7 +719,8 @@ def main() -> None:
     for w in warns:
         print(w, file=sys.stderr)
     if not a.no_append:
-        append_results("remat", text, machine())
+        append_results("remat", text, f"{machine()}; load average {load_start} at the start, "
+                                      f"{load()} at the end")
 
 
 if __name__ == "__main__":
