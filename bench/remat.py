@@ -64,6 +64,13 @@ too; the bench checks that the compiled forward and backward ran on every measur
 for_cpu`` and its backward), so the bench adds PyTorch's own SDPA formulas for them (no causal
 discount, as upstream).
 
+Every row runs in a process of its own (``python -m bench.remat --row ...``, which rebuilds the
+same seeded model and batch): no row's allocator or torch.compile caches are left to the next,
+and a row whose process is killed (the machine is shared) runs once more, then is reported as
+not run. ``--resume FILE`` appends each finished row to FILE and reads back the rows already
+there, so a run that is stopped goes on where it stopped (a first default run, every row in one
+process, was stopped after 13 of its 16 rows and lost them all).
+
 Per row, one warm-up step (it compiles, and creates AdamW's state), then one step under the
 memory tracker, one under the FLOP counter (not both in one step: ``FlopCounterMode``
 decomposes ops it has no formula for, and under it the fused LM head's step measured 9% above
@@ -98,7 +105,7 @@ failed or measured over their budget.
     python -m bench.remat [--small] [--layers 6] [--hidden 1024] [--inter 2816] [--heads 16]
                           [--kv 8] [--vocab 32000] [--batch 8] [--seq 512] [--steps 5]
                           [--budgets 0,0.1,0.25,0.5,0.75,1] [--backend aot_eager]
-                          [--no-append]
+                          [--resume FILE] [--no-append]
 
 Prints the table and appends it to bench/RESULTS.md with the machine, its load average and the
 date.
@@ -111,13 +118,18 @@ import collections
 import copy
 import functools
 import gc
+import json
 import math
 import os
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -437,65 +449,57 @@ def shardfx_floor(model_factory: Callable[[], torch.nn.Module],
     return None, "shardfx floor: memory_budget=1 did not raise MemoryBudgetError"
 
 
-def shardfx_rows(model_factory: Callable[[], torch.nn.Module],
-                 batch: tuple[torch.Tensor, torch.Tensor],
-                 budgets: dict[int, list[str]], a) -> list[dict]:
-    """shardfx's rematerialization at each byte budget (``budgets``: bytes -> what they are,
-    e.g. ["full AC", "torch.compile 0.5"]): ``partition(..., memory_budget=B,
+def shardfx_row(model_factory: Callable[[], torch.nn.Module],
+                batch: tuple[torch.Tensor, torch.Tensor], nbytes: int, labels: list[str],
+                a) -> dict:
+    """shardfx's rematerialization at ``nbytes`` (what the bytes are: ``labels``, e.g.
+    ["full AC", "torch.compile 0.5"]): ``partition(..., memory_budget=nbytes,
     optimizer="adamw")`` on one device, its runner stepping AdamW (lr 1e-3) as the other rows
-    do. Per row also the plan's predicted peak, whether it fused the LM head, the ops it chose
-    to recompute and the planning time."""
+    do. Also the plan's predicted peak, whether it fused the LM head, the ops it chose to
+    recompute and the planning time."""
     import shardfx
 
-    rows = []
     ids, targets = batch
-    for nbytes, labels in budgets.items():
-        variant = f"shardfx at {' = '.join(labels)}"
-        label = f"{nbytes / MiB:.1f} MiB"
-        model = model_factory()
-        t0 = time.perf_counter()
-        try:
-            plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
-                                     memory_budget=nbytes, optimizer="adamw")
-        except Exception as e:  # noqa: BLE001 - a budget shardfx refuses is a finding
-            if not isinstance(e, shardfx.MemoryBudgetError):
-                traceback.print_exc()
-            rows.append(failed(variant, label, e) | dict(labels=labels, target=nbytes))
-            continue
-        planned = time.perf_counter() - t0
-        runner = plan.runner(lambda params: torch.optim.AdamW(params, lr=1e-3))
-        try:
-            row = measure(variant, lambda: runner.step((ids,), (targets,)),
-                          (runner, ids, targets), lambda: final_loss(model, *batch), batch, a,
-                          budget=label)
-        except Exception as e:  # noqa: BLE001 - a plan that does not run is a finding
+    variant = f"shardfx at {' = '.join(labels)}"
+    label = f"{nbytes / MiB:.1f} MiB"
+    model = model_factory()
+    t0 = time.perf_counter()
+    try:
+        plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
+                                 memory_budget=nbytes, optimizer="adamw")
+    except Exception as e:  # noqa: BLE001 - a budget shardfx refuses is a finding
+        if not isinstance(e, shardfx.MemoryBudgetError):
             traceback.print_exc()
-            rows.append(failed(variant, label, e) | dict(labels=labels, target=nbytes))
-            continue
-        chose = plan.remat
-        fused = plan.fused_losses()
-        row.update(labels=labels, target=nbytes,
-                   predicted=plan.memory_estimate()[0],
-                   fused=bool(fused), recomputed=0 if chose is None else len(chose.recomputed),
-                   planned_flops=0 if chose is None else chose.flops)
-        row["notes"].append(
-            f"planned in {planned:.1f} s; "
-            + (f"LM head fused ({plan.fused_loss_reason}; "
-               + ", ".join(f"{f.tokens} tokens x {f.vocab} in chunks of {f.rows}" for f in fused)
-               + "); " if fused else "LM head not fused; ")
-            + ("nothing recomputed" if chose is None else
-               f"{len(chose.recomputed)} ops recomputed ({chose.flops / 1e9:.2f} GFLOPs by the "
-               f"plan's count), kept for the backward "
-               f"{sum(chose.saved_before.values()) / MiB:.1f} -> "
-               f"{sum(chose.saved_after.values()) / MiB:.1f} MiB"))
-        if row["peak"] > nbytes:
-            row["warn"] = (f"measured peak {row['peak']} B ({row['peak'] / MiB:.1f} MiB) over "
-                           f"its budget {nbytes} B ({nbytes / MiB:.1f} MiB)")
-        rows.append(row)
-        del runner, plan, model
-        gc.collect()
-        print(f"{variant}: done", file=sys.stderr, flush=True)
-    return rows
+        return failed(variant, label, e) | dict(labels=labels, target=nbytes)
+    planned = time.perf_counter() - t0
+    runner = plan.runner(lambda params: torch.optim.AdamW(params, lr=1e-3))
+    try:
+        row = measure(variant, lambda: runner.step((ids,), (targets,)), (runner, ids, targets),
+                      lambda: final_loss(model, *batch), batch, a, budget=label)
+    except Exception as e:  # noqa: BLE001 - a plan that does not run is a finding
+        traceback.print_exc()
+        return failed(variant, label, e) | dict(labels=labels, target=nbytes)
+    chose = plan.remat
+    fused = plan.fused_losses()
+    row.update(labels=labels, target=nbytes, predicted=plan.memory_estimate()[0],
+               when=plan.memory_breakdown()[0].when, fused=bool(fused),
+               recomputed=0 if chose is None else len(chose.recomputed),
+               planned_flops=0 if chose is None else chose.flops)
+    row["notes"].append(
+        f"planned in {planned:.1f} s; "
+        + (f"LM head fused ({plan.fused_loss_reason}; "
+           + ", ".join(f"{f.tokens} tokens x {f.vocab} in chunks of {f.rows}" for f in fused)
+           + "); " if fused else "LM head not fused; ")
+        + ("nothing recomputed" if chose is None else
+           f"{len(chose.recomputed)} ops recomputed ({chose.flops / 1e9:.2f} GFLOPs by the "
+           f"plan's count), kept for the backward "
+           f"{sum(chose.saved_before.values()) / MiB:.1f} -> "
+           f"{sum(chose.saved_after.values()) / MiB:.1f} MiB")
+        + f"; predicted peak at {row['when']}")
+    if row["peak"] > nbytes:
+        row["warn"] = (f"measured peak {row['peak']} B ({row['peak'] / MiB:.1f} MiB) over "
+                       f"its budget {nbytes} B ({nbytes / MiB:.1f} MiB)")
+    return row
 
 
 def _loss_on_logits(out, targets: torch.Tensor) -> torch.Tensor:
@@ -640,6 +644,96 @@ def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+# --- one process per row ------------------------------------------------------------------------
+
+def run_row(a, spec: dict) -> dict:
+    """The row ``spec`` names, in this process: {"kind": "eager" | "full AC" | "floor"},
+    {"kind": "torch.compile", "budget": B} or {"kind": "shardfx", "bytes": N, "labels": [...]}.
+    "floor" is no row: {"floor": bytes or None, "note": ...}."""
+    factory, batch, params = workload(a)
+    kind = spec["kind"]
+    if kind == "eager":
+        return eager_row(factory, batch, a) | dict(params=params)
+    if kind == "full AC":
+        return full_ac_row(factory, batch, a)
+    if kind == "torch.compile":
+        return compiled_row(factory, batch, a, spec["budget"])
+    if kind == "floor":
+        floor, note = shardfx_floor(factory, batch)
+        return dict(floor=floor, note=note)
+    return shardfx_row(factory, batch, spec["bytes"], spec["labels"], a)
+
+
+def spec_name(spec: dict) -> str:
+    if spec["kind"] == "torch.compile":
+        return f"torch.compile {spec['budget']:g}"
+    if spec["kind"] == "shardfx":
+        return f"shardfx at {' = '.join(spec['labels'])}"
+    return spec["kind"]
+
+
+class Rows:
+    """Runs each row in a process of its own (``python -m bench.remat --row SPEC``): each
+    starts from the same seeded weights, no row's memory (the allocator's, torch.compile's
+    caches) is left to the next, and a row the kernel kills (this machine is shared) is run
+    once more, then reported. With ``--resume FILE`` every finished row is appended to FILE
+    and a row already there (same spec, sizes, steps and backend) is read back, not run."""
+
+    def __init__(self, a):
+        self.a = a
+        self.flags = [f"--{k}={getattr(a, k)}" for k in (*DEFAULT, "seed", "steps", "backend")]
+        self.cached: dict[str, dict] = {}
+        if a.resume and os.path.exists(a.resume):
+            with open(a.resume) as f:
+                for line in f:
+                    entry = json.loads(line)
+                    self.cached[entry["key"]] = entry["row"]
+        self.child_cpu = 0.0
+
+    def key(self, spec: dict) -> str:
+        return json.dumps([spec, self.flags], sort_keys=True)
+
+    def __call__(self, spec: dict) -> dict:
+        name, key = spec_name(spec), self.key(spec)
+        if key in self.cached:
+            print(f"{name}: read back from {self.a.resume}", file=sys.stderr, flush=True)
+            return self.cached[key]
+        t0 = time.perf_counter()
+        for attempt in (1, 2):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                done = subprocess.run([sys.executable, "-m", "bench.remat", *self.flags,
+                                       f"--row={json.dumps(spec)}", f"--out={out.name}"])
+                cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                self.child_cpu += (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+                text = Path(out.name).read_text()
+            if done.returncode == 0 and text:
+                row = json.loads(text)
+                break
+            why = (f"its process {'was killed by signal ' + str(-done.returncode) if done.returncode < 0 else 'exited with ' + str(done.returncode)}"
+                   + (" (SIGKILL: out of memory on this shared machine?)" if done.returncode == -9 else ""))
+            print(f"{name}: attempt {attempt}: {why}", file=sys.stderr, flush=True)
+            if done.returncode > 0:
+                break
+        else:
+            done = None
+        if done is None or done.returncode != 0:
+            row = dict(variant=name, budget="-", error=f"did not run: {why}", notes=[])
+            if spec["kind"] == "shardfx":
+                row.update(labels=spec["labels"], target=spec["bytes"])
+            if spec["kind"] == "floor":
+                row = dict(floor=None, note=f"shardfx floor: {why}")
+        else:
+            if attempt > 1 and "notes" in row:
+                row["notes"].append("ran on the second attempt: the first process was killed")
+            if self.a.resume:
+                with open(self.a.resume, "a") as f:
+                    f.write(json.dumps(dict(key=key, row=row)) + "\n")
+        print(f"{name}: {time.perf_counter() - t0:.1f} s (load {load()})", file=sys.stderr,
+              flush=True)
+        return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     size_flags(parser, DEFAULT)
@@ -648,45 +742,46 @@ def main() -> None:
                         help="comma-separated activation_memory_budget values for torch.compile")
     parser.add_argument("--backend", default="aot_eager",
                         choices=["aot_eager", "aot_eager_decomp_partition"])
+    parser.add_argument("--resume", default=None,
+                        help="a JSON-lines file: rows finished are appended to it, rows in it "
+                             "are read back instead of run (a run the machine killed goes on)")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # a child: one row
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args()
     fill_sizes(a, DEFAULT)
+    if a.row is not None:
+        Path(a.out).write_text(json.dumps(run_row(a, json.loads(a.row))))
+        return
     budgets = [float(b) for b in a.budgets.split(",") if b]
 
-    start, cpu_start, load_start = time.perf_counter(), time.process_time(), load()
-    factory, batch, params = workload(a)
+    start, load_start = time.perf_counter(), load()
+    run = Rows(a)
+    rows = [run(dict(kind="eager")), run(dict(kind="full AC")),
+            *[run(dict(kind="torch.compile", budget=b)) for b in budgets]]
+    eager = rows[0]
+    if "error" in eager or "error" in rows[1]:
+        raise SystemExit(f"eager or full AC did not run: {eager.get('error')} "
+                         f"{rows[1].get('error')}")
 
-    rows = []
-    for name, make in [("eager", lambda: eager_row(factory, batch, a)),
-                       ("full AC", lambda: full_ac_row(factory, batch, a)),
-                       *[(f"torch.compile {b:g}",
-                          functools.partial(compiled_row, factory, batch, a, b))
-                         for b in budgets]]:
-        t0 = time.perf_counter()
-        rows.append(make())
-        gc.collect()
-        print(f"{name}: {time.perf_counter() - t0:.1f} s (load {load()})", file=sys.stderr,
-              flush=True)
-
-    # shardfx's budgets: every distinct measured peak of full AC and the torch.compile rows
+    # shardfx's budgets: every distinct measured peak of full AC and the torch.compile rows,
+    # and shardfx's own floor
     byte_budgets: dict[int, list[str]] = {}
     for r in rows[1:]:
         if "error" not in r:
             byte_budgets.setdefault(r["peak"], []).append(r["variant"])
-    t0 = time.perf_counter()
-    floor, floor_note = shardfx_floor(factory, batch)
-    print(f"{floor_note} (load {load()})", file=sys.stderr, flush=True)
+    probe = run(dict(kind="floor"))
+    floor, floor_note = probe["floor"], probe["note"]
     if floor is not None:
         byte_budgets.setdefault(floor, []).append("floor")
-    rows += shardfx_rows(factory, batch, byte_budgets, a)
-    print(f"shardfx: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    rows += [run(dict(kind="shardfx", bytes=n, labels=labels))
+             for n, labels in byte_budgets.items()]
+    wall = time.perf_counter() - start
 
-    eager = rows[0]
     title = (f"remat: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.inter}, "
-             f"{a.heads} heads, {a.kv} KV heads, vocab {a.vocab} ({count(params)} params, "
-             f"fp32, sdpa), batch {a.batch} x {a.seq}, F.cross_entropy, AdamW; per row one "
-             f"warm-up step, one measured for memory, one for FLOPs, "
+             f"{a.heads} heads, {a.kv} KV heads, vocab {a.vocab} ({count(eager['params'])} "
+             f"params, fp32, sdpa), batch {a.batch} x {a.seq}, F.cross_entropy, AdamW; per row "
+             f"(a process each) one warm-up step, one measured for memory, one for FLOPs, "
              f"{a.steps} timed; torch.compile rows on {a.backend} at activation_memory_budget "
              f"{', '.join(f'{b:g}' for b in budgets)}; shardfx at each distinct measured peak "
              f"and at its own floor")
@@ -708,10 +803,11 @@ def main() -> None:
         *[f"{r['variant']}: " + "; ".join(r["notes"]) for r in rows if r.get("notes")],
         floor_note,
         "step times (wall / CPU s): " + "; ".join(
-            f"{r['variant']} " + " ".join(f"{w:.1f}/{c:.1f}" for w, c in zip(r["wall"], r["cpu"]))
+            f"{r['variant']} " + " ".join(f"{w:.3g}/{c:.3g}" for w, c in zip(r["wall"], r["cpu"]))
             for r in rows if "wall" in r),
-        f"wall time: {wall:.0f} s (CPU {cpu:.0f} s); load average (1/5/15 min) {load_start} at "
-        f"the start, {load()} at the end",
+        f"wall time: {wall:.0f} s (CPU {run.child_cpu:.0f} s in the rows' processes"
+        f"{', rows read back from ' + a.resume + ' not counted' if run.cached else ''}); load "
+        f"average (1/5/15 min) {load_start} at the start, {load()} at the end",
     ]
     warns = checks(rows)
     text = table(rows, title, notes + warns)
