@@ -239,8 +239,8 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
     for node in graph.nodes:
         i = order[node]
         if node.op == "call_function":
-            if node.target is operator.getitem and node not in base:
-                made = []  # counted at its producer
+            if node in base or node.target is operator.getitem:
+                made = []  # a view of a value counted at its owner; an element, at its producer
             else:
                 made = [node, *born.get(node, ())]
             for value in made:
@@ -301,18 +301,41 @@ def _aliases(node) -> bool:
 
 
 def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """View -> the node that owns its storage (an element of a multi-output op's result
-    owns its own)."""
+    """View -> the node that owns its storage. An element of a multi-output op's result owns
+    its own, but a second ``getitem`` of the same element (``passes.remat`` reads an element
+    again in the backward) is the first one's tensor, and an op may say that an element of its
+    result is one of its inputs, updated in place (``ALIASES``: output index -> argument
+    index; ``codegen.linear_ce``)."""
     base: dict[fx.Node, fx.Node] = {}
+    element: dict[tuple[fx.Node, object], fx.Node] = {}
     for node in graph.nodes:
         if node.op != "call_function" or not node.all_input_nodes:
             continue
         if node.target is operator.getitem and not _aliases(node.args[0]):
+            src = _element_alias(node, element)
+            if src is not None:
+                base[node] = base.get(src, src)
             continue
         if is_view(node) or node.target is _WAIT:
             src = node.all_input_nodes[0]
             base[node] = base.get(src, src)
     return base
+
+
+ALIASES = "aliases"  # an op's attribute: {output index: argument index} it returns in place
+
+
+def _element_alias(item: fx.Node, first: dict) -> fx.Node | None:
+    """The node whose tensor ``getitem`` node ``item`` returns, when it is not a tensor of
+    its own (see ``_bases``); ``first`` maps (producer, index) to its first getitem."""
+    producer, index = item.args[0], item.args[1]
+    arg = getattr(producer.target, ALIASES, {}).get(index)
+    if arg is not None and isinstance(producer.args[arg], fx.Node):
+        return producer.args[arg]
+    seen = first.get((producer, index))
+    if seen is None:
+        first[(producer, index)] = item
+    return seen
 
 
 def _readers(node: fx.Node) -> list[fx.Node]:

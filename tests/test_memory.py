@@ -172,3 +172,31 @@ def test_breakdown_is_printed_and_the_optimizer_counted():
     assert adam.memory_estimate()[0] > sgd.memory_estimate()[0]
     with pytest.raises(shardfx.InputError, match="unknown optimizer 'lion'"):
         shardfx.partition(*args, optimizer="lion")
+
+
+def test_an_element_read_again_is_one_tensor():
+    """``passes.remat`` reads an element of a multi-output result again in the backward (the
+    attention output of SDPA): the second ``getitem`` is the first one's tensor, not a tensor
+    of its own, and keeps it alive."""
+    import operator
+
+    import torch.fx as fx
+
+    from shardfx.ir import meta as M
+    from shardfx.memory import walk
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta[M.VAL] = torch.empty(MIB // 4, device="meta")
+    ln = g.call_function(aten.native_layer_norm.default, (x, [MIB // 4], None, None, 1e-5))
+    ln.meta[M.VAL] = (torch.empty(MIB // 4, device="meta"),) + 2 * (torch.empty(1, device="meta"),)
+    items = []
+    for i in (0, 0):  # the forward's element 0, and remat's
+        items.append(g.call_function(operator.getitem, (ln, i)))
+        items[-1].meta[M.VAL] = ln.meta[M.VAL][0]
+    twice = g.call_function(aten.add.Tensor, (items[0], items[1]))
+    twice.meta[M.VAL] = torch.empty(MIB // 4, device="meta")
+    g.output(twice)
+    peak, _, _ = walk(g, lambda n: "transient")
+    assert peak["transient"] == 2 * MIB  # the element and the sum (the statistics unread)
