@@ -10,14 +10,14 @@ random weights, ``F.cross_entropy`` on the logits, AdamW): its logits are 4 x 51
 - ``eager fp32`` / ``eager autocast bf16``: bench/precision.py's eager rows;
 - ``shardfx P, ATen head``: ``partition(..., precision=P, fused_loss=False)``;
 - ``shardfx P, fused head``: ``partition(..., precision=P)``: the head in chunks of rows
-  (``plan.fused_losses()`` says how many), the matmul recomputed in the backward.
+  (``plan.fused_losses()`` says how many), its gradients computed in the forward.
 
 Per row bench/precision.py's protocol (``--train-steps`` steps, the first warming up, one
 measured for memory, ``--steps`` timed; gradients and updates checked). The check this bench
 exists for, printed as a warning when it fails: a fused row's measured peak is below its ATen
 row's by at least the logits' bytes, and its loss equals the ATen row's (to 1e-4 relative in
-fp32, 1e-2 in bf16). The fused rows' extra time is the recomputed matmul, tokens x hidden x
-vocab x 2 FLOPs.
+fp32, 1e-2 in bf16). The fused rows do the ATen rows' FLOPs in chunks (fp16 would
+recompute the matmul in the backward, tokens x hidden x vocab x 2 FLOPs).
 
     python -m bench.fused_loss [--small] [size flags of bench.precision] [--steps 3]
                                [--train-steps 3] [--precisions fp32,bf16] [--append|--no-append]

@@ -172,8 +172,9 @@ def partition(
     feed a cross-entropy runs as one op over chunks of rows, forward and backward, so the
     (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
     ops; "auto" fuses only where the memory it saves matters: when the plan without it is over
-    ``memory_budget`` or near the device's memory (``passes.fused_loss.fusing_reason``; it
-    recomputes the head's matmul in the backward, so it never saves time). ``device``: where this process's programs run (``runtime.device``): by default
+    ``memory_budget`` or near the device's memory (``passes.fused_loss.fusing_reason``; in
+    chunks it never saves time). ``device``: where this process's programs run
+    (``runtime.device``): by default
     ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.
     ``device_model``: the speeds every choice that trades time is made at (stage cuts,

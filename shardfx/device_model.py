@@ -358,7 +358,8 @@ def _fused_bytes(node: fx.Node) -> int | None:
 
 def _lm_head(node: fx.Node) -> tuple[int, int] | None:
     """(FLOPs, bytes of fp32 logits) of a chunked LM head and loss: 2·tokens·hidden·vocab
-    forward; the backward computes the logits again and both gradients, three times that."""
+    forward, three times that with its gradients (``grads``); a backward that computes the
+    logits again and both gradients, three times that too."""
     from shardfx.codegen.linear_ce import LinearCrossEntropy, LinearCrossEntropyBackward
 
     target = node.target
@@ -368,5 +369,5 @@ def _lm_head(node: fx.Node) -> tuple[int, int] | None:
     h, w = (a.meta[M.VAL] for a in args[:2])
     tokens, hidden = h.shape[0], h.shape[-1]
     vocab = w.numel() // hidden
-    matmuls = 1 if isinstance(target, LinearCrossEntropy) else 3
+    matmuls = 1 if isinstance(target, LinearCrossEntropy) and not target.grads else 3
     return 2 * tokens * hidden * vocab * matmuls, tokens * vocab * 4

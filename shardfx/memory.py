@@ -21,7 +21,8 @@ A step's memory is a walk over what runs, in the order it runs:
   accumulated in a buffer of its own from its first microbatch on; inside a part, its own
   liveness peak.
 - **The optimizer's step** comes last: state, gradients and its own temporaries (on CPU torch
-  updates one parameter at a time: two temporaries the size of the largest parameter; on
+  updates one parameter at a time: two temporaries the size of a parameter, with the
+  previous one's ``denom`` still bound, at the largest such pair; on
   CUDA the foreach kernels make one the size of all of them).
 
 The peak is the largest of these moments. ``shardfx.measure`` measures the same quantity (live
@@ -57,11 +58,12 @@ class OptimizerModel:
     states: int  # tensors the size of each parameter (Adam's two moments)
     step_count: bool  # a scalar step count per parameter (Adam's ``state["step"]``)
     temporaries: int  # per-parameter temporaries of one update, on CPU (one parameter at a time)
+    kept: int = 0  # of them, still alive while the next parameter's are made (AdamW's denom)
 
 
 OPTIMIZERS = {
-    "adamw": OptimizerModel("adamw", states=2, step_count=True, temporaries=2),
-    "adam": OptimizerModel("adam", states=2, step_count=True, temporaries=2),
+    "adamw": OptimizerModel("adamw", states=2, step_count=True, temporaries=2, kept=1),
+    "adam": OptimizerModel("adam", states=2, step_count=True, temporaries=2, kept=1),
     "sgd-momentum": OptimizerModel("sgd-momentum", states=1, step_count=False, temporaries=1),
     "sgd": OptimizerModel("sgd", states=0, step_count=False, temporaries=1),
     "none": OptimizerModel("none", states=0, step_count=False, temporaries=0),
@@ -132,10 +134,14 @@ def optimizer_state(params: Iterable[torch.Tensor], optimizer: OptimizerModel) -
 
 
 def optimizer_temporaries(params: list, optimizer: OptimizerModel, device: torch.device) -> int:
-    """Bytes one update allocates: on CPU torch updates a parameter at a time (temporaries the
-    size of the largest); on CUDA its foreach kernels make them for all at once."""
+    """Bytes one update allocates: on CPU torch updates a parameter at a time, in the order of
+    ``params`` (temporaries the size of each, while the previous one's ``kept`` are still
+    bound: single-tensor Adam's ``denom`` lives until the next parameter's replaces it); on
+    CUDA its foreach kernels make them for all at once."""
     if device.type == "cpu":
-        return optimizer.temporaries * max((_bytes(p) for p in params), default=0)
+        sizes = [_bytes(p) for p in params]
+        return max((optimizer.temporaries * b + optimizer.kept * a
+                    for a, b in zip([0, *sizes], sizes)), default=0)
     return min(optimizer.temporaries, 1) * sum(_bytes(p) for p in params)
 
 

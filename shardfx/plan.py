@@ -417,7 +417,9 @@ class Plan:
                 f"Linear + cross-entropy fused: {f.weight} ({f.tokens} tokens x {f.hidden} -> "
                 f"{f.vocab}) in {f.chunks} chunks of {f.rows} rows, forward and backward: the "
                 f"{nbytes(f.logits_bytes)} of logits, their log-softmax and their gradient are "
-                f"never materialised; the backward recomputes a chunk's logits "
+                f"never materialised; "
+                + ("its gradients are computed in the forward, nothing recomputed "
+                   if f.early else "the backward recomputes a chunk's logits ")
                 + (f"(fused_loss=\"auto\" fused it: {self.fused_loss_reason})"
                    if self.fused_loss_reason else
                    "(partition(..., fused_loss=False) keeps the ATen ops)"))

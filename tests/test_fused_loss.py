@@ -28,9 +28,13 @@ def head_ops(plan) -> list[str]:
                   and any(k in n.name for k in UNFUSED) and "getitem" not in n.name)
 
 
+EARLY = ["linear_cross_entropy", "linear_cross_entropy_grads"]  # gradients in the forward
+AGAIN = ["linear_cross_entropy", "linear_cross_entropy_backward"]  # the logits again
+
+
 def test_llama_trains_like_eager_with_its_head_fused():
     report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, fused_loss=True)
-    assert head_ops(report.plan) == ["linear_cross_entropy", "linear_cross_entropy_backward"]
+    assert head_ops(report.plan) == EARLY
     f, = report.plan.fused_losses()
     assert (f.weight, f.tokens, f.vocab, f.hidden, f.rows) == ("lm_head_weight", 32, 64, 32, 16)
     assert "Linear + cross-entropy fused: lm_head_weight (32 tokens x 32 -> 64) in 2 chunks" \
@@ -60,7 +64,38 @@ def test_ignored_targets_and_a_summed_loss():
 def test_bf16_trains_within_autocast():
     report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, precision="bf16",
                               fused_loss=True)
-    assert head_ops(report.plan) == ["linear_cross_entropy", "linear_cross_entropy_backward"]
+    assert head_ops(report.plan) == EARLY
+
+
+def test_fp16_computes_the_logits_again_in_the_backward():
+    """Unscaled, fp16's probabilities would fall below its normal range: the gradients wait
+    for the loss scale, in the backward."""
+    report = compare_training(tiny("llama", 2), token_batches(2), lm_loss, precision="fp16",
+                              fused_loss=True)
+    assert head_ops(report.plan) == AGAIN
+
+
+def _flops(step) -> int:
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    def addmm_(*args, out_val=None, **kwargs):  # the registry's addmm, for its in-place form
+        return flop_registry[torch.ops.aten.addmm](*args, out_val=out_val, **kwargs)
+
+    addmm_._get_raw = True
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as c:
+        step()
+    return c.get_total_flops()
+
+
+def test_nothing_is_recomputed():
+    """With its gradients in the forward, a step of the fused head does eager's FLOPs."""
+    (args, targets), = token_batches(1)
+    model = tiny("llama", 2)
+    plan = shardfx.partition(model, args, lm_loss, targets, fused_loss=True)
+    runner = plan.runner(keep_grads=True)
+    fused = _flops(lambda: runner.step(args, targets))  # no optimizer: no update
+    eager = _flops(lambda: lm_loss(model(*args), *targets).backward())
+    assert fused == eager > 0
 
 
 def _dp_and_pp():
@@ -68,14 +103,18 @@ def _dp_and_pp():
                           fused_loss=True)
     pp = compare_training(tiny("nanogpt", 2), token_batches(2), lm_loss, mesh={"pp": 2},
                           microbatches=2, fused_loss=True)
-    return len(dp.plan.fused_losses()), len(pp.plan.fused_losses())
+    gpipe = compare_training(tiny("nanogpt", 2), token_batches(2), lm_loss, mesh={"pp": 2},
+                             microbatches=2, schedule="gpipe", fused_loss=True)
+    return [head_ops(r.plan) for r in (dp, pp, gpipe)]
 
 
 def test_dp_and_a_pipeline_train_like_eager_with_the_head_fused():
     """dp: the backward scales by the count of targets over all ranks, as eager's mean does;
-    pp: the log-sum-exp crosses from the last stage's forward part to its backward part."""
-    for rank in shardfx.launch(_dp_and_pp, nprocs=2):
-        assert rank == (1, 1)
+    pp: the gradients (1F1B) or the log-sum-exp (GPipe, whose backward comes after every
+    microbatch's forward) cross from the last stage's forward part to its backward part."""
+    ranks = shardfx.launch(_dp_and_pp, nprocs=2)
+    assert ranks[0][0] == ranks[1][0] == EARLY
+    assert ranks[1][1:] == [EARLY, AGAIN]  # the last stage
 
 
 def big_vocab_llama() -> torch.nn.Module:

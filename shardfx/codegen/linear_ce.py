@@ -4,18 +4,28 @@
 hidden) materialises the (tokens, vocab) logits, their log-softmax, and in the backward their
 gradient: for a 128k vocabulary, the largest activations of a training step. Here the rows go
 ``rows`` at a time (``chunk_rows``: a chunk's logits about the size of ``h``, as Liger-Kernel
-sizes them), so at most one chunk's logits exist:
+sizes them), so at most one chunk's logits exist. Two ways:
 
-- forward: per chunk, ``z = h_c @ w.T`` (the matmul on the vendor library, in ``h``'s dtype;
-  fp32 from there on), its row max, the target's logit, ``exp`` in place, the log-sum-exp.
-  Saved for the backward: the log-sum-exp per row (``tokens`` floats), not the logits.
-- backward: per chunk, ``z`` again (the one matmul recomputed, as Apple's Cut Cross-Entropy
-  does), ``softmax - onehot`` scaled by the loss's gradient in place, then ``grad_h`` and
-  ``grad_w`` from it; ``grad_w`` is summed over chunks in fp32.
+- **gradients in the forward** (``LinearCrossEntropy(grads=True)``, the default where it fits,
+  ``passes.fused_loss``): per chunk, ``z = h_c @ w.T`` (the matmul on the vendor library, in
+  ``h``'s dtype; fp32 from there on), the log-sum-exp and the target's logit, then at once
+  ``softmax - onehot`` and from it this chunk's rows of ``grad_h`` and its share of
+  ``grad_w`` (summed over chunks in fp32): the gradients of the *summed* loss, since the
+  loss's own gradient (and, under dp, the count of targets over all ranks) is known only in
+  the backward. ``LinearCrossEntropyGrads`` then scales them, in place. The head's FLOPs are
+  eager's (three matmuls); nothing is recomputed. Saved for the backward: the two gradients
+  (``grad_h`` where eager saves ``h``; ``grad_w`` where eager's backward makes it anyway).
+  Not in fp16 (the probabilities, unscaled, fall below its normal range: the loss scale must
+  come first) nor where the backward does not follow its forward at once (a pipeline's GPipe
+  or zero-bubble schedules would hold one ``grad_w`` per microbatch in flight).
+- **logits again in the backward** (``LinearCrossEntropyBackward``): the forward saves the
+  log-sum-exp per row; the backward computes ``z`` again (the one matmul recomputed, as
+  Apple's Cut Cross-Entropy does), ``softmax - onehot`` scaled by the loss's gradient, then
+  ``grad_h`` and ``grad_w``.
 
-Both are program ops (``passes.fused_loss`` puts them in place of the ATen ops they stand
+All are program ops (``passes.fused_loss`` puts them in place of the ATen ops they stand
 for), each with the ``workspace`` in bytes it allocates beyond its inputs and outputs, which
-the memory model counts (``memory.walk``).
+the memory model counts (``memory.walk``), and the elements it returns in place (``aliases``).
 """
 
 from __future__ import annotations
@@ -44,11 +54,14 @@ def _pow2(n: int) -> int:
 class LinearCrossEntropy:
     """``(loss, total_weight, lse) = op(h, w, target)``: ``nll_loss(log_softmax(h @ w.T),
     target)`` as ATen's ``nll_loss_forward`` returns it (``reduction``: 1 mean, 2 sum;
-    ``total_weight``: the targets not ``ignore_index``), and each row's log-sum-exp."""
+    ``total_weight``: the targets not ``ignore_index``), and each row's log-sum-exp. With
+    ``grads``: ``(loss, total_weight, grad_h, grad_w)`` instead, the gradients of the loss
+    summed over the targets (``grad_h`` in ``h``'s dtype, ``grad_w`` in fp32, shaped as ``w``)."""
 
     reduction: int
     ignore_index: int
     rows: int
+    grads: bool = False
     name: str = "linear_cross_entropy"
 
     @property
@@ -61,24 +74,85 @@ class LinearCrossEntropy:
         picked = torch.empty(n, dtype=torch.float32, device=h.device)
         valid = target != self.ignore_index
         safe = torch.where(valid, target, 0).unsqueeze(1)
+        if self.grads:
+            grad_h = torch.empty_like(h)
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            keep = valid.to(torch.float32).unsqueeze(1)  # 0: an ignored target's row
+            minus_one = torch.full((1, 1), -1.0, device=h.device)
         for s in range(0, n, self.rows):
             e = min(n, s + self.rows)
             z = torch.mm(h[s:e], w.t()).float()  # a copy in low precision, z itself in fp32
             m = z.amax(1)
             picked[s:e] = z.gather(1, safe[s:e]).squeeze(1)
             z.sub_(m.unsqueeze(1)).exp_()
-            torch.log(z.sum(1), out=lse[s:e]).add_(m)
+            total = z.sum(1)
+            torch.log(total, out=lse[s:e]).add_(m)
+            if self.grads:  # softmax - onehot, then both gradients from it
+                z.div_(total.unsqueeze(1))
+                z.scatter_add_(1, safe[s:e], minus_one.expand(e - s, 1)).mul_(keep[s:e])
+                _grads_of_chunk(z, h[s:e], w, grad_h[s:e], grad_w)
             del z  # before the next chunk's: one chunk of logits at a time
         total = valid.sum().to(torch.float32)
         loss = ((lse - picked) * valid).sum()
         if self.reduction == 1:
             loss = loss / total
-        return loss, total, lse
+        return (loss, total, grad_h, grad_w) if self.grads else (loss, total, lse)
 
     def workspace(self, h: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> int:
         """Bytes beyond its inputs and outputs: one chunk's logits (fp32, and the matmul's
-        own result first when it is in a narrower dtype), and per-row temporaries."""
-        return _chunk_bytes(self.rows, h, w) + 6 * h.shape[0] * 4
+        own result first when it is in a narrower dtype), and per-row temporaries; with
+        ``grads`` in a narrower dtype, the chunk's gradient in it and one share of
+        ``grad_w`` before it is added."""
+        extra = 0
+        if self.grads and h.dtype != torch.float32:
+            extra = self.rows * w.shape[0] * h.element_size() + w.numel() * h.element_size()
+        return _chunk_bytes(self.rows, h, w) + 6 * h.shape[0] * 4 + extra
+
+
+def _grads_of_chunk(d: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor,
+                    grad_w: torch.Tensor) -> None:
+    """From ``d``, a chunk's gradient of the logits (fp32), its rows of ``grad_h`` (written)
+    and its share of ``grad_w`` (fp32, added), the matmuls in ``h``'s dtype."""
+    d = d if h.dtype == torch.float32 else d.to(h.dtype)
+    torch.mm(d, w, out=grad_h)
+    if h.dtype == torch.float32:
+        grad_w.addmm_(d.t(), h)
+    else:
+        grad_w.add_(torch.mm(d.t(), h))
+
+
+@dataclass(frozen=True)
+class LinearCrossEntropyGrads:
+    """``(grad_h, grad_w) = op(grad_loss, total_weight, grad_h, grad_w)``: the gradients
+    ``LinearCrossEntropy(grads=True)`` computed for the summed loss, scaled by the loss's
+    gradient (over ``total_weight`` for a mean), ``grad_w`` in ``dtype`` (``transposed``: as
+    ``w.T``). ``grad_h`` is scaled in place, and so is an fp32 ``grad_w``."""
+
+    reduction: int
+    dtype: torch.dtype
+    transposed: bool = False
+    name: str = "linear_cross_entropy_grads"
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    @property
+    def aliases(self) -> dict[int, int]:
+        """Output index -> the argument it is, updated in place (``memory._bases``)."""
+        return {0: 2, 1: 3} if self.dtype == torch.float32 else {0: 2}
+
+    def __call__(self, grad: torch.Tensor, total: torch.Tensor, grad_h: torch.Tensor,
+                 grad_w: torch.Tensor):
+        scale = grad.reshape(()).float()
+        if self.reduction == 1:
+            scale = scale / total
+        grad_h = grad_h.mul_(scale)
+        grad_w = grad_w.mul_(scale).to(self.dtype)
+        return grad_h, grad_w.t() if self.transposed else grad_w
+
+    def workspace(self, *_) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -114,13 +188,8 @@ class LinearCrossEntropyBackward:
             z.sub_(lse[s:e].unsqueeze(1)).exp_()  # softmax
             z.scatter_add_(1, safe[s:e], minus_one.expand(e - s, 1))  # - onehot
             z.mul_(per_row[s:e].unsqueeze(1))
-            d = z.to(h.dtype)  # the logits' gradient, as the matmuls take it
-            torch.mm(d, w, out=grad_h[s:e])
-            if h.dtype == torch.float32:
-                grad_w.addmm_(d.t(), h[s:e])
-            else:
-                grad_w.add_(torch.mm(d.t(), h[s:e]))
-            del z, d  # before the next chunk's
+            _grads_of_chunk(z, h[s:e], w, grad_h[s:e], grad_w)
+            del z  # before the next chunk's
         grad_w = grad_w.to(h.dtype)
         return grad_h, grad_w.t() if self.transposed else grad_w
 

@@ -4,10 +4,13 @@ Requires: a per-device program's graph (``codegen``): ``meta["val"]`` FakeTensor
           node, PHASE (and STAGE under pp) where the IR had them.
 Ensures:  every LM head found (below) reads its logits nowhere else: its ops are gone, a
           ``LinearCrossEntropy`` node computes the loss and the count of targets in their
-          place, and a ``LinearCrossEntropyBackward`` node the gradients of ``h`` and of the
-          weight where the two backward matmuls were (``codegen.linear_ce``); the (tokens,
-          vocab) logits, their log-softmax and their gradient are never materialised. The
-          values that leave keep their nodes' VAL; everything else is unchanged. Returns one
+          place, and the gradients of ``h`` and of the weight come where the two backward
+          matmuls were (``codegen.linear_ce``): with ``early`` (and not in fp16), computed in
+          the forward's op and scaled there by ``LinearCrossEntropyGrads`` (nothing
+          recomputed; a copy of ``h`` that ``passes.remat`` made for the backward is gone),
+          else by ``LinearCrossEntropyBackward`` from the logits again. The (tokens, vocab)
+          logits, their log-softmax and their gradient are never materialised. The values
+          that leave keep their nodes' VAL; everything else is unchanged. Returns one
           ``FusedLoss`` per head, for the plan's report.
 
 The pattern, as the joint graph writes ``F.cross_entropy(h @ w.T, target)`` (views,
@@ -23,13 +26,14 @@ Anything else reading the logits, their log-softmax or their gradient (a model t
 its logits, an accuracy metric, a bias's gradient) leaves the head as it is; so does a
 vocabulary sharded over tp (its collectives sit between the ops).
 
-**When** (``partition(..., fused_loss="auto")``, the default): the chunked head recomputes
-each chunk's logits in the backward (a third more of the head's FLOPs) and moves the same
-bytes a chunk at a time, so on the device model it never saves time (a 64-token microbatch's
-head ran 1.7x slower on a pipeline's last stage). It saves the logits, their log-softmax and
-their gradient, which matters only where memory is short: ``fusing_reason`` says when (the plan
-without it over ``memory_budget``, or over ``NEAR`` of the device model's memory), and the
-plan fuses only then, and only if the peak drops (``Plan._choose_fused_loss``).
+**When** (``partition(..., fused_loss="auto")``, the default): the chunked head moves the
+same bytes a chunk at a time, with the same FLOPs (gradients in the forward) or a third more
+(the logits again in the backward), so on the device model it never saves time (a 64-token
+microbatch's head ran 1.7x slower on a pipeline's last stage, recomputing). It saves the
+logits, their log-softmax and their gradient, which matters only where memory is short:
+``fusing_reason`` says when (the plan without it over ``memory_budget``, or over ``NEAR`` of
+the device model's memory), and the plan fuses only then, and only if the peak drops
+(``Plan._choose_fused_loss``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from shardfx.codegen.linear_ce import LinearCrossEntropy, LinearCrossEntropyBackward, chunk_rows
+from shardfx.codegen.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
+                                       LinearCrossEntropyGrads, chunk_rows)
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, fake_value, inherit_place, tensor_val as _val
 
@@ -75,6 +80,7 @@ class FusedLoss:
     vocab: int
     hidden: int
     rows: int  # per chunk
+    early: bool = True  # gradients in the forward; else the logits again in the backward
 
     @classmethod
     def of(cls, node: fx.Node) -> "FusedLoss":
@@ -82,7 +88,8 @@ class FusedLoss:
         h, w, _ = node.args
         tokens, hidden = _val(h).shape
         weight = w.args[0] if w.target is aten._to_copy.default else w  # its low-precision copy
-        return cls(weight.name, tokens, _val(w).shape[0], hidden, node.target.rows)
+        return cls(weight.name, tokens, _val(w).shape[0], hidden, node.target.rows,
+                   node.target.grads)
 
     @property
     def chunks(self) -> int:
@@ -109,14 +116,16 @@ class _Head:
     nll_copies: list[fx.Node] = field(default_factory=list)  # remat's
 
 
-def fuse_loss(graph: fx.Graph) -> list[FusedLoss]:
+def fuse_loss(graph: fx.Graph, early: bool = True) -> list[FusedLoss]:
+    """``early``: the head's backward follows its forward at once (one device, dp, tp, a
+    pipeline's 1F1B), so its gradients may be computed in the forward."""
     found = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.nll_loss_forward.default and \
                 not node._erased and M.REMAT not in node.meta:
             head = _match(node)
             if head is not None:
-                found.append(_replace(graph, head))
+                found.append(_replace(graph, head, early))
     return found
 
 
@@ -248,21 +257,22 @@ def _is_h_t(n: fx.Node, head: _Head) -> bool:
     return odd and _is_h(base, head)
 
 
-def _replace(graph: fx.Graph, head: _Head) -> FusedLoss:
+def _replace(graph: fx.Graph, head: _Head, early: bool) -> FusedLoss:
     tokens, hidden = _val(head.h).shape
     vocab = _val(head.w).shape[0]
     _, target, _, reduction, ignore = head.nll.args
     rows = chunk_rows(tokens, vocab, hidden)
+    early = early and _val(head.h).dtype != torch.float16  # (codegen.linear_ce: why)
     mode = fake_mode_of(graph)
     old = [head.mm, head.lsm, head.nll, head.nll_backward, head.lsm_backward, head.grad_h,
            head.grad_w]
 
-    forward = LinearCrossEntropy(reduction, ignore, rows)
+    forward = LinearCrossEntropy(reduction, ignore, rows, grads=early)
     with graph.inserting_before(head.nll):
         call = graph.call_function(forward, (head.h, head.w, target))
     call.meta[M.VAL] = fake_value(mode, forward, call.args, {})
     inherit_place(head.nll, call)
-    items = _items(graph, call, 3)
+    items = _items(graph, call, 4 if early else 3)
     for nll in (head.nll, *head.nll_copies):  # getitem(nll, 0): the loss, 1: the count
         for u in list(nll.users):
             u.replace_all_uses_with(items[u.args[1]])
@@ -271,17 +281,36 @@ def _replace(graph: fx.Graph, head: _Head) -> FusedLoss:
 
     grad, _, _, _, _, _, total = head.nll_backward.args  # dp: the count over all ranks
     first = min(head.grad_h, head.grad_w, key=lambda n: _order(graph)[n])
-    backward = LinearCrossEntropyBackward(reduction, ignore, rows, head.transposed)
+    if early:
+        backward = LinearCrossEntropyGrads(reduction, _val(head.h).dtype, head.transposed)
+        args = (grad, total, items[2], items[3])
+    else:
+        backward = LinearCrossEntropyBackward(reduction, ignore, rows, head.transposed)
+        args = (grad, head.h_backward, head.w, target, total, items[2])
     with graph.inserting_before(first):
-        bcall = graph.call_function(backward, (grad, head.h_backward, head.w, target, total,
-                                               items[2]))
+        bcall = graph.call_function(backward, args)
     bcall.meta[M.VAL] = fake_value(mode, backward, bcall.args, {})
     inherit_place(first, bcall)
     grad_h, grad_w = _items(graph, bcall, 2)
     head.grad_h.replace_all_uses_with(grad_h)
     head.grad_w.replace_all_uses_with(grad_w)
     _erase_dead(graph, old)
+    if early and head.h_backward is not head.h:
+        _erase_unread_recomputation(graph, head.h_backward)
     return FusedLoss.of(call)
+
+
+def _erase_unread_recomputation(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node``, a value ``passes.remat`` recomputed that nothing reads now, and the
+    recomputed values only it read."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n._erased or n.users or M.REMAT not in n.meta:
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        stack += inputs
 
 
 def _items(graph: fx.Graph, call: fx.Node, n: int) -> list[fx.Node]:

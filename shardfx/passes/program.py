@@ -61,8 +61,11 @@ def graphs(program: Program) -> list[tuple[str, fx.GraphModule]]:
 def chunked_loss(program: Program, options) -> Program:
     """Requires/Ensures: ``passes.fused_loss`` (the LM head and its cross-entropy, forward and
     backward, one op over chunks of rows; the logits never materialised). On any device,
-    before Triton fusion, so the ATen ops it replaces are still there."""
-    if fuse_loss(program.module.graph):
+    before Triton fusion, so the ATen ops it replaces are still there. Its gradients are
+    computed in the forward where the head's backward follows its forward at once: no
+    pipeline, or 1F1B's last stage (not GPipe's, nor zero-bubble's split backward)."""
+    early = options.stages == 1 or (options.schedule == "1f1b" and options.virtual_stages == 1)
+    if fuse_loss(program.module.graph, early):
         program.module.recompile()
     return program
 
