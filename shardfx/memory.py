@@ -394,6 +394,62 @@ def _part(part: fx.GraphModule) -> _Part:
     return _Part(peak, sizes, values)
 
 
+def exclusive_outputs(part: fx.GraphModule) -> frozenset[int]:
+    """The indices of ``part``'s outputs whose tensor is the only one left holding its storage
+    once the part returns: storage an op of the part made (not an input's, a constant's, or an
+    input an op updated in place), returned at this index alone, and covered by the tensor
+    (a ``t`` of a fresh ``mm``, a ``reshape`` of a fresh ``sum``; not a slice or an
+    ``expand``, which would keep bytes alive that it does not show, or show some twice).
+    Anything else may be read or written through another tensor. See ``owned_gradients``."""
+    graph = part.graph
+    outs = graph.output_node().args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    base = _bases(graph)
+    owners = Counter(base.get(v, v) for v in outs if isinstance(v, fx.Node))
+    return frozenset(i for i, v in enumerate(outs) if isinstance(v, fx.Node)
+                     and owners[base.get(v, v)] == 1 and _covers(v, base.get(v, v)))
+
+
+def _covers(value: fx.Node, owner: fx.Node) -> bool:
+    """Is ``owner`` storage the part allocated, and ``value`` (``owner`` or a view of it) all
+    of it, each element once?"""
+    val = value.meta.get(M.VAL)
+    if owner.op != "call_function" or _writes_input(owner) or not isinstance(val, torch.Tensor):
+        return False
+    return value_bytes(owner) == _bytes(val) and _dense(val)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Does ``t`` reach each element of a block of ``t.numel()`` elements once (some order of
+    its dimensions is contiguous: a transpose's is, an ``expand``'s or a slice's is not)?"""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _writes_input(node: fx.Node) -> bool:
+    """Does ``node`` return an argument it updated in place (an ``add_``, an ``out=``)?"""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and r.alias_info.is_write
+                                      for r in schema.returns)
+
+
+def owned_gradients(part: fx.GraphModule, outputs) -> frozenset[int]:
+    """The outputs of ``part`` the pipeline runner keeps as a gradient's accumulator as they
+    are, instead of a copy, on the first microbatch that makes the gradient (later ones add
+    into it in place): of ``exclusive_outputs(part)``, those that are one parameter's gradient
+    and nothing else, neither read by a later part on the rank nor sent to another (they
+    would see the sum change under them). ``outputs``: the part's ``runtime.compiled.Output``
+    records. The memory model counts such a gradient once, where a copy is a second tensor."""
+    exclusive = exclusive_outputs(part)
+    return frozenset(o.index for o in outputs
+                     if o.index in exclusive and not o.local and not o.sends
+                     and [r.kind for r in o.roles] == [M.OutputKind.GRAD])
+
+
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     dp: int = 1, device: torch.device = torch.device("cpu"),
                     zero: int = 0) -> DeviceMemory:
@@ -420,6 +476,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
     saved: dict[tuple, int] = {}
     grads: dict[str, int] = {}
+    owned: dict[str, frozenset[int]] = {}  # part -> the outputs kept as accumulators
     best = DeviceMemory(**state)
 
     def consider(transient: int, communication: int, when: str) -> None:
@@ -443,13 +500,19 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                      info.peak["communication"] + sending + reducing,
                      f"{step.name} ({call.part})")
             out_bytes = sum(info.outputs.values())  # all live until the call's outputs go
+            if call.part not in owned:
+                owned[call.part] = owned_gradients(getattr(program.module, call.part),
+                                                   call.outputs)
             for o in call.outputs:
                 nbytes = info.outputs.get(o.index, 0)
                 for role in o.roles:
                     if role.kind is M.OutputKind.GRAD and role.name not in grads:
-                        # cloned into an accumulator: its own bytes, even where the part
-                        # returns a view of its input (a gradient an earlier part made)
+                        # the accumulator: the output itself where the runner keeps it (its
+                        # bytes now a gradient's, no longer the part's), else a copy of its
+                        # own bytes, even where the part returns a view of its input
                         grads[role.name] = info.values.get(o.index, 0)
+                        if o.index in owned[call.part]:
+                            out_bytes -= nbytes
                         consider(out_bytes, sending + reducing,
                                  f"{step.name} ({call.part}, gradients)")
                 if o.local:

@@ -26,7 +26,9 @@ its receiver holds up nothing else. The timeline records compute only, on the de
 (``runtime.timing``: CUDA events on a GPU): time waiting for data is idle, as the schedule
 simulator counts it.
 
-Gradients are summed over microbatches. The tangent is 1/m when the batch's loss is the mean of
+Gradients are summed over microbatches, in place: into the first microbatch's output itself
+where no other tensor holds its storage (``memory.owned_gradients``: no copy), else into a copy
+of it. The tangent is 1/m when the batch's loss is the mean of
 the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
 time); dp replicas average or add alike, in DDP-sized buckets. The optimizer steps each rank's
 own parameters, and a parameter read by several stages (a tied embedding) is sent from the
@@ -47,7 +49,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
-from shardfx.memory import check_optimizer
+from shardfx.memory import check_optimizer, owned_gradients
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
@@ -122,6 +124,7 @@ class PipelineRunner:
         self._counted: dict[str, bool] | None = None  # per owned tensor, for the norm
         self._tied = self._tied_parameters()
         self._grads: dict[str, torch.Tensor] = {}
+        self._kept = self._kept_outputs()  # part -> gradients taken as accumulators, no copy
         self._final = final_gradients(self._steps)  # step index -> gradients done there
         self._buckets: GradBuckets | None = None
         self.all_reduces = 0  # dp buckets the last step reduced
@@ -287,8 +290,8 @@ class PipelineRunner:
             for role in o.roles:
                 if role.kind is M.OutputKind.GRAD:
                     g = self._grads.get(role.name)
-                    if g is None:  # a copy of its own: it accumulates in place from here on
-                        self._grads[role.name] = value.clone()
+                    if g is None:  # the accumulator: later microbatches add in place
+                        self._grads[role.name] = self._accumulator(program, call, o.index, value)
                     else:
                         g.add_(value)
                 elif role.kind is M.OutputKind.LOSS:
@@ -303,6 +306,22 @@ class PipelineRunner:
                 value = value.contiguous()
                 self._sends += [self._send(value, dst) for dst in o.sends]
         return loss
+
+    def _kept_outputs(self) -> dict[str, frozenset[int]]:
+        """Per part this rank runs, the gradient outputs it keeps as they are (decided once:
+        ``memory.owned_gradients``, which the memory model counts the same way)."""
+        calls = {c.part: c for step in self._steps for c in step.calls}
+        return {part: owned_gradients(getattr(self._program.module, part), c.outputs)
+                for part, c in calls.items()}
+
+    def _accumulator(self, program: StageProgram, call, index: int,
+                     value: torch.Tensor) -> torch.Tensor:
+        """A gradient's accumulator from its first microbatch's ``value``: the tensor itself
+        where nothing else holds its storage, else a copy of its own (the sum must not show
+        through a view, an input, another output or what a later part reads)."""
+        if program is self._program and index in self._kept.get(call.part, ()):
+            return value
+        return value.clone()
 
     def _input(self, program: StageProgram, src: tuple, mb: int, flat: list,
                weights: dict[str, torch.Tensor]):
