@@ -18,7 +18,8 @@ A step's memory is a walk over what runs, in the order it runs:
   part's outputs that a later part on the rank reads stay until their last reader (saved: a
   forward's activations, per microbatch in flight); what it sends stays until the step ends
   (a gloo send's buffer is released when the step waits for it); a parameter's gradient is
-  accumulated in a buffer of its own from its first microbatch on; inside a part, its own
+  accumulated from its first microbatch on, in that microbatch's output itself where nothing
+  else holds its storage (``owned_gradients``), else in a copy; inside a part, its own
   liveness peak.
 - **The optimizer's step** comes last: state, gradients and its own temporaries (on CPU torch
   updates one parameter at a time: two temporaries the size of a parameter, with the
