@@ -174,8 +174,8 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
     if train and optimizer.name != "none":
         grads = sum(map(_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
         step = DeviceMemory(**state, optimizer=opt_state, gradients=grads,
-                            transient=optimizer_temporaries(stepped, optimizer, device),
-                            when="optimizer step")
+                            transient=optimizer_temporaries(stepped, optimizer, device)
+                            + _loss_bytes(program.graph), when="optimizer step")
         if step.total > best.total:
             best = step
     if train and gather:  # ZeRO-1/2: every rank's updated rows, gathered
@@ -279,6 +279,13 @@ def _workspace(node: fx.Node) -> int:
     if workspace is None:
         return 0
     return workspace(*(a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args))
+
+
+def _loss_bytes(graph: fx.Graph) -> int:
+    """The step's loss, which the runner returns and holds through the optimizer's step."""
+    out = graph.output_node()
+    return sum(_bytes(v.meta.get(M.VAL)) for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
+               if isinstance(v, fx.Node) and r.kind is M.OutputKind.LOSS)
 
 
 def _graph_grads(graph: fx.Graph) -> int:

@@ -76,7 +76,7 @@ class LinearCrossEntropy:
         safe = torch.where(valid, target, 0).unsqueeze(1)
         if self.grads:
             grad_h = torch.empty_like(h)
-            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            grad_w = _weight_grad(w, n)
             keep = valid.to(torch.float32).unsqueeze(1)  # 0: an ignored target's row
             minus_one = torch.full((1, 1), -1.0, device=h.device)
         for s in range(0, n, self.rows):
@@ -90,7 +90,7 @@ class LinearCrossEntropy:
             if self.grads:  # softmax - onehot, then both gradients from it
                 z.div_(total.unsqueeze(1))
                 z.scatter_add_(1, safe[s:e], minus_one.expand(e - s, 1)).mul_(keep[s:e])
-                _grads_of_chunk(z, h[s:e], w, grad_h[s:e], grad_w)
+                _grads_of_chunk(z, h[s:e], w, grad_h[s:e], grad_w, first=s == 0)
             del z  # before the next chunk's: one chunk of logits at a time
         total = valid.sum().to(torch.float32)
         loss = ((lse - picked) * valid).sum()
@@ -109,14 +109,27 @@ class LinearCrossEntropy:
         return _chunk_bytes(self.rows, h, w) + 6 * h.shape[0] * 4 + extra
 
 
+def _weight_grad(w: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 sum of ``w``'s gradient over ``n`` rows' chunks: the first chunk writes it
+    (no rows: zeros)."""
+    make = torch.empty if n else torch.zeros
+    return make(w.shape, dtype=torch.float32, device=w.device)
+
+
 def _grads_of_chunk(d: torch.Tensor, h: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor,
-                    grad_w: torch.Tensor) -> None:
+                    grad_w: torch.Tensor, first: bool) -> None:
     """From ``d``, a chunk's gradient of the logits (fp32), its rows of ``grad_h`` (written)
-    and its share of ``grad_w`` (fp32, added), the matmuls in ``h``'s dtype."""
+    and its share of ``grad_w`` (fp32: written by the ``first`` chunk, so it is never
+    zero-filled, added by the others), the matmuls in ``h``'s dtype."""
     d = d if h.dtype == torch.float32 else d.to(h.dtype)
     torch.mm(d, w, out=grad_h)
     if h.dtype == torch.float32:
-        grad_w.addmm_(d.t(), h)
+        if first:
+            torch.mm(d.t(), h, out=grad_w)
+        else:
+            grad_w.addmm_(d.t(), h)
+    elif first:
+        grad_w.copy_(torch.mm(d.t(), h))
     else:
         grad_w.add_(torch.mm(d.t(), h))
 
@@ -180,7 +193,7 @@ class LinearCrossEntropyBackward:
         per_row = valid.to(torch.float32) * scale  # 0 for an ignored target
         safe = torch.where(valid, target, 0).unsqueeze(1)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = _weight_grad(w, n)
         minus_one = torch.full((1, 1), -1.0, device=h.device)
         for s in range(0, n, self.rows):
             e = min(n, s + self.rows)
@@ -188,7 +201,7 @@ class LinearCrossEntropyBackward:
             z.sub_(lse[s:e].unsqueeze(1)).exp_()  # softmax
             z.scatter_add_(1, safe[s:e], minus_one.expand(e - s, 1))  # - onehot
             z.mul_(per_row[s:e].unsqueeze(1))
-            _grads_of_chunk(z, h[s:e], w, grad_h[s:e], grad_w)
+            _grads_of_chunk(z, h[s:e], w, grad_h[s:e], grad_w, first=s == 0)
             del z  # before the next chunk's
         grad_w = grad_w.to(h.dtype)
         return grad_h, grad_w.t() if self.transposed else grad_w
