@@ -33,7 +33,8 @@ import time
 from bench.common import append_results, count, machine
 from bench.precision import DEFAULT, eager_row, table
 from bench.precision import shardfx_row as precision_row
-from bench.remat import MiB, fill_sizes, size_flags, workload
+from bench.llama_workload import fill_sizes, size_flags, workload
+from bench.remat import MiB
 
 
 def shardfx_row(factory, batch, a, precision: str, fused: bool) -> dict:

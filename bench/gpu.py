@@ -83,7 +83,8 @@ import torch.nn as nn
 import shardfx
 from bench.common import append_results, count, machine
 from bench.kernels import _failure
-from bench.remat import _loss_on_logits, llama
+from bench.llama_workload import llama
+from bench.remat import _loss_on_logits
 
 SIZES = {  # per model: the default run
     "nanogpt": dict(layers=12, hidden=768, heads=12, vocab=50304, batch=8, seq=1024),

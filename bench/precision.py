@@ -69,8 +69,8 @@ import torch
 
 import shardfx
 from bench.common import append_results, count, machine, timed
-from bench.remat import (LOSS_RTOL, MiB, _loss_on_logits, adamw, failed, fill_sizes,
-                         loss_of, size_flags, training_step, workload)
+from bench.llama_workload import adamw, fill_sizes, loss_of, size_flags, training_step, workload
+from bench.remat import LOSS_RTOL, MiB, _loss_on_logits, failed
 from shardfx.measure import mark, measured_peak
 from shardfx.precision import DTYPES
 

@@ -64,8 +64,9 @@ too; the bench checks that the compiled forward and backward ran on every measur
 for_cpu`` and its backward), so the bench adds PyTorch's own SDPA formulas for them (no causal
 discount, as upstream).
 
-Every row runs in a process of its own (``python -m bench.remat --row ...``, which rebuilds the
-same seeded model and batch): no row's allocator or torch.compile caches are left to the next,
+Every row runs in a process of its own (``bench.row_processes``: ``python -m bench.remat
+--row ...``, which rebuilds the same seeded model and batch): no row's allocator or
+torch.compile caches are left to the next,
 and a row whose process is killed (the machine is shared) runs once more, then is reported as
 not run. ``--resume FILE`` appends each finished row to FILE and reads back the rows already
 there, so a run that is stopped goes on where it stopped (a first default run, every row in one
@@ -115,17 +116,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
-import functools
 import gc
 import json
 import math
-import os
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -134,193 +129,20 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from bench.common import append_results, count, machine
-from shardfx.measure import mark, measured_peak
-from shardfx.passes.estimate_cost import CPU_ATTENTION_FLOPS
+from bench.flops import CountingBackend, step_flops
+from bench.llama_workload import (adamw, fill_sizes, final_loss, loss_of, size_flags,
+                                 training_step, workload)
+from bench.row_processes import RowProcesses, load
+from shardfx.measure import measured_peak
 
 warnings.filterwarnings("ignore")
 
 DEFAULT = dict(layers=6, hidden=1024, inter=2816, heads=16, kv=8, vocab=32000, batch=8, seq=512)
-SMALL = dict(layers=2, hidden=128, inter=352, heads=4, kv=2, vocab=1000, batch=4, seq=64)
 LOSS_RTOL = 1e-4
 MiB = 2**20
 aten = torch.ops.aten
-
-
-# --- model, loss, batch -----------------------------------------------------------------------
-
-def size_flags(parser: argparse.ArgumentParser, default: dict, seed: bool = True) -> None:
-    """``--small``, a flag per model and batch size (``default`` when not given), ``--seed``."""
-    parser.add_argument("--small", action="store_true",
-                        help="quick check: " + ", ".join(f"{k} {v}" for k, v in SMALL.items()))
-    for k, v in default.items():
-        parser.add_argument(f"--{k}", type=int, default=None, help=f"default {v}")
-    if seed:
-        parser.add_argument("--seed", type=int, default=0)
-
-
-def fill_sizes(a, default: dict) -> None:
-    """The sizes not given: ``SMALL``'s under ``--small``, else ``default``'s."""
-    for k, v in (SMALL if a.small else default).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
-
-
-def workload(a) -> tuple[Callable[[], torch.nn.Module], tuple, int]:
-    """A factory of copies of one seeded Llama (every row starts from the same weights), the
-    batch, and the parameter count."""
-    base, batch = llama(a), make_batch(a)
-
-    def factory() -> torch.nn.Module:
-        return copy.deepcopy(base).train()
-
-    return factory, batch, sum(p.numel() for p in base.parameters())
-
-
-def llama(a) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(a.seed)
-    config = LlamaConfig(
-        num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.inter,
-        num_attention_heads=a.heads, num_key_value_heads=a.kv, vocab_size=a.vocab,
-        use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
-    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
-    return model.train()
-
-
-def loss_of(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
-
-
-def make_batch(a) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(a.seed + 1)
-    return tuple(torch.randint(0, a.vocab, (a.batch, a.seq), generator=g) for _ in range(2))
-
-
-def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def training_step(loss_fn: Callable, model, opt, ids, targets) -> Callable[[], torch.Tensor]:
-    def step() -> torch.Tensor:
-        loss = loss_fn(model, ids, targets)
-        loss.backward()
-        mark("fwd+bwd")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
-
-
-def final_loss(model, ids, targets) -> float:
-    """The loss of the trained model, computed the same way (eager, no grad) for every row."""
-    with torch.no_grad():
-        return loss_of(model, ids, targets).item()
-
-
-# --- FLOPs ------------------------------------------------------------------------------------
-
-def _addmm_inplace(*args, out_val=None, **kwargs) -> int:
-    return flop_registry[aten.addmm](*args, out_val=out_val, **kwargs)
-
-
-_addmm_inplace._get_raw = True  # FlopCounterMode(custom_mapping=...): already by shapes
-
-# FlopCounterMode knows no CPU attention kernel: PyTorch's own SDPA formulas for them, as
-# shardfx's cost model counts them. Nor in-place addmm_ (its registry has addmm, keyed by
-# overload packet): shardfx's fused LM head sums the weight's gradient with it, chunk by
-# chunk, and without a formula that matmul (2 x tokens x hidden x vocab) would count 0.
-EXTRA_FLOPS = {**CPU_ATTENTION_FLOPS, aten.addmm_: _addmm_inplace}
-
-
-class _CountThroughCompile(torch.utils.flop_counter._FlopCounterMode):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
-class FlopsThroughCompile(FlopCounterMode):
-    """``FlopCounterMode`` whose dispatch mode lets torch.compile run its compiled graphs (and
-    sees their ops) instead of falling back to eager."""
-
-    def __enter__(self):
-        self.flop_counts.clear()
-        self.mod_tracker.__enter__()
-        self.mode = _CountThroughCompile(self)
-        self.mode.__enter__()
-        return self
-
-
-def step_flops(step: Callable, through_compile: bool) -> int:
-    counter = (FlopsThroughCompile if through_compile else FlopCounterMode)(
-        display=False, custom_mapping=EXTRA_FLOPS)
-    with counter:
-        step()
-    return counter.get_total_flops()
-
-
-def graph_flops(gm: torch.fx.GraphModule) -> int:
-    """FLOPs of an aot_autograd graph, summed statically over its nodes with the formulas
-    ``FlopCounterMode`` uses (and ``EXTRA_FLOPS``)."""
-    formulas = FlopCounterMode(custom_mapping=EXTRA_FLOPS).flop_registry
-    total = 0
-    for node in gm.graph.nodes:
-        formula = formulas.get(getattr(node.target, "overloadpacket", None))
-        if node.op != "call_function" or formula is None:
-            continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        total += formula(*args, **kwargs, out_val=node.meta["val"])
-    return total
-
-
-# --- torch.compile backend --------------------------------------------------------------------
-
-class CountingBackend:
-    """PyTorch's ``aot_eager`` (or ``aot_eager_decomp_partition``) as torch builds it, with the
-    forward and backward compilers wrapped: the FLOPs of each graph, counted from its nodes, and
-    how many times each graph ran."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.graphs: list[tuple[str, int]] = []  # (fw | bw, FLOPs)
-        self.runs: collections.Counter = collections.Counter()
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        if self.name == "aot_eager":
-            kwargs = dict(partition_fn=min_cut_rematerialization_partition,
-                          keep_inference_input_mutations=True)
-        else:  # aot_eager_decomp_partition
-            from torch._inductor.compile_fx import select_decomp_table
-            kwargs = dict(decompositions=select_decomp_table(),
-                          partition_fn=functools.partial(min_cut_rematerialization_partition,
-                                                         compiler="inductor"))
-        return aot_autograd(fw_compiler=self._compiler("fw"), bw_compiler=self._compiler("bw"),
-                            **kwargs)(gm, example_inputs)
-
-    def _compiler(self, kind: str):
-        from torch._dynamo.backends.debugging import boxed_nop
-
-        def compile(gm: torch.fx.GraphModule, example_inputs):
-            self.graphs.append((kind, graph_flops(gm)))
-            inner = boxed_nop(gm, example_inputs)
-
-            def run(args):
-                self.runs[kind] += 1
-                return inner(args)
-
-            run._boxed_call = True
-            return run
-        return compile
-
-    def static_flops(self) -> int:
-        return sum(f for _, f in self.graphs)
 
 
 # --- one row ----------------------------------------------------------------------------------
@@ -640,10 +462,6 @@ def checks(rows: list[dict]) -> list[str]:
     return out
 
 
-def load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 # --- one process per row ------------------------------------------------------------------------
 
 def run_row(a, spec: dict) -> dict:
@@ -664,74 +482,22 @@ def run_row(a, spec: dict) -> dict:
     return shardfx_row(factory, batch, spec["bytes"], spec["labels"], a)
 
 
+def not_run(spec: dict, why: str) -> dict:
+    """The row of a spec whose process did not finish."""
+    if spec["kind"] == "floor":
+        return dict(floor=None, note=f"shardfx floor: {why}")
+    row = dict(variant=spec_name(spec), budget="-", error=f"did not run: {why}", notes=[])
+    if spec["kind"] == "shardfx":
+        row.update(labels=spec["labels"], target=spec["bytes"])
+    return row
+
+
 def spec_name(spec: dict) -> str:
     if spec["kind"] == "torch.compile":
         return f"torch.compile {spec['budget']:g}"
     if spec["kind"] == "shardfx":
         return f"shardfx at {' = '.join(spec['labels'])}"
     return spec["kind"]
-
-
-class Rows:
-    """Runs each row in a process of its own (``python -m bench.remat --row SPEC``): each
-    starts from the same seeded weights, no row's memory (the allocator's, torch.compile's
-    caches) is left to the next, and a row the kernel kills (this machine is shared) is run
-    once more, then reported. With ``--resume FILE`` every finished row is appended to FILE
-    and a row already there (same spec, sizes, steps and backend) is read back, not run."""
-
-    def __init__(self, a):
-        self.a = a
-        self.flags = [f"--{k}={getattr(a, k)}" for k in (*DEFAULT, "seed", "steps", "backend")]
-        self.cached: dict[str, dict] = {}
-        if a.resume and os.path.exists(a.resume):
-            with open(a.resume) as f:
-                for line in f:
-                    entry = json.loads(line)
-                    self.cached[entry["key"]] = entry["row"]
-        self.child_cpu = 0.0
-
-    def key(self, spec: dict) -> str:
-        return json.dumps([spec, self.flags], sort_keys=True)
-
-    def __call__(self, spec: dict) -> dict:
-        name, key = spec_name(spec), self.key(spec)
-        if key in self.cached:
-            print(f"{name}: read back from {self.a.resume}", file=sys.stderr, flush=True)
-            return self.cached[key]
-        t0 = time.perf_counter()
-        for attempt in (1, 2):
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                done = subprocess.run([sys.executable, "-m", "bench.remat", *self.flags,
-                                       f"--row={json.dumps(spec)}", f"--out={out.name}"])
-                cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                self.child_cpu += (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
-                text = Path(out.name).read_text()
-            if done.returncode == 0 and text:
-                row = json.loads(text)
-                break
-            why = (f"its process {'was killed by signal ' + str(-done.returncode) if done.returncode < 0 else 'exited with ' + str(done.returncode)}"
-                   + (" (SIGKILL: out of memory on this shared machine?)" if done.returncode == -9 else ""))
-            print(f"{name}: attempt {attempt}: {why}", file=sys.stderr, flush=True)
-            if done.returncode > 0:
-                break
-        else:
-            done = None
-        if done is None or done.returncode != 0:
-            row = dict(variant=name, budget="-", error=f"did not run: {why}", notes=[])
-            if spec["kind"] == "shardfx":
-                row.update(labels=spec["labels"], target=spec["bytes"])
-            if spec["kind"] == "floor":
-                row = dict(floor=None, note=f"shardfx floor: {why}")
-        else:
-            if attempt > 1 and "notes" in row:
-                row["notes"].append("ran on the second attempt: the first process was killed")
-            if self.a.resume:
-                with open(self.a.resume, "a") as f:
-                    f.write(json.dumps(dict(key=key, row=row)) + "\n")
-        print(f"{name}: {time.perf_counter() - t0:.1f} s (load {load()})", file=sys.stderr,
-              flush=True)
-        return row
 
 
 def main() -> None:
@@ -756,7 +522,8 @@ def main() -> None:
     budgets = [float(b) for b in a.budgets.split(",") if b]
 
     start, load_start = time.perf_counter(), load()
-    run = Rows(a)
+    flags = [f"--{k}={getattr(a, k)}" for k in (*DEFAULT, "seed", "steps", "backend")]
+    run = RowProcesses("bench.remat", flags, a.resume, spec_name, not_run)
     rows = [run(dict(kind="eager")), run(dict(kind="full AC")),
             *[run(dict(kind="torch.compile", budget=b)) for b in budgets]]
     eager = rows[0]
