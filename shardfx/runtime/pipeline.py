@@ -60,6 +60,7 @@ from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.device import check_weights, place
+from shardfx.runtime.released import released
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
@@ -283,7 +284,7 @@ class PipelineRunner:
              weights: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = [self._input(program, src, mb, flat, weights) for src in call.inputs]
         with torch.no_grad():
-            outs = call.module(*inputs)  # a tuple, even of one output
+            outs = released(call.module, self.device)(*inputs)  # a tuple, even of one
         loss = torch.zeros((), device=self.device)
         for o in call.outputs:
             value = outs[o.index]

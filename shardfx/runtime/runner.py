@@ -31,6 +31,7 @@ from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.device import check_weights, move
+from shardfx.runtime.released import released
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import saving
 from shardfx.runtime.saving import Held, offsets, zero_held
@@ -163,7 +164,7 @@ class Runner:
         placeholders = program.module.graph.find_nodes(op="placeholder")
         inputs = [self._input(r, n, flat) for r, n in zip(program.inputs, placeholders)]
         with torch.no_grad():
-            values = program.module(*inputs)
+            values = released(program.module, self.device)(*inputs)
         outs = []
         for role, value in zip(program.outputs, values):
             if role.kind is M.OutputKind.BUFFER_UPDATE:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.ir import meta as M
+from shardfx.runtime.released import released
 
 
 def padded(whole: torch.Tensor, z: M.ZeroShard) -> torch.Tensor:
@@ -77,7 +78,8 @@ class ZeroRows:
         is made (a loop variable would hold a view of it)."""
         inputs = [stepped[role.name].detach() for role in program.inputs
                   if role.kind is M.InputKind.PARAM]
-        for role, rows in zip(program.outputs, program.module(*inputs, group_name)):
+        gather = released(program.module, inputs[0].device)
+        for role, rows in zip(program.outputs, gather(*inputs, group_name)):
             z = self.layouts[role.name]
             self._padded[role.name].view(z.dp, -1).copy_(rows)
 

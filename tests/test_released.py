@@ -1,0 +1,54 @@
+"""On CPU a collective's wait returns once gloo's worker has let go of its buffer
+(``runtime.released``), so the buffer is freed where the program drops it, as the memory model
+counts. With a plain ``wait_tensor`` the worker still holds the result after about one wait in
+six, and the buffer then outlives its last reader by a moment thread scheduling decides."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+import shardfx
+from shardfx.measure import measured_peak
+from shardfx.runtime.released import released, wait_released
+
+c10d = torch.ops._c10d_functional
+ROWS = 4096  # floats: 16 KiB per value
+
+
+def _program(group: str) -> fx.GraphModule:
+    """x -> all-reduce -> wait -> (* 2) -> (+ 1): the all-reduce's buffer dies at the mul."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(c10d.wait_tensor.default,
+                            (graph.call_function(c10d.all_reduce.default, (x, "sum", group)),))
+    z = graph.call_function(torch.ops.aten.mul.Tensor, (y, 2.0))
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (z, 1.0)),))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _owners(runs: int) -> tuple[int, list[int]]:
+    """Owners of an all-reduce's result after each of ``runs`` released waits; the released
+    program's peak."""
+    group = dist.group.WORLD.group_name
+    x = torch.randn(ROWS)
+    owners = [wait_released(c10d.all_reduce.default(x, "sum", group))._use_count()
+              for _ in range(runs)]
+    program = released(_program(group), torch.device("cpu"))
+    return measured_peak(lambda: program(x), x).total - x.nbytes, owners
+
+
+def test_a_collective_buffer_is_the_programs_alone_after_its_wait():
+    for peak, owners in shardfx.launch(_owners, 200, nprocs=2):
+        assert set(owners) == {1}, owners
+        assert peak == 2 * 4 * ROWS  # at the add: the mul's and its own; the all-reduce's went
+
+
+def test_only_cpu_programs_are_copied():
+    program = _program("any")
+    assert released(program, torch.device("meta")) is program
+    copy = released(program, torch.device("cpu"))
+    assert copy is not program and released(program, torch.device("cpu")) is copy
+    assert copy.graph.find_nodes(op="call_function", target=wait_released)
+    assert program.graph.find_nodes(op="call_function", target=c10d.wait_tensor.default)
