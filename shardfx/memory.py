@@ -19,7 +19,9 @@ A step's memory is a walk over what runs, in the order it runs:
   forward's activations, per microbatch in flight); what it sends stays until the step ends
   (a gloo send's buffer is released when the step waits for it); a parameter's gradient is
   accumulated from its first microbatch on, in that microbatch's output itself where nothing
-  else holds its storage (``owned_gradients``), else in a copy; inside a part, its own
+  else holds its storage (``owned_gradients``), else in a copy; later microbatches run the
+  part's accumulating variant where it has one (``codegen.accumulate_into``: a matmul's or
+  an embedding's gradient added into its accumulator, not made anew); inside a part, its own
   liveness peak.
 - **The optimizer's step** comes last: state, gradients and its own temporaries (on CPU torch
   updates one parameter at a time: two temporaries the size of a parameter, with the
@@ -317,9 +319,10 @@ def _aliases(node) -> bool:
 def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """View -> the node that owns its storage. An element of a multi-output op's result owns
     its own, but a second ``getitem`` of the same element (``passes.remat`` reads an element
-    again in the backward) is the first one's tensor, and an op may say that an element of its
-    result is one of its inputs, updated in place (``ALIASES``: output index -> argument
-    index; ``codegen.linear_ce``)."""
+    again in the backward) is the first one's tensor, an in-place op's result is the tensor
+    it updated (``codegen.accumulate_into``'s ``addmm_``), and an op may say that an element
+    of its result is one of its inputs, updated in place (``ALIASES``: output index ->
+    argument index; ``codegen.linear_ce``)."""
     base: dict[fx.Node, fx.Node] = {}
     element: dict[tuple[fx.Node, object], fx.Node] = {}
     for node in graph.nodes:
@@ -330,8 +333,8 @@ def _bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
             if src is not None:
                 base[node] = base.get(src, src)
             continue
-        if is_view(node) or node.target is _WAIT:
-            src = node.all_input_nodes[0]
+        if is_view(node) or node.target is _WAIT or _writes_input(node):
+            src = node.all_input_nodes[0]  # an in-place op returns its first argument
             base[node] = base.get(src, src)
     return base
 
@@ -485,6 +488,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     saved: dict[tuple, int] = {}
     grads: dict[str, int] = {}
     owned: dict[str, frozenset[int]] = {}  # part -> the outputs kept as accumulators
+    summing: dict = {}  # accumulating variant (codegen.accumulate_into) -> what it allocates
     best = DeviceMemory(**state)
 
     def consider(transient: int, communication: int, when: str) -> None:
@@ -504,6 +508,11 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
         for call in step.calls:
             info = parts[call.part]
+            variant = program.accumulating(call.part)
+            if variant is not None and all(_grad_of(call, i) in grads for i in variant.indices):
+                if variant.module not in summing:  # it sums into the accumulators: makes none
+                    summing[variant.module] = _part(variant.module)
+                info = summing[variant.module]
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
                      info.peak["communication"] + sending + reducing,
                      f"{step.name} ({call.part})")
@@ -545,6 +554,10 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
 
         consider(zero_gather_peak(zero_gather_programs(whole, dp)), 0, "ZeRO gather")
     return best
+
+
+def _grad_of(call, index: int) -> str:
+    return next(o.roles[0].name for o in call.outputs if o.index == index)
 
 
 def _shape_bytes(shape, dtype) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from shardfx.codegen.accumulate_into import Accumulating, accumulating
 from shardfx.ir import meta as M
 from shardfx.schedule import Action, Kind, Schedule
 from shardfx.schedule.p2p import check_p2p
@@ -96,6 +97,7 @@ class StageProgram:
             self.finals[source(value)].append(role)
         self._calls = {name: self._call(name, self.rank_of(name)) for name in self.parts}
         self._first: dict[int, dict[tuple, Action]] = {}
+        self._accumulating: dict[str, Accumulating | None] = {}
         self._batches = None  # every rank's messages in posting order, checked (schedule.p2p)
 
     def rank_of(self, part: str) -> int:
@@ -188,6 +190,14 @@ class StageProgram:
             outputs.append(Output(index, tuple(self.finals.get((part, index), ())),
                                   rank in ranks, [r for r in ranks if r != rank]))
         return Call(part, getattr(self.module, part), inputs, outputs)
+
+    def accumulating(self, part: str) -> Accumulating | None:
+        """``part``'s variant that sums gradients into their accumulators
+        (``codegen.accumulate_into``), made once; None where it has none."""
+        if part not in self._accumulating:
+            call = self._calls[part]
+            self._accumulating[part] = accumulating(getattr(self.module, part), call.outputs)
+        return self._accumulating[part]
 
     def out_val(self, part: str, index: int):
         """The fake value (shape, dtype) of a part's output, to receive it into."""

@@ -28,7 +28,9 @@ simulator counts it.
 
 Gradients are summed over microbatches, in place: into the first microbatch's output itself
 where no other tensor holds its storage (``memory.owned_gradients``: no copy), else into a copy
-of it. The tangent is 1/m when the batch's loss is the mean of
+of it; once every accumulator a part writes exists, the part's accumulating variant adds each
+matmul's and embedding's weight gradient into it where it is made (``codegen.accumulate_into``:
+no fresh gradient per microbatch, no separate add). The tangent is 1/m when the batch's loss is the mean of
 the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
 time); dp replicas average or add alike, in DDP-sized buckets. The optimizer steps each rank's
 own parameters, and a parameter read by several stages (a tied embedding) is sent from the
@@ -283,8 +285,10 @@ class PipelineRunner:
     def _run(self, program: StageProgram, call, mb: int, flat: list,
              weights: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = [self._input(program, src, mb, flat, weights) for src in call.inputs]
+        module, summed = self._summing(program, call)
+        inputs += [self._grads[self._grad_name(call, i)] for i in summed]
         with torch.no_grad():
-            outs = released(call.module, self.device)(*inputs)  # a tuple, even of one
+            outs = released(module, self.device)(*inputs)  # a tuple, even of one
         loss = torch.zeros((), device=self.device)
         for o in call.outputs:
             value = outs[o.index]
@@ -293,7 +297,7 @@ class PipelineRunner:
                     g = self._grads.get(role.name)
                     if g is None:  # the accumulator: later microbatches add in place
                         self._grads[role.name] = self._accumulator(program, call, o.index, value)
-                    else:
+                    elif o.index not in summed:  # else the part added into it
                         g.add_(value)
                 elif role.kind is M.OutputKind.LOSS:
                     loss = value.detach() / self.m if self._mean else value.detach()
@@ -307,6 +311,20 @@ class PipelineRunner:
                 value = value.contiguous()
                 self._sends += [self._send(value, dst) for dst in o.sends]
         return loss
+
+    def _summing(self, program: StageProgram, call) -> tuple[Any, tuple[int, ...]]:
+        """The module to run for ``call`` and the outputs it sums into their accumulators:
+        the part's accumulating variant once every one of them exists
+        (``codegen.accumulate_into``), else the part."""
+        variant = program.accumulating(call.part)
+        if variant is None or any(self._grad_name(call, i) not in self._grads
+                                  for i in variant.indices):
+            return call.module, ()
+        return variant.module, variant.indices
+
+    @staticmethod
+    def _grad_name(call, index: int) -> str:
+        return next(o.roles[0].name for o in call.outputs if o.index == index)
 
     def _kept_outputs(self) -> dict[str, frozenset[int]]:
         """Per part this rank runs, the gradient outputs it keeps as they are (decided once:
