@@ -1,7 +1,7 @@
-"""A pipeline part's accumulating variant (``codegen.accumulate_into``): from the second
-microbatch on, a matmul's and an embedding's weight gradient are added into their
-accumulators where they are made, instead of made anew and added by the runner; pipelines
-train as eager does, padding rows included."""
+"""Accumulating variants (``codegen.accumulate_into``): from a pipeline's second microbatch on
+(and a one-device runner's second batch of an accumulated step), a matmul's and an embedding's
+weight gradient are added into their accumulators where they are made, instead of made anew
+and added by the runner; both train as eager does, padding rows included."""
 
 from __future__ import annotations
 
@@ -127,3 +127,20 @@ def test_pipelines_with_summed_gradients_train_as_eager_does():
     (errors, first), (_, last) = shardfx.launch(_trained, nprocs=2, timeout=120, deadline=600)
     assert (first, last) == (2, 1)  # stage 0 sums the embedding's and a's, stage 1 b's
     assert max(errors) < 1e-5, errors
+
+
+def test_gradient_accumulation_on_one_device_sums_in_place(monkeypatch):
+    from shardfx.runtime.runner import Runner
+
+    summed = []
+    original = Runner._accumulators
+
+    def accumulators(self, trained):
+        into = original(self, trained)
+        summed.append(sorted(into))
+        return into
+
+    monkeypatch.setattr(Runner, "_accumulators", accumulators)
+    report = compare_training(PaddedLM(), _tokens(6), _lm_loss, accumulate=3)
+    assert report.max() < 1e-5
+    assert summed == [["a.weight", "b.weight", "embed.weight"]] * 4, summed  # 2 steps x 2

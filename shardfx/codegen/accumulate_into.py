@@ -1,4 +1,5 @@
-"""Weight gradients summed where they are made: a pipeline part's accumulating variant.
+"""Weight gradients summed where they are made: a pipeline part's (or a program's, under
+gradient accumulation) accumulating variant.
 
 A pipeline stage runs its backward once per microbatch, and each run makes every weight's
 gradient anew: a linear layer's ``mm(grad_out.T, x)``, an embedding's
@@ -12,9 +13,10 @@ The variant takes, after the part's own inputs, the accumulator of each gradient
 in place and writes into it: ``addmm_(acc, grad_out.T, x)`` for a matmul (BLAS adds into its
 output), ``index_add_(acc, 0, ids, rows)`` for an embedding (padding rows masked out, as
 ``embedding_dense_backward`` leaves them). Eight 64-token microbatches of that embedding take
-30 ms instead of 260 ms on one core (measured, fp32). The runner runs the variant once every
-accumulator exists (every microbatch after a gradient's first) and the memory model walks it
-there: the fresh gradients are not made.
+30 ms instead of 260 ms on one core (measured, fp32). The pipeline runner runs the variant
+once every accumulator exists (every microbatch after a gradient's first) and the memory model
+walks it there: the fresh gradients are not made. ``runner.step_batches`` does the same from
+its second batch on (not under ZeRO, whose optimizer steps rows the program does not make).
 
 Requires: ``part`` a part of ``codegen.stages`` (returns a tuple) with ``M.VAL`` on its nodes.
 Ensures: the variant returns what ``part`` returns, except that each fused output is its

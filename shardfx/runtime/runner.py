@@ -12,6 +12,7 @@ computes the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -19,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from shardfx.codegen.accumulate_into import Accumulating, accumulating
 from shardfx.codegen.program import Program
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
@@ -30,6 +32,7 @@ from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counte
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
+from shardfx.runtime.compiled import Output
 from shardfx.runtime.device import check_weights, move
 from shardfx.runtime.released import released
 from shardfx.runtime.shards import Shards
@@ -105,10 +108,11 @@ class Runner:
             flat = self._plan.check_inputs(args, targets)
             self._same_batch(flat)
             self._batch = index  # its dropout masks are its own
-            outs = self._run(self._plan.program, flat)
+            into = self._accumulators(trained) if index else {}
+            outs = self._run(self._plan.program, flat, into)
             losses.append(next(v for r, v in outs if r.kind is M.OutputKind.LOSS))
             self._set_grads(trained, {r.name: v for r, v in outs
-                                      if r.kind is M.OutputKind.GRAD})
+                                      if r.kind is M.OutputKind.GRAD and r.name not in into})
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
@@ -159,12 +163,40 @@ class Runner:
                       if r.kind is M.OutputKind.OUTPUT)
         return pytree.tree_unflatten([v for _, v in outs], out_spec)
 
-    def _run(self, program: Program, flat: list[torch.Tensor]) -> list[tuple[M.OutputRole, Any]]:
-        """Run ``program``; apply its buffer updates; return its other outputs with their roles."""
+    def _accumulators(self, trained: dict) -> dict[str, torch.Tensor]:
+        """Gradient accumulation, after the first batch: the ``.grad`` of each parameter whose
+        gradient the program's accumulating variant adds in place (``codegen.accumulate_into``:
+        a matmul's or an embedding's, not made anew), when it has one and all of them exist.
+        ZeRO steps rows of the gradients, which the program does not make: none there."""
+        variant = self._summing
+        if variant is None or self._zero is not None:
+            return {}
+        names = [self._plan.program.outputs[i].name for i in variant.indices]
+        grads = {name: trained[name].grad for name in names if name in trained}
+        return grads if all(g is not None for g in grads.values()) and \
+            len(grads) == len(names) else {}
+
+    @functools.cached_property
+    def _summing(self) -> Accumulating | None:
+        program = self._plan.program
+        return accumulating(program.module, [Output(i, (r,), False, []) for i, r in
+                                             enumerate(program.outputs)
+                                             if r.kind is M.OutputKind.GRAD])
+
+    def _run(self, program: Program, flat: list[torch.Tensor],
+             into: dict[str, torch.Tensor] | None = None) -> list[tuple[M.OutputRole, Any]]:
+        """Run ``program``; apply its buffer updates; return its other outputs with their roles.
+        ``into``: accumulators, by gradient: run the program's accumulating variant, which adds
+        those gradients into them."""
         placeholders = program.module.graph.find_nodes(op="placeholder")
         inputs = [self._input(r, n, flat) for r, n in zip(program.inputs, placeholders)]
+        module = program.module
+        if into:
+            variant = self._summing
+            module = variant.module
+            inputs += [into[program.outputs[i].name] for i in variant.indices]
         with torch.no_grad():
-            values = released(program.module, self.device)(*inputs)
+            values = released(module, self.device)(*inputs)
         outs = []
         for role, value in zip(program.outputs, values):
             if role.kind is M.OutputKind.BUFFER_UPDATE:
