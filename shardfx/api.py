@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from shardfx.device_model import DeviceModel
 from shardfx.device_model import device_model as choose_device_model
 from shardfx.errors import InputError, LossError, PassError, PipelineError, ShardfxError
+from shardfx.codegen.step_in_backward import check as check_optimizer_in_backward
 from shardfx.hints import check_hint_axes
 from shardfx.ir.text import ir_to_text
 from shardfx.memory import optimizer_model
@@ -144,6 +145,7 @@ def partition(
     fused_loss: bool | str = "auto",
     zero: int = 0,
     *,
+    optimizer_in_backward: bool = False,
     device: str | torch.device | None = None,
     device_model: str | os.PathLike | DeviceModel | None = None,
     debug: bool | None = None,
@@ -173,7 +175,11 @@ def partition(
     (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
     ops; "auto" fuses only where the memory it saves matters: when the plan without it is over
     ``memory_budget`` or near the device's memory (``passes.fused_loss.fusing_reason``; in
-    chunks it never saves time). ``device``: where this process's programs run
+    chunks it never saves time). ``optimizer_in_backward=True`` steps the optimizer on each
+    block's parameters in the backward, as soon as their gradients are final, and frees those
+    gradients there (``codegen.step_in_backward``): a step never holds the whole model's
+    gradients; it cannot clip by the global norm, accumulate batches or scale an fp16 loss,
+    and is not in pipelines or with ZeRO yet. ``device``: where this process's programs run
     (``runtime.device``): by default
     ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.
@@ -200,9 +206,13 @@ def partition(
                       optimizer=optimizer_model(optimizer).name,
                       precision=Precision.parse(precision), kernels=_kernels(kernels),
                       fused_loss=_fused_loss(fused_loss), zero=_zero(zero, spec),
+                      optimizer_in_backward=_flag(optimizer_in_backward,
+                                                  "optimizer_in_backward"),
                       device=choose_device(device, model, example_args))
     options = dataclasses.replace(options,
                                   device_model=choose_device_model(device_model, options.device))
+    if options.optimizer_in_backward:
+        check_optimizer_in_backward(options)
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -23,7 +23,9 @@ A step's memory is a walk over what runs, in the order it runs:
   part's accumulating variant where it has one (``codegen.accumulate_into``: a matmul's or
   an embedding's gradient added into its accumulator, not made anew); inside a part, its own
   liveness peak.
-- **The optimizer's step** comes last: state, gradients and its own temporaries (on CPU torch
+- **The optimizer's step** comes last (or, with ``optimizer_in_backward``, inside the program,
+  a block at a time: its temporaries at each ``step_parameters`` op, the gradients gone after
+  it; ``codegen.step_in_backward``): state, gradients and its own temporaries (on CPU torch
   updates one parameter at a time: two temporaries the size of a parameter, with the
   previous one's ``denom`` still bound, at the largest such pair; on
   CUDA the foreach kernels make one the size of all of them).
@@ -173,7 +175,7 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
     opt_state = optimizer_state(stepped, optimizer) if train else 0
     peak, at, when = walk(program.graph, kind_of(program.graph))
     best = DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
-    if train and optimizer.name != "none":
+    if train and optimizer.name != "none" and not _steps_in_backward(program.graph):
         grads = sum(map(_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
         step = DeviceMemory(**state, optimizer=opt_state, gradients=grads,
                             transient=optimizer_temporaries(stepped, optimizer, device)
@@ -189,6 +191,14 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
     return best
 
 
+def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:
+    """The optimizer's steps inside the program (``codegen.step_in_backward``): there the
+    walk counts their temporaries (the op's ``workspace``), and there is no step after it."""
+    from shardfx.codegen.step_in_backward import step_parameters
+
+    return graph.find_nodes(op="call_function", target=step_parameters)
+
+
 def zero_gather_peak(programs: list) -> int:
     """Bytes ZeRO-1/2's gather programs (``codegen.zero.gather_programs``) hold at their
     fullest: the largest bucket's input and gathered buffer (the runner copies each bucket out,
@@ -202,6 +212,7 @@ def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
     out = graph.output_node()
     grads = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
              if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
+    grads |= {g for step in _steps_in_backward(graph) for g in step.args[2:]}
     phase = phases(graph)  # ops codegen inserted take the phase of the op before them
 
     def kind(node: fx.Node) -> str:

@@ -19,6 +19,7 @@ from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen import zero as zero_codegen
 from shardfx.codegen.program import Program
+from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.codegen.triton import FusedKernel
 from shardfx.device_model import DeviceModel, default_model
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
@@ -404,6 +405,13 @@ class Plan:
                             "time, each issued before the previous one is waited for"
                             if k == 3 else "; updated rows all-gathered after the optimizer "
                             "step"))
+        if self.options.optimizer_in_backward and self.program is not None:
+            steps = self.program.module.graph.find_nodes(op="call_function",
+                                                         target=step_parameters)
+            notes.append(f"Optimizer in the backward: {len(steps)} steps, each block's "
+                         "parameters (any other parameter alone) stepped where their "
+                         "gradients are final, the gradients freed there: the step never "
+                         "holds them all")
         kernels = self.kernels()
         if kernels:
             ops = sum(len(k.group.ops) for k in kernels)

@@ -57,6 +57,8 @@ class Options:
     fused_loss: bool | str = True  # the LM head's matmul and cross-entropy in chunks
     # (passes.fused_loss); "auto" is decided by the plan (Plan._choose_fused_loss)
     zero: int = 0  # ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters
+    optimizer_in_backward: bool = False  # step each block's parameters as their gradients are
+    # final, in the backward (codegen.step_in_backward)
     device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
     device_model: Any = None  # a shardfx.device_model.DeviceModel: the speeds time is traded at
 

@@ -20,6 +20,8 @@ import torch.fx as fx
 from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program
 from shardfx.codegen.stages import split_stages as _split
+from shardfx.codegen.step_in_backward import step_in_backward
+from shardfx.memory import optimizer_model, optimizer_temporaries
 from shardfx.passes.fused_loss import fuse_loss
 from shardfx.passes.fusion import fuse
 from shardfx.passes.zero import zero_gather, zero_reduce_scatter
@@ -38,6 +40,8 @@ def program_passes(options) -> list:
         #                                        collectives, issued as gradients are ready
         *([zero_gather] if zero == 3 else []),  # ZeRO-3: parameters come in as shards, gathered
         #                          before first use in forward and again in backward, prefetched
+        *([optimizer_in_backward] if options.optimizer_in_backward else []),  # after the
+        #             buckets: a gradient is final once its bucket's reduction is waited for
         *([split_stages] if options.stages > 1 else []),  # a pipeline: F, B, W parts per stage
         *([triton_fusion] if uses_triton(options) else []),  # memory-bound ops in Triton
         #                                      kernels: last, on the ops that will really run
@@ -77,6 +81,15 @@ def bucket_gradients_pass(program: Program, options) -> Program:
 
 
 bucket_gradients_pass.__name__ = "bucket_gradients"
+
+
+def optimizer_in_backward(program: Program, options) -> Program:
+    """Requires/Ensures: ``codegen.step_in_backward`` (each block's parameters stepped where
+    their gradients are final and nothing reads them any more; the gradients not returned)."""
+    model = optimizer_model(options.optimizer)
+    step_in_backward(program.module, program.outputs, program.inputs,
+                     lambda params: optimizer_temporaries(params, model, options.device))
+    return program
 
 
 def split_stages(program: Program, options) -> Program:

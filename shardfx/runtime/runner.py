@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from shardfx.codegen.accumulate_into import Accumulating, accumulating
 from shardfx.codegen.program import Program
+from shardfx.codegen.step_in_backward import stepping
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
@@ -54,6 +55,13 @@ class Runner:
                  keep_grads: bool = False):
         self._plan = plan
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
+        self._in_backward = plan.options.optimizer_in_backward  # codegen.step_in_backward
+        self._stepped_grads: dict[str, torch.Tensor] = {}  # keep_grads: stepped in the backward
+        if self._in_backward and clip_grad_norm is not None:
+            raise InputError("this plan steps the optimizer in the backward, before the global "
+                             "gradient norm could be known: it cannot clip by it",
+                             where="plan.runner(..., clip_grad_norm=...)",
+                             fix="clip_grad_norm=None, or a plan without optimizer_in_backward")
         model = plan.model
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
@@ -99,6 +107,11 @@ class Runner:
         batch's forward and backward, their gradients averaged, then one optimizer step;
         returns the mean of their losses (module ``runtime.accumulate``)."""
         batches = accumulated(batches)
+        if self._in_backward and len(batches) > 1:
+            raise InputError(
+                f"this plan steps the optimizer in the backward: it cannot accumulate "
+                f"{len(batches)} batches into one step", where="runner.step_batches(batches)",
+                fix="one batch per step, or a plan without optimizer_in_backward")
         trained = self._trained()
         for p in trained.values():  # the last step's gradients go before this one's come
             p.grad = None
@@ -116,8 +129,12 @@ class Runner:
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
-        self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
-                                     self.clip_grad_norm)
+        if not self._in_backward:  # else each block stepped in the program (step_in_backward)
+            self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
+                                         self._norm_terms(trained), self.clip_grad_norm)
+        for name, g in self._stepped_grads.items():
+            trained[name].grad = g
+        self._stepped_grads = {}
         if self._zero is not None:  # ZeRO-1, 2: every rank's updated rows, gathered
             self._zero.after_step(self._stepped, self._shards.groups["dp"])
         release(trained.values(), self.keep_grads)
@@ -195,7 +212,7 @@ class Runner:
             variant = self._summing
             module = variant.module
             inputs += [into[program.outputs[i].name] for i in variant.indices]
-        with torch.no_grad():
+        with torch.no_grad(), stepping(self._step_in_backward):
             values = released(module, self.device)(*inputs)
         outs = []
         for role, value in zip(program.outputs, values):
@@ -276,6 +293,21 @@ class Runner:
             read, self._stepped[name] = self._zero.hold(name, local)
             return read
         return torch.nn.Parameter(local, requires_grad=p.requires_grad)
+
+    def _step_in_backward(self, names: tuple[str, ...], grads: tuple) -> None:
+        """The program's ``step_parameters`` (``codegen.step_in_backward``): the optimizer
+        steps these parameters alone (its step skips those without ``.grad``), then their
+        gradients go (``keep_grads``: set aside, their ``.grad`` after the step)."""
+        if self.optimizer is None:
+            return
+        trained = self._trained()
+        for name, g in zip(names, grads):
+            trained[name].grad = g
+        self.optimizer.step()
+        for name, g in zip(names, grads):  # later steps must not step them again
+            trained[name].grad = None
+            if self.keep_grads:  # given back as .grad once the step is over (step_batches)
+                self._stepped_grads[name] = g
 
     def _trained(self) -> dict[str, torch.nn.Parameter]:
         """The tensors the optimizer steps, by FQN: the parameters, or ZeRO's rows of them."""

@@ -1,0 +1,135 @@
+"""The optimizer's step in the backward: each block's parameters stepped as soon as their
+gradients are final, the gradients freed there.
+
+By default a step holds every gradient from the moment it is made until the optimizer has
+stepped after the backward: at the end of the backward, a whole model's worth of gradients
+(fp32: as much as the parameters) sits beside the optimizer's state. With
+``partition(..., optimizer_in_backward=True)`` the program steps the optimizer on a group of
+parameters (a repeated block's, ``model.layers.3.*``; any other parameter alone) right where the
+last of their gradients is final and the last op reading them has run, and lets those
+gradients go: at most the gradients of the blocks whose backward is under way exist at once
+(as torchtune's ``optimizer_in_bwd`` does with autograd hooks).
+
+``step_parameters(temporaries, names, *grads)`` is that op: ``names`` the parameters' FQNs,
+``grads`` their gradients; it calls the stepper the runner installs around the program
+(``stepping``), which sets ``.grad`` on those parameters alone, steps the user's optimizer
+(whose step skips parameters without ``.grad``) and drops them again. ``temporaries``: the
+bytes the optimizer allocates while it steps them (``memory.optimizer_temporaries``), which the
+memory model counts at the op (its ``workspace``).
+
+What stepping early rules out, each refused where it is asked (``check``): clipping by the
+global norm and fp16's loss scaling need every gradient before any step; gradient accumulation
+needs them summed over batches first; ZeRO and pipelines are not supported yet.
+
+Requires: the generated program (one device, or a dp/tp mesh after ``codegen.bucketing``: a
+gradient is final once its bucket's reduction is waited for), its outputs' roles.
+Ensures: every gradient output is None; for each group of parameters, one ``step_parameters``
+after their gradients and after the last op that reads them (through views); nothing else
+changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from typing import Callable
+
+import torch.fx as fx
+
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+
+_stepper: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("stepper",
+                                                                           default=None)
+
+
+def step_parameters(temporaries: int, names: tuple[str, ...], *grads):
+    """Step the optimizer on the parameters ``names`` with gradients ``grads`` (module
+    docstring): the stepper the runner installed does it."""
+    stepper = _stepper.get()
+    if stepper is None:
+        raise InputError("this program steps the optimizer in its backward, and no runner "
+                         "installed a stepper", where="a plan made with "
+                         "partition(..., optimizer_in_backward=True)",
+                         fix="run it with plan.runner(optimizer)")
+    stepper(names, grads)
+
+
+step_parameters.workspace = lambda temporaries, names, *grads: temporaries  # memory model
+
+
+@contextlib.contextmanager
+def stepping(stepper: Callable[[tuple, tuple], None]):
+    """Within: ``step_parameters`` calls ``stepper(names, grads)``."""
+    token = _stepper.set(stepper)
+    try:
+        yield
+    finally:
+        _stepper.reset(token)
+
+
+def group_of(name: str) -> str:
+    """The parameters stepped together: a repeated block's (``model.layers.3``), or one."""
+    match = re.match(r"(.*\.\d+)\.", name)
+    return match.group(1) if match else name
+
+
+def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
+                     inputs: tuple[M.InputRole, ...], temporaries: Callable[[list], int]) -> int:
+    """Rewrite ``module``'s graph (module docstring); returns how many ``step_parameters`` it
+    has. ``temporaries(values)``: the optimizer's bytes stepping parameters of those values."""
+    from shardfx.memory import _bases
+
+    graph = module.graph
+    out = graph.output_node()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    base = _bases(graph)
+    last_read: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "output":
+            for src in node.all_input_nodes:
+                last_read[base.get(src, src)] = node
+    params = {r.name: n for r, n in zip(inputs, graph.find_nodes(op="placeholder"))
+              if r.kind is M.InputKind.PARAM}
+    groups: dict[str, list[tuple[int, str, fx.Node]]] = {}
+    returned = list(out.args[0])
+    for index, (value, role) in enumerate(zip(returned, outputs)):
+        if role.kind is M.OutputKind.GRAD and isinstance(value, fx.Node):
+            groups.setdefault(group_of(role.name), []).append((index, role.name, value))
+    for members in groups.values():
+        after = [v for _, _, v in members]
+        after += [last_read[params[name]] for _, name, _ in members
+                  if params.get(name) in last_read]
+        at = max(after, key=order.__getitem__)
+        vals = [params[name].meta[M.VAL] for _, name, _ in members if name in params]
+        with graph.inserting_after(at):
+            hook = graph.call_function(step_parameters, (
+                temporaries(vals), tuple(name for _, name, _ in members),
+                *(v for _, _, v in members)))
+        hook.meta[M.PHASE] = M.Phase.BACKWARD
+        hook.meta[M.VAL] = None  # it returns nothing
+        for index, _, _ in members:
+            returned[index] = None
+    out.args = (tuple(returned),)
+    module.recompile()
+    return len(groups)
+
+
+def check(options) -> None:
+    """``optimizer_in_backward`` with what it cannot run with: a named error."""
+    where = "partition(..., optimizer_in_backward=True)"
+    if options.stages > 1:
+        raise InputError("optimizer_in_backward is not supported in a pipeline yet", where=where,
+                         fix="drop optimizer_in_backward, or the pp axis")
+    if options.zero:
+        raise InputError(f"optimizer_in_backward is not supported with zero={options.zero} yet",
+                         where=where, fix="drop optimizer_in_backward (ZeRO already divides "
+                         "the gradients over dp from zero=2), or zero")
+    if options.precision.scales_loss:
+        raise InputError("optimizer_in_backward cannot run with fp16's loss scaling: an "
+                         "overflow is found only once every gradient exists, after the steps",
+                         where=where, fix='precision="bf16" needs no loss scale')
+    if options.optimizer in (None, "none"):
+        raise InputError("optimizer_in_backward with optimizer=None: there is no step to move",
+                         where=where, fix='optimizer="adamw" (or the kind you will pass)')
