@@ -78,10 +78,10 @@ def emit(gm: fx.GraphModule, options: Options, history: list[PassRecord] | None 
     """The program(s) every device runs, from the planned IR: code generation, then the program
     passes (``passes.program.program_passes``), each one's program text appended to
     ``history``. One program for one device or a dp/tp mesh; under pp, the per-stage parts
-    (F, B, W). Run again after ``passes.remat``. Every tensor they make is made on
+    (F, B, W). Run again after ``passes.remat`` (``history`` None: no text rendered). Every tensor they make is made on
     ``options.device`` (``runtime.device.place``)."""
     program = run_program_passes(generate_program(gm, options), program_passes(options),
-                                 options, [] if history is None else history)
+                                 options, history)
     module = program.module
     place(module, options.device)
     return (module if options.stages > 1 else program), list(program.collectives)

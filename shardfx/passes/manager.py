@@ -162,14 +162,15 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
 
 
 def run_program_passes(program, passes: list, options: Options,
-                       history: list[PassRecord]):
+                       history: list[PassRecord] | None):
     """Apply program passes (``passes.program``) in order, as ``run_passes`` applies IR passes:
     ``verify_program`` after each in debug runs, a failure named with the pass and those before
-    it, the program's text after each appended to ``history``. Returns the last program."""
+    it, the program's text after each appended to ``history`` (None: not rendered, for the
+    candidates a ``memory_budget`` tries). Returns the last program."""
     from shardfx.ir.verify import verify_program
 
-    before = [r.name for r in history]
-    state = _program_snapshot(program)
+    before = [r.name for r in history or ()]
+    state = _program_snapshot(program) if history is not None else None
     for p in passes:
         name = p.__name__
         try:
@@ -181,20 +182,22 @@ def run_program_passes(program, passes: list, options: Options,
                 error = PassError(f"{type(e).__name__}: {e.cause}",
                                   where=_where(name, before, e.where),
                                   fix=f"{e.fix}; {report_fix()}")
-                dump_failure(error, history)
+                dump_failure(error, history or [])
                 raise error from e
             raise
         except Exception as e:
             error = PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
                               fix=report_fix())
-            dump_failure(error, history)
+            dump_failure(error, history or [])
             raise error from e
-        after = _program_snapshot(program)
-        # made now: passes rewrite a program's module in place (0.1 s on an 80-layer 70B plan)
-        history.append(PassRecord(name, _program_changes(name, state, after)
-                                  + program_text(program)))
+        if history is not None:
+            after = _program_snapshot(program)
+            # made now: passes rewrite a program's module in place (0.1 s on an 80-layer 70B
+            # plan)
+            history.append(PassRecord(name, _program_changes(name, state, after)
+                                      + program_text(program)))
+            state = after
         before.append(name)
-        state = after
         log.debug("ran %s", name)
     return program
 
@@ -211,8 +214,9 @@ def _program_changes(name: str, before: dict, after: dict) -> str:
     lines = []
     for module, nodes in after.items():
         old = before.get(module, before.get("program", ()))
-        added = [n for n in nodes if n not in set(old)]
-        removed = [n for n in old if n not in set(nodes)]
+        old_set, new_set = set(old), set(nodes)  # once: per node it was quadratic
+        added = [n for n in nodes if n not in old_set]
+        removed = [n for n in old if n not in new_set]
         where = "" if module == "program" else f" in {module}"
         lines.append(f"# after {name}: {len(added)} nodes added, {len(removed)} removed{where}")
         for label, names in (("added", added), ("removed", removed)):

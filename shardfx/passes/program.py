@@ -77,7 +77,8 @@ def chunked_loss(program: Program, options) -> Program:
 def bucket_gradients_pass(program: Program, options) -> Program:
     """Requires/Ensures: ``codegen.bucketing`` (gradient all-reduces, and ZeRO's gradient
     reduce-scatters, in buckets started as soon as their last gradient exists)."""
-    return bucket_gradients(program, reduce_dtype=options.precision.narrower_reduce)
+    return bucket_gradients(program, reduce_dtype=options.precision.narrower_reduce,
+                            in_place=True)
 
 
 bucket_gradients_pass.__name__ = "bucket_gradients"
