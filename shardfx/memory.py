@@ -400,17 +400,20 @@ class _Part:
     values: dict[int, int] = field(default_factory=dict)  # each output's own bytes (a clone's)
 
 
-def _part(part: fx.GraphModule) -> _Part:
+def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
+    """``summed``: nodes whose tensor the part's accumulating variant does not make (it adds
+    into a gradient's accumulator instead: ``codegen.accumulate_into.summable``)."""
     graph = part.graph
     kind = kind_of(graph)
     peak, _, _ = walk(graph, lambda n: "communication" if kind(n) == "communication"
-                      else "transient")
+                      else "transient", lambda n: 0 if n in summed else value_bytes(n))
     outs = graph.output_node().args[0]
     base = _bases(graph)
     sizes, values, owners = {}, {}, set()
     for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
         owner = base.get(v, v) if isinstance(v, fx.Node) else None
-        sizes[i] = 0 if owner is None or owner in owners else value_bytes(owner)
+        sizes[i] = 0 if owner is None or owner in owners or owner in summed \
+            else value_bytes(owner)
         values[i] = _bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
         owners.add(owner)  # outputs sharing a storage: counted once
     return _Part(peak, sizes, values)
@@ -499,7 +502,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     saved: dict[tuple, int] = {}
     grads: dict[str, int] = {}
     owned: dict[str, frozenset[int]] = {}  # part -> the outputs kept as accumulators
-    summing: dict = {}  # accumulating variant (codegen.accumulate_into) -> what it allocates
+    summing: dict = {}  # part -> what its accumulating variant allocates (accumulate_into)
     best = DeviceMemory(**state)
 
     def consider(transient: int, communication: int, when: str) -> None:
@@ -519,11 +522,12 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
         for call in step.calls:
             info = parts[call.part]
-            variant = program.accumulating(call.part)
-            if variant is not None and all(_grad_of(call, i) in grads for i in variant.indices):
-                if variant.module not in summing:  # it sums into the accumulators: makes none
-                    summing[variant.module] = _part(variant.module)
-                info = summing[variant.module]
+            made = program.summable(call.part)  # the accumulating variant runs: makes none
+            if made and all(_grad_of(call, i) in grads for i in made):
+                if call.part not in summing:
+                    summing[call.part] = _part(getattr(program.module, call.part),
+                                               frozenset(made.values()))
+                info = summing[call.part]
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
                      info.peak["communication"] + sending + reducing,
                      f"{step.name} ({call.part})")

@@ -48,10 +48,7 @@ def accumulating(part: fx.GraphModule, outputs) -> Accumulating | None:
     made by a matmul (through transposes) or an embedding's backward that nothing else
     reads."""
     graph = part.graph
-    returned = graph.output_node().args[0]
-    fusable = {o.index: returned[o.index] for o in outputs
-               if [r.kind for r in o.roles] == [M.OutputKind.GRAD] and not o.local
-               and not o.sends and _maker(returned[o.index], returned) is not None}
+    fusable = {index: graph.output_node().args[0][index] for index in summable(part, outputs)}
     if not fusable:
         return None
     copy = fx.Graph()
@@ -76,6 +73,21 @@ def accumulating(part: fx.GraphModule, outputs) -> Accumulating | None:
             node.meta[M.VAL] = _meta_value(node)
     copy.lint()
     return Accumulating(fx.GraphModule(part, copy, class_name=type(part).__name__), indices)
+
+
+def summable(part: fx.GraphModule, outputs) -> dict[int, fx.Node]:
+    """The outputs ``accumulating`` sums in place (see there), each with the node in
+    ``part``'s graph whose tensor it no longer makes: what the memory model leaves out of the
+    part's walk, with no variant built (a pipeline's memory estimate runs once per candidate
+    of a budget, and an 80-layer plan's parts are large)."""
+    returned = part.graph.output_node().args[0]
+    out = {}
+    for o in outputs:
+        if [r.kind for r in o.roles] == [M.OutputKind.GRAD] and not o.local and not o.sends:
+            found = _maker(returned[o.index], returned)
+            if found is not None:
+                out[o.index] = found[0]
+    return out
 
 
 def _maker(value, returned) -> tuple[fx.Node, int] | None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardfx.codegen.accumulate_into import Accumulating, accumulating
+from shardfx.codegen.accumulate_into import Accumulating, accumulating, summable
 from shardfx.ir import meta as M
 from shardfx.schedule import Action, Kind, Schedule
 from shardfx.schedule.p2p import check_p2p
@@ -198,6 +198,11 @@ class StageProgram:
             call = self._calls[part]
             self._accumulating[part] = accumulating(getattr(self.module, part), call.outputs)
         return self._accumulating[part]
+
+    def summable(self, part: str) -> dict[int, fx.Node]:
+        """The gradient outputs ``accumulating(part)`` sums in place, each with the node of
+        the part that makes it (``codegen.accumulate_into.summable``): no variant built."""
+        return summable(getattr(self.module, part), self._calls[part].outputs)
 
     def out_val(self, part: str, index: int):
         """The fake value (shape, dtype) of a part's output, to receive it into."""
