@@ -502,7 +502,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     saved: dict[tuple, int] = {}
     grads: dict[str, int] = {}
     owned: dict[str, frozenset[int]] = {}  # part -> the outputs kept as accumulators
-    summing: dict = {}  # part -> what its accumulating variant allocates (accumulate_into)
+    summing: dict = {}  # part -> (gradients its accumulating variant sums, what it makes)
     best = DeviceMemory(**state)
 
     def consider(transient: int, communication: int, when: str) -> None:
@@ -522,12 +522,14 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
         for call in step.calls:
             info = parts[call.part]
-            made = program.summable(call.part)  # the accumulating variant runs: makes none
-            if made and all(_grad_of(call, i) in grads for i in made):
-                if call.part not in summing:
-                    summing[call.part] = _part(getattr(program.module, call.part),
-                                               frozenset(made.values()))
-                info = summing[call.part]
+            if call.part not in summing:  # its accumulating variant: what it makes
+                made = program.summable(call.part)
+                summing[call.part] = made and (
+                    [name for name, _ in made.values()],
+                    _part(getattr(program.module, call.part),
+                          frozenset(node for _, node in made.values())))
+            if summing[call.part] and all(name in grads for name in summing[call.part][0]):
+                info = summing[call.part][1]  # it runs: the summed gradients are not made
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
                      info.peak["communication"] + sending + reducing,
                      f"{step.name} ({call.part})")
@@ -569,10 +571,6 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
 
         consider(zero_gather_peak(zero_gather_programs(whole, dp)), 0, "ZeRO gather")
     return best
-
-
-def _grad_of(call, index: int) -> str:
-    return next(o.roles[0].name for o in call.outputs if o.index == index)
 
 
 def _shape_bytes(shape, dtype) -> int:

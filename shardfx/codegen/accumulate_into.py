@@ -39,6 +39,7 @@ aten = torch.ops.aten
 class Accumulating:
     module: fx.GraphModule  # takes the part's inputs, then one accumulator per index
     indices: tuple[int, ...]  # the part's outputs it sums into their accumulators
+    names: tuple[str, ...]  # the parameter each of them is the gradient of
 
 
 def accumulating(part: fx.GraphModule, outputs) -> Accumulating | None:
@@ -48,7 +49,8 @@ def accumulating(part: fx.GraphModule, outputs) -> Accumulating | None:
     made by a matmul (through transposes) or an embedding's backward that nothing else
     reads."""
     graph = part.graph
-    fusable = {index: graph.output_node().args[0][index] for index in summable(part, outputs)}
+    sums = summable(part, outputs)
+    fusable = {index: graph.output_node().args[0][index] for index in sums}
     if not fusable:
         return None
     copy = fx.Graph()
@@ -72,12 +74,13 @@ def accumulating(part: fx.GraphModule, outputs) -> Accumulating | None:
         if node.op == "call_function" and M.VAL not in node.meta:
             node.meta[M.VAL] = _meta_value(node)
     copy.lint()
-    return Accumulating(fx.GraphModule(part, copy, class_name=type(part).__name__), indices)
+    return Accumulating(fx.GraphModule(part, copy, class_name=type(part).__name__), indices,
+                        tuple(sums[i][0] for i in indices))
 
 
-def summable(part: fx.GraphModule, outputs) -> dict[int, fx.Node]:
-    """The outputs ``accumulating`` sums in place (see there), each with the node in
-    ``part``'s graph whose tensor it no longer makes: what the memory model leaves out of the
+def summable(part: fx.GraphModule, outputs) -> dict[int, tuple[str, fx.Node]]:
+    """The outputs ``accumulating`` sums in place (see there), each with the parameter it is
+    the gradient of and the node in ``part``'s graph whose tensor it no longer makes: what the memory model leaves out of the
     part's walk, with no variant built (a pipeline's memory estimate runs once per candidate
     of a budget, and an 80-layer plan's parts are large)."""
     returned = part.graph.output_node().args[0]
@@ -86,7 +89,7 @@ def summable(part: fx.GraphModule, outputs) -> dict[int, fx.Node]:
         if [r.kind for r in o.roles] == [M.OutputKind.GRAD] and not o.local and not o.sends:
             found = _maker(returned[o.index], returned)
             if found is not None:
-                out[o.index] = found[0]
+                out[o.index] = (o.roles[0].name, found[0])
     return out
 
 

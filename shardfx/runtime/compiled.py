@@ -199,9 +199,10 @@ class StageProgram:
             self._accumulating[part] = accumulating(getattr(self.module, part), call.outputs)
         return self._accumulating[part]
 
-    def summable(self, part: str) -> dict[int, fx.Node]:
-        """The gradient outputs ``accumulating(part)`` sums in place, each with the node of
-        the part that makes it (``codegen.accumulate_into.summable``): no variant built."""
+    def summable(self, part: str) -> dict[int, tuple[str, fx.Node]]:
+        """The gradient outputs ``accumulating(part)`` sums in place, each with its parameter
+        and the node of the part that makes it (``codegen.accumulate_into.summable``): no
+        variant built."""
         return summable(getattr(self.module, part), self._calls[part].outputs)
 
     def out_val(self, part: str, index: int):

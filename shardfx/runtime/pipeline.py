@@ -286,7 +286,7 @@ class PipelineRunner:
              weights: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = [self._input(program, src, mb, flat, weights) for src in call.inputs]
         module, summed = self._summing(program, call)
-        inputs += [self._grads[self._grad_name(call, i)] for i in summed]
+        inputs += [self._grads[name] for name in summed.values()]
         with torch.no_grad():
             outs = released(module, self.device)(*inputs)  # a tuple, even of one
         loss = torch.zeros((), device=self.device)
@@ -312,19 +312,14 @@ class PipelineRunner:
                 self._sends += [self._send(value, dst) for dst in o.sends]
         return loss
 
-    def _summing(self, program: StageProgram, call) -> tuple[Any, tuple[int, ...]]:
-        """The module to run for ``call`` and the outputs it sums into their accumulators:
-        the part's accumulating variant once every one of them exists
-        (``codegen.accumulate_into``), else the part."""
+    def _summing(self, program: StageProgram, call) -> tuple[Any, dict[int, str]]:
+        """The module to run for ``call`` and the outputs it sums into their accumulators
+        (output index -> parameter): the part's accumulating variant once every one of them
+        exists (``codegen.accumulate_into``), else the part."""
         variant = program.accumulating(call.part)
-        if variant is None or any(self._grad_name(call, i) not in self._grads
-                                  for i in variant.indices):
-            return call.module, ()
-        return variant.module, variant.indices
-
-    @staticmethod
-    def _grad_name(call, index: int) -> str:
-        return next(o.roles[0].name for o in call.outputs if o.index == index)
+        if variant is None or any(name not in self._grads for name in variant.names):
+            return call.module, {}
+        return variant.module, dict(zip(variant.indices, variant.names))
 
     def _kept_outputs(self) -> dict[str, frozenset[int]]:
         """Per part this rank runs, the gradient outputs it keeps as they are (decided once:

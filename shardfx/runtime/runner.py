@@ -188,10 +188,9 @@ class Runner:
         variant = self._summing
         if variant is None or self._zero is not None:
             return {}
-        names = [self._plan.program.outputs[i].name for i in variant.indices]
-        grads = {name: trained[name].grad for name in names if name in trained}
+        grads = {name: trained[name].grad for name in variant.names if name in trained}
         return grads if all(g is not None for g in grads.values()) and \
-            len(grads) == len(names) else {}
+            len(grads) == len(variant.names) else {}
 
     @functools.cached_property
     def _summing(self) -> Accumulating | None:
@@ -211,7 +210,7 @@ class Runner:
         if into:
             variant = self._summing
             module = variant.module
-            inputs += [into[program.outputs[i].name] for i in variant.indices]
+            inputs += [into[name] for name in variant.names]
         with torch.no_grad(), stepping(self._step_in_backward):
             values = released(module, self.device)(*inputs)
         outs = []
