@@ -117,3 +117,14 @@ def placeholder_name(role: M.InputRole) -> str:
     if role.kind is M.InputKind.TANGENT:
         return "tangent_loss"
     return re.sub(r"\W", "_", role.name.replace("[", "_").replace("]", "")).strip("_")
+
+
+def copy_ir(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to rewrite on its own: new nodes with the same names, each with its own
+    ``meta`` dict (whose values, FakeTensors included, are shared), and the graph's meta."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {})).meta = dict(gm.graph.output_node().meta)
+    out = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out.meta = dict(gm.meta)
+    return out

@@ -25,10 +25,10 @@ are named in program order last (``rename_in_order``), so either way reads the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
 from shardfx.ir import meta as M
-from shardfx.ir.graph import fake_mode_of, insert_op, placeholder_name
+from shardfx.ir.graph import copy_ir, fake_mode_of, insert_op, placeholder_name
 from shardfx.partitioner.constants import (UserConstant, as_buffers, mutated_constant,
                                            user_constants)
 from shardfx.partitioner.fake import on_meta, run_device, traced_as
@@ -54,7 +54,7 @@ from shardfx.partitioner.weighted_mean import weighted_means_as_sums
 log = logging.getLogger("shardfx.capture")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LeafSpec:
     """Shape and dtype of one flattened input leaf, as captured (shapes are static)."""
 
@@ -63,7 +63,7 @@ class LeafSpec:
     dtype: torch.dtype
 
 
-@dataclass
+@dataclasses.dataclass
 class Captured:
     """The IR and what is needed to call it with the user's own input structures."""
 
@@ -73,6 +73,28 @@ class Captured:
     out_spec: pytree.TreeSpec | None  # the model output's structure (inference)
     output: tuple | None = None  # training: the model output as traced (microbatching.output_of)
     path: str = "full trace"  # how: "full trace", or which repeated blocks were stamped
+    pair: tuple[fx.GraphModule, Repeat] | None = None  # one repeated list's traced pair, unstamped
+
+    @property
+    def depth(self) -> int:
+        """Blocks in the stamped list (0 when nothing was stamped)."""
+        return self.pair[1].count if self.pair else 0
+
+    def at_depth(self, blocks: int) -> fx.GraphModule:
+        """The IR of the same model with its stamped list cut to ``blocks`` blocks (at least
+        the traced pair, at most ``depth``): what ``capture`` gives when the list is that long.
+        A shallow copy planned like the whole one shows, block for block, what the whole one
+        does (``shardfx.shallow``)."""
+        gm, repeat = self.pair
+        if not repeat.traced <= blocks <= repeat.count:
+            raise ValueError(f"{repeat.path} has {repeat.count} blocks, {repeat.traced} traced: "
+                             f"cannot cut it to {blocks}")
+        grown = copy_ir(gm)
+        if blocks > repeat.traced:
+            stamp(grown, dataclasses.replace(repeat, count=blocks))
+        rename_in_order(grown.graph)
+        grown.recompile()
+        return grown
 
 
 def capture(
@@ -103,7 +125,7 @@ def capture(
     repeats, why_not = find_repeats(model) if blocks else ([], [])
     for reason in why_not:
         log.info("%s: not stamped, traced in full: %s", type(model).__name__, reason)
-    gm, path = None, "full trace"
+    gm, path, pair = None, "full trace", None
     if repeats and (why := _glue_between(model, args, repeats, mode is M.Mode.TRAIN)):
         path, repeats = f"full trace ({why})", []
     while repeats:
@@ -117,11 +139,14 @@ def capture(
             for r in repeats:
                 if why := differing_reads(model, r, reads):
                     raise NotRepeatable(why)
+            if len(repeats) == 1:  # kept to grow to any depth (Captured.at_depth)
+                pair = (copy_ir(gm), repeats[0])
+            for r in repeats:
                 stamp(gm, r)
             path = "stamped " + ", ".join(map(str, repeats))
             break
         except NotStampable as e:
-            gm, path = None, f"full trace ({e})"
+            gm, path, pair = None, f"full trace ({e})", None
             # a first block unlike the others (its input needs no gradient): try the next two
             later = [r.later() for r in repeats]
             repeats = later if all(later) and not isinstance(e, NotRepeatable) else []
@@ -131,7 +156,7 @@ def capture(
     rename_in_order(gm.graph)
     gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
     out_spec = out_spec if mode is M.Mode.INFER else None
-    return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None), path)
+    return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None), path, pair)
 
 
 def _glue_between(model: torch.nn.Module, args: tuple, repeats: list[Repeat],
