@@ -161,6 +161,16 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
     Under ZeRO (``zero``: FQN -> ``ZeroShard``, ``stage`` 1-3) the optimizer's state and, at
     its step, the gradients are this rank's rows; stage 1 and 2 then run ``gather`` (the plan's
     gather programs, a bucket at a time: ``runtime.zero``)."""
+    moments = program_moments(program, train, optimizer, device, zero, stage, gather)
+    return max(moments.values(), key=lambda m: m.total)  # the first of equals
+
+
+def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
+                    device: torch.device = torch.device("cpu"), zero: dict | None = None,
+                    stage: int = 0, gather: list | None = None, moment=None
+                    ) -> dict[object, DeviceMemory]:
+    """``program_memory``'s peak in each part of a step: the program's own ops (one part, or
+    one per ``moment(op)``, as ``walk_moments``), "optimizer step" and "ZeRO gather"."""
     params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):
         role, val = node.meta[M.ROLE], node.meta[M.VAL]
@@ -173,22 +183,23 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
             buffers += _bytes(val)
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers)
     opt_state = optimizer_state(stepped, optimizer) if train else 0
-    peak, at, when = walk(program.graph, kind_of(program.graph))
-    best = DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
+    kind = kind_of(program.graph)
+    walked = {None: walk(program.graph, kind)} if moment is None else \
+        walk_moments(program.graph, kind, moment)
+    moments: dict[object, DeviceMemory] = {
+        at: DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
+        for at, (peak, _, when) in walked.items()}
     if train and optimizer.name != "none" and not _steps_in_backward(program.graph):
         grads = sum(map(_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
-        step = DeviceMemory(**state, optimizer=opt_state, gradients=grads,
-                            transient=optimizer_temporaries(stepped, optimizer, device)
-                            + _loss_bytes(program.graph), when="optimizer step")
-        if step.total > best.total:
-            best = step
+        moments["optimizer step"] = DeviceMemory(
+            **state, optimizer=opt_state, gradients=grads,
+            transient=optimizer_temporaries(stepped, optimizer, device)
+            + _loss_bytes(program.graph), when="optimizer step")
     if train and gather:  # ZeRO-1/2: every rank's updated rows, gathered
-        after = DeviceMemory(**state, optimizer=opt_state, gradients=sum(map(_bytes, stepped)),
-                             transient=zero_gather_peak(gather),
-                             when="ZeRO gather after the optimizer step")
-        if after.total > best.total:
-            best = after
-    return best
+        moments["ZeRO gather"] = DeviceMemory(
+            **state, optimizer=opt_state, gradients=sum(map(_bytes, stepped)),
+            transient=zero_gather_peak(gather), when="ZeRO gather after the optimizer step")
+    return moments
 
 
 def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:
@@ -233,6 +244,14 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
     """Live bytes at the fullest op of ``graph`` by kind, that op, and a line naming it.
     Placeholders are the caller's and not counted; a value is live from its op to its last
     reader (the output node keeps what the graph returns)."""
+    none = {k: 0 for k in ("gradients", "saved", "transient", "communication")}
+    return walk_moments(graph, kind, lambda node: None, size).get(None, (none, None, ""))
+
+
+def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=None
+                 ) -> dict:
+    """``walk``'s peak within each moment of ``graph``: ``moment(op)`` names the part of the
+    program an op is in; per part, (live bytes by kind, the fullest op, a line naming it)."""
     size = size or value_bytes
     order = {n: i for i, n in enumerate(graph.nodes)}
     base = _bases(graph)
@@ -255,7 +274,8 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
             born.setdefault(node.args[0], []).append(node)
     live: Counter = Counter()
     frees: dict[int, list] = {}
-    best, best_node, total = Counter(), None, 0
+    best: dict = {}  # moment -> (bytes, live by kind, op)
+    total = 0
     for node in graph.nodes:
         i = order[node]
         if node.op == "call_function":
@@ -271,18 +291,20 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
                     end = max(last_use.get(value, order[value]), last_use.get(node, i))
                     frees.setdefault(end, []).append((k, nbytes))
             work = _workspace(node)  # what the op allocates for itself while it runs
-            if total + work > sum(best.values()):
-                best, best_node = Counter(live), node
-                best["transient"] += work
+            at = moment(node)
+            if total + work > best.get(at, (0,))[0]:
+                fullest = Counter(live)
+                fullest["transient"] += work
+                best[at] = (total + work, fullest, node)
         for k, nbytes in frees.pop(i, ()):
             live[k] -= nbytes
             total -= nbytes
-    when = ""
-    if best_node is not None:
-        phase = best_node.meta.get(M.PHASE)
-        when = f"{phase or 'program'}, at {best_node.name}"
-    return {k: best[k] for k in ("gradients", "saved", "transient", "communication")}, \
-        best_node, when
+    out = {}
+    for at, (_, fullest, node) in best.items():
+        when = f"{node.meta.get(M.PHASE) or 'program'}, at {node.name}"
+        out[at] = ({k: fullest[k] for k in ("gradients", "saved", "transient", "communication")},
+                   node, when)
+    return out
 
 
 def _workspace(node: fx.Node) -> int:

@@ -39,10 +39,12 @@ def deferred_codegen():
     return _use_lazy_graph_module(True)
 
 
-def compile_ir(gm: fx.GraphModule, options: Options
+def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
                ) -> tuple[fx.GraphModule, Program | fx.GraphModule, list[PassRecord], list[Collective]]:
+    """``record=False``: no pass's text rendered (an empty history), for a copy planned only
+    to be measured (``shardfx.shallow``)."""
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=options.mesh.axes)
-    history = [PassRecord("capture", ir_to_text(gm))]
+    history = [PassRecord("capture", ir_to_text(gm))] if record else None
     if options.stages > 1:
         return _compile_pipeline(gm, options, history)
     sharded = options.mesh.size > 1
@@ -56,7 +58,7 @@ def compile_ir(gm: fx.GraphModule, options: Options
            ] if sharded else []),
     ], options, history)
     program, collectives = emit(gm, options, history)
-    return gm, program, history, collectives
+    return gm, program, history or [], collectives
 
 
 def whole_backward(options: Options) -> bool:
@@ -117,4 +119,4 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is
     ], options, history)
     split, collectives = emit(gm, options, history)
-    return gm, split, history, collectives
+    return gm, split, history or [], collectives

@@ -110,10 +110,8 @@ class Plan:
         step, one per bucket (``codegen.zero.gather_programs``); none otherwise."""
         if self.options.zero not in (1, 2) or self.program is None:
             return []
-        whole = {n.meta[M.ROLE].name: n.meta[M.VAL]
-                 for n in self.program.module.graph.find_nodes(op="placeholder")
-                 if n.meta[M.ROLE].name in self.zero_layouts}
-        programs = zero_codegen.zero_gather_programs(whole, self.mesh.axis("dp"))
+        programs = zero_codegen.program_gathers(self.program, self.zero_layouts,
+                                                   self.mesh.axis("dp"))
         for program in programs:
             place(program.module, self.device)
         return programs
@@ -564,3 +562,4 @@ def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, vir
                 fix="write one action list per pp rank covering every stage and microbatch")
     check(schedule)
     return schedule
+

@@ -16,6 +16,8 @@ parameter, the loss and model outputs replicated.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
@@ -31,10 +33,17 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_value, map_nodes, op_nodes, operands
 
 
+# One FakeTensorMode per IR: a memory budget generates an IR's program again for every
+# candidate it tries, and ``fake_value`` remembers each op's value per mode.
+_MODES: "weakref.WeakKeyDictionary[fx.GraphModule, FakeTensorMode]" = weakref.WeakKeyDictionary()
+
+
 def generate_spmd(gm: fx.GraphModule) -> Program:
     info = gm.meta[M.GRAPH]
     graph = fx.Graph()
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    if gm not in _MODES:
+        _MODES[gm] = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _MODES[gm]
     env: dict[fx.Node, fx.Node] = {}
     have: dict[fx.Node, M.Placements] = {}
     log: list[Collective] = []

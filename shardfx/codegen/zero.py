@@ -148,6 +148,15 @@ def zero_gather_programs(whole: dict[str, torch.Tensor], dp: int) -> list["Progr
     return gather_programs(layouts, {f: v.dtype for f, v in whole.items()}, BUCKET_BYTES)
 
 
+def program_gathers(program: "Program", layouts: dict[str, M.ZeroShard], dp: int
+                    ) -> list["Program"]:
+    """``zero_gather_programs`` for the parameters of ``program`` that ``layouts`` shards."""
+    whole = {n.meta[M.ROLE].name: n.meta[M.VAL]
+             for n in program.module.graph.find_nodes(op="placeholder")
+             if n.meta[M.ROLE].name in layouts}
+    return zero_gather_programs(whole, dp)
+
+
 def gather_programs(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dtype],
                     bucket_bytes: int) -> list["Program"]:
     """The programs ZeRO-1 and -2 run after the optimizer step, one per bucket of parameters

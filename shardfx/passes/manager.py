@@ -125,26 +125,28 @@ def changes(name: str, before: Snapshot, gm: fx.GraphModule, after: Snapshot | N
 
 
 def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
-               history: list[PassRecord]) -> fx.GraphModule:
-    """Apply ``passes`` in order; append the IR text after each one to ``history``."""
+               history: list[PassRecord] | None) -> fx.GraphModule:
+    """Apply ``passes`` in order; append the IR text after each one to ``history`` (None:
+    nothing rendered, for a copy planned only to be measured: ``shardfx.shallow``)."""
     if options.debug:
         verify(gm)
-    state = snapshot(gm)  # each pass's "after" is the next one's "before"
+    state = snapshot(gm) if history is not None else None  # each "after": the next "before"
+    done: list[str] = [r.name for r in history or ()]
     for p in passes:
         name = p.__name__
-        before = [r.name for r in history]
+        before = list(done)
         try:
             gm = p(gm, options)
             if options.debug:
                 verify(gm)
         except PassError as e:
-            dump_failure(e, history)
+            dump_failure(e, history or [])
             raise
         except VerifyError as e:  # a pass broke the IR: shardfx's fault
             error = PassError(f"{type(e).__name__}: {e.cause}",
                               where=_where(name, before, e.where), fix=f"{e.fix}; {report_fix()}")
             error.__cause__ = e
-            dump_failure(error, history)
+            dump_failure(error, history or [])
             raise error from e
         except ShardfxError:  # the user's request cannot be met: its own message says why
             raise
@@ -152,11 +154,13 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             error = PassError(f"{type(e).__name__}: {e}", where=_where(name, before, None),
                               fix=report_fix())
             error.__cause__ = e
-            dump_failure(error, history)
+            dump_failure(error, history or [])
             raise error from e
-        after = snapshot(gm)
-        history.append(PassRecord(name, changes(name, state, gm, after) + ir_to_text(gm)))
-        state = after
+        done.append(name)
+        if history is not None:
+            after = snapshot(gm)
+            history.append(PassRecord(name, changes(name, state, gm, after) + ir_to_text(gm)))
+            state = after
         log.debug("ran %s", name)
     return gm
 

@@ -53,6 +53,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from shardfx.codegen.spmd import local_shape
+from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 from shardfx.memory import _bases, value_bytes
@@ -317,8 +318,11 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 
 # --- applying a choice ------------------------------------------------------------------------
 
-def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndarray) -> Choice:
-    """Copy the values chosen for recomputation into the backward (see the module docstring)."""
+def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndarray,
+          recompile: bool = True) -> Choice:
+    """Copy the values chosen for recomputation into the backward (see the module docstring).
+    ``recompile=False``: ``gm``'s Python code is left as it was (a trial's ``undo`` follows;
+    code generation reads the graph)."""
     graph = gm.graph
     var = problem.var
     redo = {n for n in problem.forward if again[var[n]] and not keep[var[n]]}
@@ -347,7 +351,8 @@ def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndar
             node.args = fx.node.map_arg(node.args, lambda a: mapping.get(a, a))
             node.kwargs = fx.node.map_arg(node.kwargs, lambda a: mapping.get(a, a))
     graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     flops = sum(c.meta[M.COST].flops for c in copies.values())
     seconds = sum(recompute_seconds(c, model_of(gm)) for c in copies.values())
     return Choice(tuple(n.name for n in copies), flops, seconds, {}, {})
@@ -374,7 +379,7 @@ def _sink_views(graph: fx.Graph, redo: set[fx.Node]) -> None:
             order[node] = order[first] - 0.5
 
 
-def undo(gm: fx.GraphModule) -> None:
+def undo(gm: fx.GraphModule, recompile: bool = True) -> None:
     """Remove every recomputed copy: its readers read the original again."""
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
@@ -383,7 +388,8 @@ def undo(gm: fx.GraphModule) -> None:
         node.replace_all_uses_with(by_name[node.meta[M.REMAT]])
     for node in reversed(copies):
         graph.erase_node(node)
-    gm.recompile()
+    if recompile:
+        gm.recompile()
 
 
 # --- fitting a budget -------------------------------------------------------------------------
@@ -392,37 +398,60 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
         split_backward: bool = False) -> Choice | None:
     """Recompute the least that brings every group's peak under ``budget``. ``evaluate()``
     generates the program(s) from ``gm`` as it stands and returns each group's predicted
-    ``DeviceMemory``. Returns None when the plan fits without recomputing anything.
+    ``DeviceMemory``. Returns None when the plan fits without recomputing anything; each
+    candidate is judged by its generated program's estimate (``search``)."""
+    memory = evaluate()
+    if _fits(memory, budget):
+        return None
+    problem = Problem(gm, group_of, weight_of, split_backward)
+    try:
+        best = search(problem, budget, memory, lambda solution: _trial(gm, problem, solution,
+                                                                       evaluate))
+    except MemoryBudgetError:
+        evaluate()  # the programs as they were
+        raise
+    choice = choose(gm, problem, best)
+    evaluate()
+    return choice
+
+
+def choose(gm: fx.GraphModule, problem: Problem, best: tuple) -> Choice:
+    """Apply ``best`` (keep, recompute flags) to ``gm``; what it recomputes."""
+    choice = apply(gm, problem, *best)
+    before = problem.kept_bytes(problem.must & problem.can_keep)
+    return Choice(choice.recomputed, choice.flops, choice.seconds, before,
+                  problem.kept_bytes(best[0]))
+
+
+def search(problem: Problem, budget: int, memory: dict, trial) -> tuple[np.ndarray, np.ndarray]:
+    """The (keep, recompute) flags that recompute the least and whose peak, ``trial(flags)``
+    (each group's ``DeviceMemory``), is under ``budget``; ``memory``: each group's peak
+    recomputing nothing, which does not fit.
 
     The ILP bounds the bytes kept for the backward; the peak also holds what does not depend
     on that choice (state, gradients, temporaries) and what recomputation adds (recomputed
     values and their temporaries in the backward). So each group's limit is searched by
     bisection between the fewest bytes it can keep and what it keeps without remat, judging
-    each candidate by its generated program's estimate: the largest limits that fit recompute
-    the least. (The peak is not monotone in the limit: a larger limit can pick a cheaper
-    recomputation with a larger temporary in the backward. Interpolating between the ends,
-    which assumes it is, settled on twice bisection's recompute FLOPs for a 2-layer Llama at
-    full AC's peak, so bisection it is.)
+    each candidate by ``trial``: the largest limits that fit recompute the least. (The peak is
+    not monotone in the limit: a larger limit can pick a cheaper recomputation with a larger
+    temporary in the backward. Interpolating between the ends, which assumes it is, settled
+    on twice bisection's recompute FLOPs for a 2-layer Llama at full AC's peak, so bisection
+    it is.)
 
     Recomputing the most is not always the lowest peak (a recomputed value's transient can
     outweigh what keeping it cost), so when it does not fit, ``lowest`` searches the limits
-    for the lowest peak: the budget a ``MemoryBudgetError`` states is that peak, reached by a
-    plan this search finds again at that budget."""
-    memory = evaluate()
-    if _fits(memory, budget):
-        return None
-    problem = Problem(gm, group_of, weight_of, split_backward)
+    for the lowest peak: the ``MemoryBudgetError`` raised then states that peak, reached by
+    the flags it carries (``error.solution``, None for recomputing nothing), which this search
+    finds again at that budget."""
     before = problem.kept_bytes(problem.must & problem.can_keep)
     keep, again = problem.smallest()
     fewest = problem.kept_bytes(keep)
     best, best_limits = (keep, again), dict(fewest)
-    most = _trial(gm, problem, best, evaluate)
+    most = trial(best)
     if not _fits(most, budget):
-        found = lowest(gm, problem, {0.0: (most, best, fewest), 1.0: (memory, None, before)},
-                       evaluate)
+        found = lowest(problem, {0.0: (most, best, fewest), 1.0: (memory, None, before)}, trial)
         if not _fits(found[0], budget):
-            evaluate()  # the programs as they were
-            raise _infeasible(budget, found[0])
+            raise infeasible(budget, found[0], found[1])
         best, best_limits = found[1], found[2]
     lo = {g: best_limits.get(g, 0) for g in memory}  # fits
     hi = {g: max(before.get(g, 0), lo[g]) for g in memory}  # may not
@@ -439,7 +468,7 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
         if solution is None:  # the solver's time limit: treat as not fitting
             hi.update({g: mid[g] for g in searching})
             continue
-        memory = _trial(gm, problem, solution, evaluate)
+        memory = trial(solution)
         for g in searching:
             if memory[g].total <= budget:
                 lo[g] = mid[g]
@@ -449,13 +478,9 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
             best, best_limits = solution, mid
     if best_limits != lo:  # each group's largest limit that fitted, together
         solution = problem.solve(lo)
-        if solution is not None and _fits(_trial(gm, problem, solution, evaluate), budget):
+        if solution is not None and _fits(trial(solution), budget):
             best = solution
-    best = _keep_what_fits(gm, problem, best, budget, evaluate)
-    choice = apply(gm, problem, *best)
-    evaluate()
-    return Choice(choice.recomputed, choice.flops, choice.seconds, before,
-                  problem.kept_bytes(best[0]))
+    return _keep_what_fits(problem, best, budget, trial)
 
 
 # Where ``lowest`` tries the limits first, as a share of the way from the fewest kept bytes
@@ -463,8 +488,7 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
 SHARES = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 
 
-def lowest(gm: fx.GraphModule, problem: Problem, ends: dict, evaluate
-           ) -> tuple[dict, tuple | None, dict]:
+def lowest(problem: Problem, ends: dict, trial) -> tuple[dict, tuple | None, dict]:
     """The lowest peak any choice reaches, searched: ``ends`` holds recomputing the most
     (share 0.0) and nothing (1.0), each as (memory per group, choice or None, limits); between
     them the ILP's choice at limits a share of the way from the fewest kept bytes to all of
@@ -487,7 +511,7 @@ def lowest(gm: fx.GraphModule, problem: Problem, ends: dict, evaluate
             return
         solution = problem.solve(at(share))
         if solution is not None:
-            tried[share] = (_trial(gm, problem, solution, evaluate), solution, at(share))
+            tried[share] = (trial(solution), solution, at(share))
 
     for share in SHARES:
         attempt(share)
@@ -502,19 +526,19 @@ def lowest(gm: fx.GraphModule, problem: Problem, ends: dict, evaluate
 
 def _trial(gm: fx.GraphModule, problem: Problem, solution: tuple, evaluate) -> dict:
     """Each group's memory with ``solution`` applied; the IR is left as it was."""
-    apply(gm, problem, *solution)
+    apply(gm, problem, *solution, recompile=False)
     try:
         return evaluate()
     finally:
-        undo(gm)
+        undo(gm, recompile=False)
 
 
 def _fits(memory: dict, budget: int) -> bool:
     return all(m.total <= budget for m in memory.values())
 
 
-def _keep_what_fits(gm: fx.GraphModule, problem: Problem, best: tuple, budget: int, evaluate,
-                    tries: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def _keep_what_fits(problem: Problem, best: tuple, budget: int, trial, tries: int = 8
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """Keep again, costliest first, recomputed values whose keeping still fits. The ILP counts
     every kept byte against the limit, wherever in the backward the value dies; one the
     backward reads first (the loss head's log-softmax and the LM head's matmul before it)
@@ -524,17 +548,12 @@ def _keep_what_fits(gm: fx.GraphModule, problem: Problem, best: tuple, budget: i
     for i in sorted(redo, key=lambda i: -problem.cost[i])[:tries]:
         trial_keep, trial_again = keep.copy(), again.copy()
         trial_keep[i], trial_again[i] = True, False
-        apply(gm, problem, trial_keep, trial_again)
-        fits = all(m.total <= budget for m in evaluate().values())
-        undo(gm)
-        if fits:
+        if _fits(trial((trial_keep, trial_again)), budget):
             keep, again = trial_keep, trial_again
     return keep, again
 
 
-def _infeasible(budget: int, memory: dict):
-    from shardfx.errors import MemoryBudgetError
-
+def infeasible(budget: int, memory: dict, solution: tuple | None = None):
     group, least = max(memory.items(), key=lambda kv: kv[1].total)
     error = MemoryBudgetError(
         f"no plan fits memory_budget={budget} bytes: the lowest peak found (recomputing from "
@@ -543,6 +562,7 @@ def _infeasible(budget: int, memory: dict):
         where="partition(..., memory_budget=...)",
         fix=f"a budget of at least {least.total} bytes; {_advice(least)}")
     error.least = least  # the smallest peak found: shardfx.budget names a ZeRO stage from it
+    error.solution = solution  # the flags that reach it (None: recomputing nothing)
     return error
 
 
