@@ -2,7 +2,8 @@
 many microbatches each rank keeps in flight.
 
 One device, dp and tp: `passes.remat.fit` recomputes the least that brings the predicted peak
-under the budget.
+under the budget; in a model of many stamped blocks, each candidate is judged on two shallow
+copies of it (`shardfx.shallow`), the choice on the whole program.
 
 A pipeline rank holds its stage's saved activations once per microbatch in flight, so there
 are two ways to fit: recompute, or keep fewer microbatches in flight. They are chosen together.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from shardfx import shallow
 from shardfx.device_model import default_model
 from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
@@ -56,8 +58,8 @@ def fit_budget(plan, budget: int) -> None:
     would meet it, where one would (``zero_advice``)."""
     try:
         _fit_budget(plan, budget)
-        if plan.remat is not None:  # the chosen program again, its passes' text recorded
-            _evaluate(plan, record=True)
+        if plan.remat is not None and not plan.program_records:  # the chosen program again,
+            _evaluate(plan, record=True)  # its passes' text recorded
     except MemoryBudgetError as e:
         advice = zero_advice(plan, getattr(e, "least", None), budget)
         if not advice:
@@ -90,8 +92,12 @@ def zero_advice(plan, least, budget: int) -> str:
 def _fit_budget(plan, budget: int) -> None:
     pipeline = plan.stage_program is not None
     if not pipeline:
-        plan.remat = fit(plan.ir, budget, lambda node: "device", lambda node: 1,
-                         lambda: _evaluate(plan))
+        if shallow.deep_enough(plan):  # candidates judged on shallow copies
+            plan.remat = shallow.fit(plan, budget,
+                                     lambda record=False: _evaluate(plan, record))
+        else:
+            plan.remat = fit(plan.ir, budget, lambda node: "device", lambda node: 1,
+                             lambda: _evaluate(plan))
         return
     candidates = _schedules(plan)
     tried: list[Candidate] = []
