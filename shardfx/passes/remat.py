@@ -415,9 +415,10 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
     return choice
 
 
-def choose(gm: fx.GraphModule, problem: Problem, best: tuple) -> Choice:
+def choose(gm: fx.GraphModule, problem: Problem, best: tuple, recompile: bool = True
+           ) -> Choice:
     """Apply ``best`` (keep, recompute flags) to ``gm``; what it recomputes."""
-    choice = apply(gm, problem, *best)
+    choice = apply(gm, problem, *best, recompile=recompile)
     before = problem.kept_bytes(problem.must & problem.can_keep)
     return Choice(choice.recomputed, choice.flops, choice.seconds, before,
                   problem.kept_bytes(best[0]))
