@@ -159,12 +159,8 @@ def slopes(results: dict[int, dict], names: list[str]) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", default="8,16,32,80", help="comma-separated layer counts")
-    parser.add_argument("--meshes", default="dp=8,tp=8;pp=8,tp=8",
-                        help='semicolon-separated meshes, e.g. "dp=8,tp=8;pp=8,tp=8"')
-    parser.add_argument("--microbatches", type=int, default=8, help="for meshes with pp")
+def shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's shape (``build``): Llama-3-70B's by default, and the global batch."""
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--inter", type=int, default=28672, help="MLP intermediate size")
     parser.add_argument("--heads", type=int, default=64)
@@ -172,6 +168,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--batch", type=int, default=16, help="global batch rows")
     parser.add_argument("--seq", type=int, default=4096)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", default="8,16,32,80", help="comma-separated layer counts")
+    parser.add_argument("--meshes", default="dp=8,tp=8;pp=8,tp=8",
+                        help='semicolon-separated meshes, e.g. "dp=8,tp=8;pp=8,tp=8"')
+    parser.add_argument("--microbatches", type=int, default=8, help="for meshes with pp")
+    shape_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()

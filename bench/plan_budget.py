@@ -31,11 +31,10 @@ import gc
 import sys
 import time
 import warnings
-from types import SimpleNamespace
 
 import shardfx
 from bench.common import append_results, machine
-from bench.plan import build, loss_fn
+from bench.plan import build, loss_fn, shape_arguments
 from shardfx import shallow
 
 warnings.filterwarnings("ignore")
@@ -104,23 +103,16 @@ def rows(results: dict[int, dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", default="4,16,32,80", help="comma-separated layer counts")
-    parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--inter", type=int, default=28672, help="MLP intermediate size")
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--kv", type=int, default=8, help="KV heads")
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--batch", type=int, default=16, help="global batch rows")
-    parser.add_argument("--seq", type=int, default=4096)
+    shape_arguments(parser)
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
-    shape = SimpleNamespace(**vars(a))
     layer_counts = sorted({int(n) for n in a.layers.split(",")})
-    model, args, targets = build(shape, layer_counts[0])  # warm-up, untimed: a process's first
+    model, args, targets = build(a, layer_counts[0])  # warm-up, untimed: a process's first
     shardfx.partition(model, args, loss_fn, targets, mesh=MESH, shard="megatron")  # trace is slow
     del model
     results = {}
     for layers in layer_counts:
-        results[layers] = one_size(shape, layers)
+        results[layers] = one_size(a, layers)
         print(f"{layers} layers done", file=sys.stderr, flush=True)
     differ = [layers for layers, r in results.items() if r["budget choice"] != r["whole choice"]]
     lo, hi = min(results), max(results)
