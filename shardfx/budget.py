@@ -1,7 +1,7 @@
 """Meeting ``memory_budget``: what each device keeps for the backward, and, in a pipeline, how
 many microbatches each rank keeps in flight.
 
-One device, dp and tp: `passes.remat.fit` recomputes the least that brings the predicted peak
+One device, dp and tp: `passes.remat_search.fit` recomputes the least that brings the predicted peak
 under the budget; in a model of many stamped blocks, each candidate is judged on two shallow
 copies of it (`shardfx.shallow`), the choice on the whole program.
 
@@ -33,7 +33,8 @@ from shardfx.device_model import default_model
 from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
-from shardfx.passes.remat import Choice, fit, recompute_seconds, undo
+from shardfx.passes.remat import Choice, recompute_seconds, undo
+from shardfx.passes.remat_search import fit
 from shardfx.passes.stage_cut import node_time
 from shardfx.pipeline import emit
 from shardfx.schedule import Action, Kind, Schedule, check, one_f_one_b, peak_in_flight, simulate

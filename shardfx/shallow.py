@@ -2,7 +2,7 @@
 
 A model of L interchangeable blocks (``capture`` traced two and stamped the rest) gets one
 remat choice for all of them: ``passes.remat`` shares their variables. The budget's search
-(``remat.search``) tries some twenty choices, and judging one by the whole program's estimate
+(``remat_search.search``) tries some twenty choices, and judging one by the whole program's estimate
 means generating the program of all L blocks and walking it: on a 32-layer hidden-1024 Llama
 over dp=2 x tp=2, 0.9 s a candidate, 20 s for a plan whose planning without a budget takes 4.
 
@@ -19,7 +19,7 @@ kept, or its middle; the step, with every gradient): the line is exact while it 
 Where it is not, the whole program says so: the choice found is applied to the whole model and
 its program generated once. Over the budget, the search runs again against the budget less what
 the line fell short by (at most ``CORRECTIONS`` times, then it judges on the whole program as
-``remat.fit`` does); under it by less than the line said, once more against the budget plus the
+``remat_search.fit`` does); under it by less than the line said, once more against the budget plus the
 surplus, keeping the cheaper choice that fits. ZeRO's and dp's buckets are why: a bucket falls a
 little differently across blocks at each depth (on a 16-layer Llama with zero=3 the line was
 0.1% over, and at the lowest peak that was the difference between 468 and 657 GFLOPs
@@ -29,7 +29,7 @@ lowest the ``MemoryBudgetError`` states.
 
 Requires: a plan for one device, dp, tp or ZeRO (not pp) whose model ``capture`` stamped one list
           of at least ``DEEP`` blocks; its IR planned without recomputation, its program emitted.
-Ensures:  what ``remat.fit`` ensures: the IR recomputes the choice returned (None: nothing)
+Ensures:  what ``remat_search.fit`` ensures: the IR recomputes the choice returned (None: nothing)
           and the plan's program is generated from it, or ``MemoryBudgetError`` with the lowest
           peak of the whole program that the search found.
 """
@@ -48,8 +48,8 @@ from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import phases
 from shardfx.memory import KINDS, DeviceMemory, optimizer_model, program_moments
-from shardfx.passes.remat import (Choice, Problem, apply, choose, fit as fit_whole, infeasible,
-                                  search, undo)
+from shardfx.passes.remat import Choice, Problem, apply, undo
+from shardfx.passes.remat_search import choose, fit as fit_whole, infeasible, search
 from shardfx.passes.zero import zero_layouts
 from shardfx.pipeline import compile_ir, emit
 
@@ -65,7 +65,7 @@ def deep_enough(plan) -> bool:
 
 
 def fit(plan, budget: int, evaluate) -> Choice | None:
-    """``remat.fit`` for ``plan``'s IR, its candidates judged on shallow copies (module
+    """``remat_search.fit`` for ``plan``'s IR, its candidates judged on shallow copies (module
     docstring). ``evaluate(record=False)`` generates the plan's program and returns its
     memory; ``record``: with its program passes' text (``budget._evaluate``)."""
     memory = {"device": plan.memory_breakdown()[0]}

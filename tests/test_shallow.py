@@ -16,7 +16,7 @@ from shardfx.budget import _evaluate
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.ir.text import ir_to_text
 from shardfx.partitioner.capture import capture
-from shardfx.passes import remat
+from shardfx.passes import remat, remat_search
 from shardfx.testing import compare_training
 
 from models import lm_loss, tiny, token_batches
@@ -57,7 +57,7 @@ def test_shallow_copies_predict_the_whole_programs_peak():
         if solution is None:
             whole = _evaluate(plan)["device"]
         else:
-            whole = remat._trial(plan.ir, problem, solution, lambda: _evaluate(plan))["device"]
+            whole = remat_search.trial_memory(plan.ir, problem, solution, lambda: _evaluate(plan))["device"]
         assert (predicted.total, predicted.when.split(",")[0]) == \
             (whole.total, whole.when.split(",")[0])
 
@@ -80,7 +80,7 @@ def test_shallow_copies_predict_a_zero3_plan_within_a_bucket():
     for solution in (None, problem.smallest()):
         predicted = judge.judge(solution)["device"].total
         whole = (_evaluate(plan) if solution is None else
-                 remat._trial(plan.ir, problem, solution, lambda: _evaluate(plan)))["device"]
+                 remat_search.trial_memory(plan.ir, problem, solution, lambda: _evaluate(plan)))["device"]
         assert abs(predicted - whole.total) <= BUCKET_BYTES, (predicted, whole)
 
 
