@@ -26,7 +26,8 @@ from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.html import plan_html
 from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
-from shardfx.memory import DeviceMemory, optimizer_model, pipeline_memory, program_memory
+from shardfx.memory import DeviceMemory, optimizer_model, program_memory
+from shardfx.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)

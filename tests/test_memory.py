@@ -10,7 +10,7 @@ import shardfx
 from shardfx.measure import mark, measured_peak
 from shardfx.testing import adamw
 
-from models import lm_loss, tiny, token_batches
+from models import VOCAB, lm_loss, tiny, token_batches
 
 MIB = 1 << 20
 
@@ -147,6 +147,45 @@ def _zero_peaks() -> list[int]:
 def _every_zero_stage_in_a_pipeline() -> list:
     return [(z, *measure("llama", {"dp": 2, "pp": 2}, zero=z, microbatches=2)[:2])
             for z in (1, 2)]
+
+
+class _Wide(torch.nn.Module):
+    """A wide ReLU layer per pipeline stage: parameters far outweigh a small batch's
+    activations, so the optimizer's step (or ZeRO's all-reduce) is a rank's fullest moment."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.up = torch.nn.Linear(16, 4096)
+        self.down = torch.nn.Linear(4096, VOCAB)
+
+    def forward(self, ids):
+        return self.down(shardfx.pipe_split(torch.relu(self.up(self.embed(ids)))))
+
+
+def _wide_peaks(mesh: dict, zero: int) -> tuple:
+    batches = token_batches(2, batch=4)
+    plan = shardfx.partition(_Wide(), *batches[0][:1], lm_loss, batches[0][1], mesh=mesh,
+                             zero=zero, microbatches=2)
+    runner = plan.runner(adamw)
+    runner.step(*batches[0])
+    (x,), (y,) = batches[1]
+    peak = measured_peak(lambda: runner.step((x,), (y,)), runner, x, y)
+    rank = torch.distributed.get_rank()
+    return peak.total - x.nbytes - y.nbytes, plan.memory_estimate()[rank], \
+        plan.memory_breakdown()[rank].when
+
+
+def test_pipeline_rank_peaking_at_the_optimizer_step():
+    """The last stage's peak is its optimizer step: the update's temporaries and the whole
+    gradients, with no send buffer left (the runner lets finished sends go); with ZeRO-1 the
+    dp all-reduce, after the sends."""
+    for mesh, zero, nprocs in (({"pp": 2}, 0, 2), ({"pp": 2, "dp": 2}, 1, 4)):
+        peaks = shardfx.launch(_wide_peaks, mesh, zero, nprocs=nprocs)
+        for rank, (measured, predicted, when) in enumerate(peaks):
+            assert within(measured, predicted, 0.01), (mesh, rank, measured, predicted, when)
+        assert peaks[1][2] == ("optimizer step" if zero == 0 else "dp all-reduce"), peaks
 
 
 def test_gpipe_holds_more_than_1f1b():

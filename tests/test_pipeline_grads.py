@@ -13,7 +13,7 @@ from models import lm_loss, tiny, token_batches
 
 
 def parts_outputs(x, w):
-    """Outputs of every kind ``memory.exclusive_outputs`` tells apart (indices in comments)."""
+    """Outputs of every kind ``memory_pipeline.exclusive_outputs`` tells apart (indices in comments)."""
     s = x.sum(0)
     return (torch.mm(x, w),  # 0: made here
             torch.mm(w, x).t(),  # 1: a transpose of a tensor made here, all of it
@@ -29,7 +29,7 @@ def parts_outputs(x, w):
 def test_exclusive_outputs_of_a_part():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from shardfx.memory import exclusive_outputs
+    from shardfx.memory_pipeline import exclusive_outputs
 
     part = make_fx(parts_outputs, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
     assert exclusive_outputs(part) == {0, 1, 8}

@@ -27,7 +27,7 @@ its receiver holds up nothing else. The timeline records compute only, on the de
 simulator counts it.
 
 Gradients are summed over microbatches, in place: into the first microbatch's output itself
-where no other tensor holds its storage (``memory.owned_gradients``: no copy), else into a copy
+where no other tensor holds its storage (``memory_pipeline.owned_gradients``: no copy), else into a copy
 of it; once every accumulator a part writes exists, the part's accumulating variant adds each
 matmul's and embedding's weight gradient into it where it is made (``codegen.accumulate_into``:
 no fresh gradient per microbatch, no separate add). The tangent is 1/m when the batch's loss is the mean of
@@ -51,7 +51,8 @@ from torch.distributed.tensor import Replicate, Shard
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
 from shardfx.measure import mark
-from shardfx.memory import check_optimizer, owned_gradients
+from shardfx.memory import check_optimizer
+from shardfx.memory_pipeline import owned_gradients
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
@@ -267,6 +268,7 @@ class PipelineRunner:
                 self._buckets.retire()  # those reduced by now: written back, buffers freed
         for work in self._sends:
             work.wait()
+        self._sends = []  # a finished send's work still holds its tensor: not to the step
         return loss
 
     def _post(self, step: Step, posted: dict[tuple, tuple]) -> None:
@@ -323,7 +325,7 @@ class PipelineRunner:
 
     def _kept_outputs(self) -> dict[str, frozenset[int]]:
         """Per part this rank runs, the gradient outputs it keeps as they are (decided once:
-        ``memory.owned_gradients``, which the memory model counts the same way)."""
+        ``memory_pipeline.owned_gradients``, which the memory model counts the same way)."""
         calls = {c.part: c for step in self._steps for c in step.calls}
         return {part: owned_gradients(getattr(self._program.module, part), c.outputs)
                 for part, c in calls.items()}
