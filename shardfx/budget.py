@@ -34,7 +34,7 @@ from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 from shardfx.passes.remat import Choice, recompute_seconds, undo
-from shardfx.passes.remat_search import fit
+from shardfx.passes.remat_search import device_group, fit, held_once
 from shardfx.passes.stage_cut import node_time
 from shardfx.pipeline import emit
 from shardfx.schedule import Action, Kind, Schedule, check, one_f_one_b, peak_in_flight, simulate
@@ -97,8 +97,7 @@ def _fit_budget(plan, budget: int) -> None:
             plan.remat = shallow.fit(plan, budget,
                                      lambda record=False: _evaluate(plan, record))
         else:
-            plan.remat = fit(plan.ir, budget, lambda node: "device", lambda node: 1,
-                             lambda: _evaluate(plan))
+            plan.remat = fit(plan.ir, budget, device_group, held_once, lambda: _evaluate(plan))
         return
     candidates = _schedules(plan)
     tried: list[Candidate] = []

@@ -157,6 +157,19 @@ def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerMod
     return max(moments.values(), key=lambda m: m.total)  # the first of equals
 
 
+def spmd_moments(program, options, train: bool = True, moment=None) -> dict[object, DeviceMemory]:
+    """``program_moments`` of the SPMD ``program`` (``codegen.spmd.Program``) a plan with
+    ``options`` runs on every device of a dp/tp mesh, ZeRO's layouts and gathers included."""
+    from shardfx.codegen.zero import program_gathers
+    from shardfx.passes.zero import zero_layouts
+
+    dp = options.mesh.axis("dp")
+    layouts = zero_layouts(program, dp) if options.zero else {}
+    gathers = program_gathers(program, layouts, dp) if options.zero in (1, 2) else []
+    return program_moments(program.module, train, optimizer_model(options.optimizer),
+                           options.device, layouts, options.zero, gathers, moment)
+
+
 def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
                     device: torch.device = torch.device("cpu"), zero: dict | None = None,
                     stage: int = 0, gather: list | None = None, moment=None

@@ -26,7 +26,7 @@ from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.html import plan_html
 from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
-from shardfx.memory import DeviceMemory, optimizer_model, program_memory
+from shardfx.memory import DeviceMemory, optimizer_model, spmd_moments
 from shardfx.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
@@ -112,7 +112,7 @@ class Plan:
         if self.options.zero not in (1, 2) or self.program is None:
             return []
         programs = zero_codegen.program_gathers(self.program, self.zero_layouts,
-                                                   self.mesh.axis("dp"))
+                                                self.mesh.axis("dp"))
         for program in programs:
             place(program.module, self.device)
         return programs
@@ -285,9 +285,8 @@ class Plan:
             train = self.mode is M.Mode.TRAIN
             opt = optimizer_model(self.options.optimizer)
             if self.program is not None:
-                one = program_memory(self.program.module, train, opt, self.device,
-                                     self.zero_layouts, self.options.zero,
-                                     self.zero_gather_programs)
+                one = max(spmd_moments(self.program, self.options, train).values(),
+                          key=lambda m: m.total)  # the first of equals, as program_memory
                 self._memory = {rank: one for rank in range(self.mesh.size)}
             else:
                 program = self.compiled_stages()
@@ -563,4 +562,3 @@ def pipeline_schedule(name: "str | Schedule", ranks: int, microbatches: int, vir
                 fix="write one action list per pp rank covering every stage and microbatch")
     check(schedule)
     return schedule
-

@@ -43,14 +43,13 @@ import numpy as np
 import torch
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.codegen import zero as zero_codegen
 from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import phases
-from shardfx.memory import KINDS, DeviceMemory, optimizer_model, program_moments
+from shardfx.memory import KINDS, DeviceMemory, spmd_moments
 from shardfx.passes.remat import Choice, Problem, apply, undo
-from shardfx.passes.remat_search import choose, fit as fit_whole, infeasible, search
-from shardfx.passes.zero import zero_layouts
+from shardfx.passes.remat_search import (choose, device_group, fit as fit_whole, held_once,
+                                         infeasible, search)
 from shardfx.pipeline import compile_ir, emit
 
 log = logging.getLogger("shardfx.budget")
@@ -71,10 +70,10 @@ def fit(plan, budget: int, evaluate) -> Choice | None:
     memory = {"device": plan.memory_breakdown()[0]}
     if memory["device"].total <= budget:
         return None
-    problem = Problem(plan.ir, _device, _once)
+    problem = Problem(plan.ir, device_group, held_once)
     shallow = _Shallow.of(plan, problem)
     if shallow is None:
-        return fit_whole(plan.ir, budget, _device, _once, evaluate)
+        return fit_whole(plan.ir, budget, device_group, held_once, evaluate)
     target, relaxed, lowest_found = budget, False, False
     fitting: tuple | None = None  # (choice, flags): the cheapest that fits the whole program
     lowest = (memory, None)  # the lowest peak measured on the whole program, and its flags
@@ -120,15 +119,7 @@ def fit(plan, budget: int, evaluate) -> Choice | None:
     if lowest_found:
         raise infeasible(budget, lowest[0], lowest[1])
     log.info("judging on the whole program after %d corrections", CORRECTIONS)
-    return fit_whole(plan.ir, budget, _device, _once, evaluate)
-
-
-def _device(node) -> str:
-    return "device"
-
-
-def _once(node) -> int:
-    return 1
+    return fit_whole(plan.ir, budget, device_group, held_once, evaluate)
 
 
 class _Shallow:
@@ -149,7 +140,7 @@ class _Shallow:
         copies = []
         for blocks in depths:
             ir, program, _, _ = compile_ir(captured.at_depth(blocks), plan.options, record=False)
-            sub = Problem(ir, _device, _once)
+            sub = Problem(ir, device_group, held_once)
             if _variables(sub) != _variables(problem):
                 return None
             copies.append((ir, sub, _moments(program, plan.options)))
@@ -209,15 +200,10 @@ def _moments(program, options) -> dict:
     ``Plan.memory_breakdown``) in each part of the step: the forward, each half of the
     backward (its start holds every block's kept activations, its end every block's
     gradients), the optimizer step, ZeRO's gather."""
-    dp = options.mesh.axis("dp")
-    layouts = zero_layouts(program, dp) if options.zero else {}
-    gathers = zero_codegen.program_gathers(program, layouts, dp) if options.zero in (1, 2) else []
     phase = phases(program.module.graph)
     backward = [n for n, p in phase.items() if p is M.Phase.BACKWARD]
     half = {n: ("backward", 2 * i // len(backward)) for i, n in enumerate(backward)}
-    return program_moments(program.module, True, optimizer_model(options.optimizer),
-                           options.device, layouts, options.zero, gathers,
-                           lambda node: half.get(node, "forward"))
+    return spmd_moments(program, options, True, lambda node: half.get(node, "forward"))
 
 
 def _extend(near: DeviceMemory, far: DeviceMemory, d1: int, d2: int, depth: int

@@ -44,7 +44,7 @@ def test_a_capture_cut_to_fewer_blocks_is_the_capture_of_the_shallower_model():
 
 def test_shallow_copies_predict_the_whole_programs_peak():
     plan = plan_of()
-    problem = remat.Problem(plan.ir, shallow._device, shallow._once)
+    problem = remat.Problem(plan.ir, remat_search.device_group, remat_search.held_once)
     judge = shallow._Shallow.of(plan, problem)
     assert judge is not None and judge.depths == (2, 4)
     fewest = problem.kept_bytes(problem.smallest()[0])["device"]
@@ -74,7 +74,7 @@ def test_shallow_copies_predict_a_zero3_plan_within_a_bucket():
         model = T.LlamaForCausalLM(config)
     ids = torch.randint(0, 1000, (8, 128), device="meta")
     plan = shardfx.partition(model, (ids,), lm_loss, (ids,), mesh={"dp": 2}, zero=3)
-    problem = remat.Problem(plan.ir, shallow._device, shallow._once)
+    problem = remat.Problem(plan.ir, remat_search.device_group, remat_search.held_once)
     judge = shallow._Shallow.of(plan, problem)
     assert judge is not None  # 12.6 MB of gradients a block: two buckets in 5
     for solution in (None, problem.smallest()):

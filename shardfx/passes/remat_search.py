@@ -26,6 +26,16 @@ from shardfx.memory import KINDS
 from shardfx.passes.remat import Choice, Problem, apply, group_name, undo
 
 
+def device_group(node: fx.Node) -> str:
+    """The budget group of every op of a dp/tp plan: its one SPMD program, on every device."""
+    return "device"
+
+
+def held_once(node: fx.Node) -> int:
+    """How many copies of an op's kept value a device holds outside a pipeline: one."""
+    return 1
+
+
 def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
         split_backward: bool = False) -> Choice | None:
     """Recompute the least that brings every group's peak under ``budget``. ``evaluate()``
