@@ -329,8 +329,8 @@ def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
     head = _lm_head(node)
     cost = node.meta.get(M.COST)
     if head is not None:
-        flops, logits = head
-        moved += 2 * logits
+        flops, logits, weight = head
+        moved += 2 * logits + weight
     else:
         flops = cost.flops if cost is not None else node_flops(node)
     return flops, moved, dtype
@@ -356,11 +356,14 @@ def _fused_bytes(node: fx.Node) -> int | None:
     return node.target.group.fused_bytes if isinstance(node.target, FusedKernel) else None
 
 
-def _lm_head(node: fx.Node) -> tuple[int, int] | None:
-    """(FLOPs, bytes of fp32 logits) of a chunked LM head and loss: 2·tokens·hidden·vocab
-    forward, three times that with its gradients (``grads``); a backward that computes the
-    logits again and both gradients, three times that too."""
-    from shardfx.codegen.linear_ce import LinearCrossEntropy, LinearCrossEntropyBackward
+def _lm_head(node: fx.Node) -> tuple[int, int, int] | None:
+    """(FLOPs, bytes of fp32 logits, weight bytes beyond one read) of a chunked LM head and
+    loss: 2·tokens·hidden·vocab forward, three times that with its gradients (``grads``); a
+    backward that computes the logits again and both gradients, three times that too. Each
+    chunk reads the weight and adds into its gradient again (``chunk_weight_bytes``): with
+    few rows per chunk the head waits on memory (``chunk_rows``)."""
+    from shardfx.codegen.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
+                                           chunk_weight_bytes)
 
     target = node.target
     if not isinstance(target, (LinearCrossEntropy, LinearCrossEntropyBackward)):
@@ -369,5 +372,9 @@ def _lm_head(node: fx.Node) -> tuple[int, int] | None:
     h, w = (a.meta[M.VAL] for a in args[:2])
     tokens, hidden = h.shape[0], h.shape[-1]
     vocab = w.numel() // hidden
-    matmuls = 1 if isinstance(target, LinearCrossEntropy) and not target.grads else 3
-    return 2 * tokens * hidden * vocab * matmuls, tokens * vocab * 4
+    grads = not isinstance(target, LinearCrossEntropy) or target.grads
+    chunks = -(-tokens // target.rows)
+    per_chunk = chunk_weight_bytes(vocab, hidden, w.dtype, grads)
+    once = vocab * hidden * (w.element_size() + (4 if grads else 0))  # its inputs and outputs
+    return (2 * tokens * hidden * vocab * (3 if grads else 1), tokens * vocab * 4,
+            max(0, chunks * per_chunk - once))

@@ -161,6 +161,44 @@ def test_a_chunk_of_logits_is_about_the_size_of_the_hidden_states(tokens, vocab,
     assert chunk_rows(tokens, vocab, hidden) == rows
 
 
+def test_chunks_are_sized_so_the_weight_traffic_hides_behind_the_flops():
+    """On an H100 in bf16 a chunk reading the weight again and adding into its gradient is
+    memory-bound below 591 rows (``ridge_rows``): Liger's rule's 256-row chunks of a
+    128k-vocabulary head would be, so the plan's device model raises them to 1024. The device
+    model prices what chunking costs: at 256 rows the head's time is its weight traffic, at
+    the rows chosen its FLOPs. On the CPU preset the ridge is 27 rows: 256, as before."""
+    from shardfx.codegen.linear_ce import LinearCrossEntropy, ridge_rows
+
+    h100, cpu = PRESETS["h100"], PRESETS["cpu"]
+    assert ridge_rows(h100, torch.bfloat16) == 591
+    assert chunk_rows(8192, 128256, 4096, model=h100, dtype=torch.bfloat16) == 1024
+    assert chunk_rows(8192, 128256, 4096, model=cpu, dtype=torch.bfloat16) == 256
+    assert chunk_rows(64, 32000, 768, model=h100, dtype=torch.bfloat16) == 32  # 2 chunks
+
+    graph = torch.fx.Graph()
+    h, w, t = (graph.placeholder(n) for n in "hwt")
+    h.meta["val"] = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")
+    w.meta["val"] = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
+    flops = 6 * 8192 * 4096 * 128256 / h100.peak(torch.bfloat16)
+    seconds = {}
+    for rows in (256, 1024):
+        node = graph.call_function(LinearCrossEntropy(1, -100, rows, grads=True), (h, w, t))
+        seconds[rows] = h100.node_seconds(node)
+    assert seconds[256] > 1.5 * flops and seconds[1024] == pytest.approx(flops)
+
+    import transformers as T
+
+    with torch.device("meta"):  # 4096 tokens, a vocabulary of 32 x hidden: Liger's 128 rows
+        model = T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=2048))
+    ids = torch.zeros(8, 512, dtype=torch.long)
+    for device_model, rows in (("h100", 1024), ("cpu", 256)):
+        plan = shardfx.partition(model, (ids,), lm_loss, (ids,), device="meta", precision="bf16",
+                                 fused_loss=True, device_model=device_model)
+        assert [f.rows for f in plan.fused_losses()] == [rows], device_model
+
+
 def test_fused_loss_takes_a_bool_or_auto():
     (args, targets), = token_batches(1)
     with pytest.raises(shardfx.InputError,

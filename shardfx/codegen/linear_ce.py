@@ -4,7 +4,8 @@
 hidden) materialises the (tokens, vocab) logits, their log-softmax, and in the backward their
 gradient: for a 128k vocabulary, the largest activations of a training step. Here the rows go
 ``rows`` at a time (``chunk_rows``: a chunk's logits about the size of ``h``, as Liger-Kernel
-sizes them), so at most one chunk's logits exist. Two ways:
+sizes them, but enough rows that a chunk's matmuls outlast its weight traffic on the plan's
+device model), so at most one chunk's logits exist. Two ways:
 
 - **gradients in the forward** (``LinearCrossEntropy(grads=True)``, the default where it fits,
   ``passes.fused_loss``): per chunk, ``z = h_c @ w.T`` (the matmul on the vendor library, in
@@ -36,17 +37,38 @@ from dataclasses import dataclass
 import torch
 
 
-def chunk_rows(tokens: int, vocab: int, hidden: int, least: int = 256) -> int:
+def chunk_rows(tokens: int, vocab: int, hidden: int, least: int = 256, model=None,
+               dtype: torch.dtype = torch.float32) -> int:
     """Rows per chunk, a power of two: a chunk's logits about ``tokens x hidden`` (Liger's
-    rule), but at least ``least`` rows while that leaves 2 chunks or more. Fewer rows make
+    rule), but at least ``least`` rows, and at least the rows at which a chunk's FLOPs
+    outlast its weight traffic on ``model`` (``ridge_rows``: each chunk reads the weight again
+    and adds into the weight's gradient), while that leaves 2 chunks or more. Fewer rows make
     the matmuls that sum the weight's gradient slow (K = rows): 2048 tokens, hidden 1024,
     vocabulary 32000 took 5.0 s forward and backward in 64-row chunks, 3.9 s in 256-row
     ones and 3.7 s in one, against eager's 2.9 s (fp32, the 2-core EPYC of bench/, the
     logits computed again in the backward); a pipeline's 64-token microbatch, hidden 768,
     with the gradients in the forward, one thread: 231 ms in 16-row chunks, 155 ms in 32-row
-    ones, against eager's 174 ms."""
+    ones, against eager's 174 ms. On an H100 in bf16 the ridge is 590 rows: Liger's rule
+    gives a 128k-vocabulary, hidden-4096 head 256-row chunks, memory-bound; here 1024."""
     liger = math.ceil(tokens / max(1, math.ceil(vocab / max(hidden, 1))))
-    return min(tokens, _pow2(max(liger, min(least, math.ceil(tokens / 2))))) or 1
+    floor = min(max(least, ridge_rows(model, dtype) if model else 0), math.ceil(tokens / 2))
+    return min(tokens, _pow2(max(liger, floor))) or 1
+
+
+def chunk_weight_bytes(vocab: int, hidden: int, dtype: torch.dtype, grads: bool = True) -> int:
+    """Bytes one chunk moves for the weight, whatever its rows: it reads ``w`` for its logits
+    and, with the gradients, again for ``grad_h``, and reads and writes its fp32 share of
+    ``grad_w``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return vocab * hidden * ((2 * size + 8) if grads else size)
+
+
+def ridge_rows(model, dtype: torch.dtype) -> int:
+    """The fewest rows whose three matmuls (6 x rows x vocab x hidden FLOPs) take as long at
+    ``model``'s peak as the chunk's weight traffic (``chunk_weight_bytes``) at its memory
+    bandwidth: below it a chunk waits on memory, and chunking costs time."""
+    return math.ceil(chunk_weight_bytes(1, 1, dtype) * model.peak(dtype)
+                     / (6 * model.memory_bandwidth))
 
 
 def _pow2(n: int) -> int:

@@ -116,16 +116,17 @@ class _Head:
     nll_copies: list[fx.Node] = field(default_factory=list)  # remat's
 
 
-def fuse_loss(graph: fx.Graph, early: bool = True) -> list[FusedLoss]:
+def fuse_loss(graph: fx.Graph, early: bool = True, model=None) -> list[FusedLoss]:
     """``early``: the head's backward follows its forward at once (one device, dp, tp, a
-    pipeline's 1F1B), so its gradients may be computed in the forward."""
+    pipeline's 1F1B), so its gradients may be computed in the forward. ``model``: the
+    ``DeviceModel`` the chunks are sized for (``codegen.linear_ce.chunk_rows``)."""
     found = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.nll_loss_forward.default and \
                 not node._erased and M.REMAT not in node.meta:
             head = _match(node)
             if head is not None:
-                found.append(_replace(graph, head, early))
+                found.append(_replace(graph, head, early, model))
     return found
 
 
@@ -257,11 +258,11 @@ def _is_h_t(n: fx.Node, head: _Head) -> bool:
     return odd and _is_h(base, head)
 
 
-def _replace(graph: fx.Graph, head: _Head, early: bool) -> FusedLoss:
+def _replace(graph: fx.Graph, head: _Head, early: bool, model) -> FusedLoss:
     tokens, hidden = _val(head.h).shape
     vocab = _val(head.w).shape[0]
     _, target, _, reduction, ignore = head.nll.args
-    rows = chunk_rows(tokens, vocab, hidden)
+    rows = chunk_rows(tokens, vocab, hidden, model=model, dtype=_val(head.h).dtype)
     early = early and _val(head.h).dtype != torch.float16  # (codegen.linear_ce: why)
     mode = fake_mode_of(graph)
     old = [head.mm, head.lsm, head.nll, head.nll_backward, head.lsm_backward, head.grad_h,

@@ -21,6 +21,7 @@ from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
+from shardfx.device_model import default_model
 from shardfx.memory import optimizer_model, optimizer_temporaries
 from shardfx.passes.fused_loss import fuse_loss
 from shardfx.passes.fusion import fuse
@@ -64,12 +65,13 @@ def graphs(program: Program) -> list[tuple[str, fx.GraphModule]]:
 
 def chunked_loss(program: Program, options) -> Program:
     """Requires/Ensures: ``passes.fused_loss`` (the LM head and its cross-entropy, forward and
-    backward, one op over chunks of rows; the logits never materialised). On any device,
-    before Triton fusion, so the ATen ops it replaces are still there. Its gradients are
-    computed in the forward where the head's backward follows its forward at once: no
-    pipeline, or 1F1B's last stage (not GPipe's, nor zero-bubble's split backward)."""
+    backward, one op over chunks of rows sized for the plan's device model; the logits never
+    materialised). On any device, before Triton fusion, so the ATen ops it replaces are still
+    there. Its gradients are computed in the forward where the head's backward follows its
+    forward at once: no pipeline, or 1F1B's last stage (not GPipe's, nor zero-bubble's split
+    backward)."""
     early = options.stages == 1 or (options.schedule == "1f1b" and options.virtual_stages == 1)
-    if fuse_loss(program.module.graph, early):
+    if fuse_loss(program.module.graph, early, default_model(options)):
         program.module.recompile()
     return program
 
