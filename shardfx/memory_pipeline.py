@@ -130,7 +130,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                              device="meta") for v in rows]
     opt_state = optimizer_state(rows, optimizer) if train else 0
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers, optimizer=opt_state)
-    parts = {name: _part(getattr(program.module, name)) for name in program.parts}
+    parts: dict[str, _Part] = {}  # the parts this rank runs, each walked once
     steps = program.steps(rank)
     comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
     saved: dict[tuple, int] = {}
@@ -155,6 +155,8 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
             comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
         for call in step.calls:
+            if call.part not in parts:
+                parts[call.part] = _part(getattr(program.module, call.part))
             info = parts[call.part]
             if call.part not in summing:  # its accumulating variant: what it makes
                 made = program.summable(call.part)
