@@ -95,6 +95,10 @@ class StageProgram:
         self.finals: dict[tuple, list[M.OutputRole]] = defaultdict(list)  # (part, index) -> roles
         for value, role in zip(split.graph.output_node().args[0], outputs):
             self.finals[source(value)].append(role)
+        self._producers: dict[tuple, int] = {}  # (kind, name) -> the first part's rank
+        for (part, _), roles in self.finals.items():
+            for role in roles:
+                self._producers.setdefault((role.kind, role.name), self.rank_of(part))
         self._calls = {name: self._call(name, self.rank_of(name)) for name in self.parts}
         self._first: dict[int, dict[tuple, Action]] = {}
         self._accumulating: dict[str, Accumulating | None] = {}
@@ -118,8 +122,7 @@ class StageProgram:
 
     def producer(self, kind: M.OutputKind, name: str) -> int | None:
         """The rank whose parts produce the output ``kind name`` (a parameter's gradient)."""
-        return next((self.rank_of(p) for (p, _), roles in self.finals.items()
-                     if any(r.kind is kind and r.name == name for r in roles)), None)
+        return self._producers.get((kind, name))
 
     def parts_of(self, action: Action) -> list[str]:
         parts = [f"stage{action.stage}_{action.kind.value}"]
