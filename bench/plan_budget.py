@@ -20,8 +20,13 @@ against the budget, and budget / plain. Below: the 80-layer budget plan against 
 
     python -m bench.plan_budget [--layers 4,16,32,80] [--no-append]
 
+Then the same model on pp=8 x tp=8 (``--pipeline-layers`` 8, 16, 80: a block a stage at
+least), plain and under 85% of the plain plan's fullest rank (its floor search took 617 s at 80
+layers): shallow copies do not judge pipelines, so every candidate of every schedule is judged
+on the whole stage programs.
+
 Small shapes for a quick check: ``--layers 4,16 --hidden 512 --inter 1408 --heads 8 --kv 8
---vocab 1000 --seq 256 --no-append``.
+--vocab 1000 --seq 256 --pipeline-layers 8 --no-append``.
 """
 
 from __future__ import annotations
@@ -87,6 +92,43 @@ def one_size(a, layers: int) -> dict:
     return out
 
 
+PIPELINE = {"pp": 8, "tp": 8}
+PIPELINE_SHARE = 0.85  # of the plain pipeline's fullest rank (its floor search took 617 s at
+# 80 layers; at 8 the floor is 82% of the plain peak, the last stage holding the 128k head)
+
+
+def one_pipeline(a, layers: int) -> dict:
+    """The pipeline's plain plan and its plan under ``PIPELINE_SHARE`` of the plain peak, each
+    candidate of each schedule judged on the whole stage programs (no shallow copies here)."""
+    model, args, targets = build(a, layers)
+
+    def plan(budget=None):
+        return shardfx.partition(model, args, loss_fn, targets, mesh=PIPELINE, shard="megatron",
+                                 microbatches=a.microbatches, memory_budget=budget)
+
+    plain, plain_s = cpu_seconds(plan)
+    top = max(plain.memory_estimate().values())
+    del plain
+    budget = int(PIPELINE_SHARE * top)
+    fitted, seconds = cpu_seconds(lambda: plan(budget))
+    remat = fitted.remat
+    return dict(top=top, limit=budget, plain=plain_s, budget=seconds,
+                ops=len(remat.recomputed) if remat else 0,
+                peak=max(fitted.memory_estimate().values()),
+                schedule=next((c.name for c in fitted.budget_candidates
+                               if c.schedule is fitted.schedule), "as asked"))
+
+
+def pipeline_rows(results: dict[int, dict]) -> list[str]:
+    out = ["| layers | plain (s) | budget (s) | budget / plain | recomputed ops | schedule | "
+           "peak / budget (GiB) |", "|---:|---:|---:|---:|---:|---|---|"]
+    for layers, r in results.items():
+        out.append(f"| {layers} | {r['plain']:.2f} | {r['budget']:.2f} | "
+                   f"{r['budget'] / r['plain']:.2f}x | {r['ops']} | {r['schedule']} | "
+                   f"{r['peak'] / GiB:.1f} / {r['limit'] / GiB:.1f} |")
+    return out
+
+
 def rows(results: dict[int, dict]) -> list[str]:
     out = ["| layers | plain (s) | floor (s) | budget (s) | whole program (s) | budget / plain | "
            "recomputed ops | recompute TFLOP | peak / budget (GiB) | floor (GiB) |",
@@ -104,6 +146,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", default="4,16,32,80", help="comma-separated layer counts")
     shape_arguments(parser)
+    parser.add_argument("--pipeline-layers", default="8,16,80",
+                        help="layer counts of the pp=8 x tp=8 rows ('' for none)")
+    parser.add_argument("--microbatches", type=int, default=8, help="of the pipeline")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
     layer_counts = sorted({int(n) for n in a.layers.split(",")})
@@ -114,6 +159,10 @@ def main() -> None:
     for layers in layer_counts:
         results[layers] = one_size(a, layers)
         print(f"{layers} layers done", file=sys.stderr, flush=True)
+    piped = {}
+    for layers in sorted({int(n) for n in a.pipeline_layers.split(",") if n}):
+        piped[layers] = one_pipeline(a, layers)
+        print(f"{layers} layers of the pipeline done", file=sys.stderr, flush=True)
     differ = [layers for layers, r in results.items() if r["budget choice"] != r["whole choice"]]
     lo, hi = min(results), max(results)
     title = (f"planning under memory_budget: Llama, hidden {a.hidden}, intermediate {a.inter}, "
@@ -130,6 +179,16 @@ def main() -> None:
         f"peak at every layer count" if not differ else f"- DIFFERENT choices at {differ}",
         f"- shallow copies judge candidates from {shallow.DEEP} layers; below, the whole "
         f"program does (the two columns are one path there)"]
+    if piped:
+        plo, phi = min(piped), max(piped)
+        summary += [
+            "", f"the same model on pp=8 x tp=8, {a.microbatches} microbatches, 1F1B (and 1F1B "
+            f"with fewer in flight, the budget's other candidates), the budget "
+            f"{PIPELINE_SHARE:.0%} of the plain plan's fullest rank; each candidate judged on "
+            "the whole stage programs:", "", *pipeline_rows(piped), "",
+            f"- the {phi}-layer pipeline's budget plan: {piped[phi]['budget']:.1f} s, "
+            f"{piped[phi]['budget'] / piped[plo]['budget']:.2f}x the {plo}-layer one and "
+            f"{piped[phi]['budget'] / piped[phi]['plain']:.1f}x its plain plan"]
     table = "\n".join([title, "", *rows(results), "", *summary])
     print(table)
     if differ:
