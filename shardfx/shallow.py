@@ -2,9 +2,10 @@
 
 A model of L interchangeable blocks (``capture`` traced two and stamped the rest) gets one
 remat choice for all of them: ``passes.remat`` shares their variables. The budget's search
-(``remat_search.search``) tries some twenty choices, and judging one by the whole program's estimate
-means generating the program of all L blocks and walking it: on a 32-layer hidden-1024 Llama
-over dp=2 x tp=2, 0.9 s a candidate, 20 s for a plan whose planning without a budget takes 4.
+(``remat_search.search``) tries some twenty choices, and judging one by the whole program's
+estimate means generating the program of all L blocks and walking it: on a 32-layer
+hidden-1024 Llama over dp=2 x tp=2, 0.9 s a candidate, 20 s for a plan whose planning without
+a budget takes 4.
 
 Here a candidate is judged on the same model with its list cut to d1 and d2 = d1 + 2 blocks
 (``Captured.at_depth``), each planned by the same passes, the choice applied to it (its
@@ -19,13 +20,19 @@ kept, or its middle; the step, with every gradient): the line is exact while it 
 Where it is not, the whole program says so: the choice found is applied to the whole model and
 its program generated once. Over the budget, the search runs again against the budget less what
 the line fell short by (at most ``CORRECTIONS`` times, then it judges on the whole program as
-``remat_search.fit`` does); under it by less than the line said, once more against the budget plus the
-surplus, keeping the cheaper choice that fits. ZeRO's and dp's buckets are why: a bucket falls a
+``remat_search.fit`` does); under it by less than the line said, once more against the budget
+plus the surplus, keeping the cheaper choice that fits. ZeRO's and dp's buckets are why: a bucket falls a
 little differently across blocks at each depth (on a 16-layer Llama with zero=3 the line was
 0.1% over, and at the lowest peak that was the difference between 468 and 657 GFLOPs
 recomputed). When no candidate fits, the one with the lowest extended peak is measured on the
 whole program: under the budget after all, it is the choice; otherwise its real peak is the
 lowest the ``MemoryBudgetError`` states.
+
+Not pipelines: a pipeline's copy keeps its p stages, each of k blocks. Copies of 1 and 3 blocks
+a stage (4p blocks) were tried on the 70B shape at 80 layers over pp=8 x tp=8: most of a stage
+program's emission and walk does not shrink with its blocks (the split into parts, the
+embedding's and the 128k head's stages), and the search took 81 s against 77 s on the whole
+stage programs.
 
 Requires: a plan for one device, dp, tp or ZeRO (not pp) whose model ``capture`` stamped one list
           of at least ``DEEP`` blocks; its IR planned without recomputation, its program emitted.
