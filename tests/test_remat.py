@@ -156,3 +156,26 @@ def test_impossible_budget_names_the_smallest_and_what_dominates():
     text = str(info.value)
     assert "no plan fits memory_budget=102400" in text and "a budget of at least" in text
     assert "optimizer" in text and "parameters" in text
+
+
+def test_a_pipeline_no_budget_fits_is_searched_at_one_microbatch_in_flight(monkeypatch):
+    """Where the schedule asked for does not fit, 1F1B with one microbatch in flight is fitted
+    next, and where that does not fit either the search ends there: fewer in flight holds no
+    more at any moment. The lowest peak it states is met (pp=4: two searches, not four)."""
+    from shardfx import budget
+    from shardfx.schedule import peak_in_flight
+
+    fitted = []
+    fit_schedule = budget._fit_schedule
+    monkeypatch.setattr(budget, "_fit_schedule", lambda plan, limit: (
+        fitted.append(plan.schedule), fit_schedule(plan, limit))[1])
+    batches = token_batches(1, batch=ROWS)
+    kw = dict(mesh={"pp": 4}, microbatches=8, schedule="1f1b")
+    with pytest.raises(shardfx.MemoryBudgetError) as info:
+        shardfx.partition(tiny("llama", 4), *batches[0][:1], lm_loss, batches[0][1],
+                          memory_budget=1, **kw)
+    assert "with 1f1b, at most 1 in flight" in str(info.value)
+    assert len(fitted) == 2 and max(peak_in_flight(fitted[1]).values()) == 1, fitted
+    plan = shardfx.partition(tiny("llama", 4), *batches[0][:1], lm_loss, batches[0][1],
+                             memory_budget=info.value.least.total, **kw)
+    assert max(plan.memory_estimate().values()) <= info.value.least.total
