@@ -144,28 +144,31 @@ def optimizer_temporaries(params: list, optimizer: OptimizerModel, device: torch
 
 # --- one program -------------------------------------------------------------------------------
 
-def program_memory(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
-                   device: torch.device = torch.device("cpu"),
-                   zero: dict | None = None, stage: int = 0,
-                   gather: list | None = None) -> DeviceMemory:
-    """The peak of a generated program run by ``runtime.runner`` (one device or one SPMD
-    program for every device of a dp/tp mesh): its values have this device's local shapes.
-    Under ZeRO (``zero``: FQN -> ``ZeroShard``, ``stage`` 1-3) the optimizer's state and, at
-    its step, the gradients are this rank's rows; stage 1 and 2 then run ``gather`` (the plan's
-    gather programs, a bucket at a time: ``runtime.zero``)."""
-    moments = program_moments(program, train, optimizer, device, zero, stage, gather)
+def spmd_memory(program, options, train: bool = True, layouts: dict | None = None,
+                gathers: list | None = None) -> DeviceMemory:
+    """The peak of a generated program run by ``runtime.runner`` (one device, or the SPMD
+    program every device of a dp/tp mesh runs: its values have this device's local shapes),
+    the fullest of ``spmd_moments``."""
+    moments = spmd_moments(program, options, train, None, layouts, gathers)
     return max(moments.values(), key=lambda m: m.total)  # the first of equals
 
 
-def spmd_moments(program, options, train: bool = True, moment=None) -> dict[object, DeviceMemory]:
-    """``program_moments`` of the SPMD ``program`` (``codegen.spmd.Program``) a plan with
-    ``options`` runs on every device of a dp/tp mesh, ZeRO's layouts and gathers included."""
+def spmd_moments(program, options, train: bool = True, moment=None,
+                 layouts: dict | None = None, gathers: list | None = None
+                 ) -> dict[object, DeviceMemory]:
+    """``program_moments`` of the ``program`` (``codegen.program.Program``) a plan with
+    ``options`` runs. Under ZeRO the optimizer's state and, at its step, the gradients are this
+    rank's rows (``layouts``: FQN -> ``ZeroShard``, ``passes.zero.zero_layouts``); stages 1 and
+    2 then run ``gathers`` (the gather programs, a bucket at a time: ``runtime.zero``). Both
+    made from the program where not given (a plan passes the ones it keeps)."""
     from shardfx.codegen.zero import program_gathers
     from shardfx.passes.zero import zero_layouts
 
     dp = options.mesh.axis("dp")
-    layouts = zero_layouts(program, dp) if options.zero else {}
-    gathers = program_gathers(program, layouts, dp) if options.zero in (1, 2) else []
+    if layouts is None:
+        layouts = zero_layouts(program, dp) if options.zero else {}
+    if gathers is None:
+        gathers = program_gathers(program, layouts, dp) if options.zero in (1, 2) else []
     return program_moments(program.module, train, optimizer_model(options.optimizer),
                            options.device, layouts, options.zero, gathers, moment)
 
@@ -174,7 +177,7 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
                     device: torch.device = torch.device("cpu"), zero: dict | None = None,
                     stage: int = 0, gather: list | None = None, moment=None
                     ) -> dict[object, DeviceMemory]:
-    """``program_memory``'s peak in each part of a step: the program's own ops (one part, or
+    """A program's peak in each part of a step: the program's own ops (one part, or
     one per ``moment(op)``, as ``walk_moments``), "optimizer step" and "ZeRO gather"."""
     params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):

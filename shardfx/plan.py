@@ -26,7 +26,7 @@ from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.html import plan_html
 from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
-from shardfx.memory import DeviceMemory, optimizer_model, spmd_moments
+from shardfx.memory import DeviceMemory, optimizer_model, spmd_memory
 from shardfx.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
@@ -285,8 +285,8 @@ class Plan:
             train = self.mode is M.Mode.TRAIN
             opt = optimizer_model(self.options.optimizer)
             if self.program is not None:
-                one = max(spmd_moments(self.program, self.options, train).values(),
-                          key=lambda m: m.total)  # the first of equals, as program_memory
+                one = spmd_memory(self.program, self.options, train, self.zero_layouts,
+                                  self.zero_gather_programs)
                 self._memory = {rank: one for rank in range(self.mesh.size)}
             else:
                 program = self.compiled_stages()
