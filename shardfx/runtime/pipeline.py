@@ -27,14 +27,15 @@ its receiver holds up nothing else. The timeline records compute only, on the de
 simulator counts it.
 
 Gradients are summed over microbatches, in place: into the first microbatch's output itself
-where no other tensor holds its storage (``memory_pipeline.owned_gradients``: no copy), else into a copy
-of it; once every accumulator a part writes exists, the part's accumulating variant adds each
+where no other tensor holds its storage (``memory_pipeline.owned_gradients``: no copy), else
+into a copy of it; once every accumulator a part writes exists, the part's accumulating variant adds each
 matmul's and embedding's weight gradient into it where it is made (``codegen.accumulate_into``:
 no fresh gradient per microbatch, no separate add). The tangent is 1/m when the batch's loss is the mean of
 the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
 time); dp replicas average or add alike, in DDP-sized buckets. The optimizer steps each rank's
 own parameters, and a parameter read by several stages (a tied embedding) is sent from the
-stage that owns its gradient to the others after each step.
+stage that owns its gradient to the others after each step. Its training state, for
+checkpoints and as full tensors on every rank: ``runtime.pipeline_state``.
 """
 
 from __future__ import annotations
@@ -55,8 +56,7 @@ from shardfx.memory import check_optimizer
 from shardfx.memory_pipeline import owned_gradients
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
-from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
-                                            release)
+from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step, release
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.runtime.buckets import GradBuckets, final_gradients
@@ -65,11 +65,9 @@ from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.device import check_weights, place
 from shardfx.runtime.released import released
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
-from shardfx.runtime.runner import load_state
 from shardfx.runtime.shards import Shards
 from shardfx.runtime.timing import Clock
-from shardfx.runtime import saving
-from shardfx.runtime.saving import Held, offsets, zero_held
+from shardfx.runtime.pipeline_state import PipelineState
 from shardfx.runtime.zero import ZeroRows
 from shardfx.schedule import forward_only
 
@@ -77,7 +75,7 @@ if TYPE_CHECKING:
     from shardfx.plan import Plan
 
 
-class PipelineRunner:
+class PipelineRunner(PipelineState):
     def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None, clip_grad_norm=None,
                  keep_grads: bool = False):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
@@ -507,44 +505,6 @@ class PipelineRunner:
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
-    # --- state --------------------------------------------------------------------------------
-
-    def parameters(self):
-        """This rank's parameters (its tp shards; under ZeRO, its rows of those it owns), those
-        its optimizer steps and the others it reads (a tied weight another rank owns)."""
-        return self._trained().values()
-
-    def _trained(self) -> dict[str, torch.Tensor]:
-        return {**self._params, **self._stepped}
-
-    def save(self, path, **meta):
-        """Write this runner's training state to the checkpoint ``path``, on every rank, all
-        or nothing (``runtime.saving``); ``meta``: JSON entries of your own."""
-        return saving.save(self, path, meta)
-
-    def load(self, path) -> dict:
-        """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
-        returns its meta."""
-        return saving.load(self, path)
-
-    def _holdings(self) -> tuple[dict, dict]:
-        """What this rank holds, for a checkpoint (``Runner._holdings``): its stages' tensors (tp
-        shards), and the parameters it owns as its optimizer steps them."""
-        axes = self._tp.spec.axes if self._tp is not None else ()
-        coord = self._tp.coord if self._tp is not None else {}
-        model, stepped = {}, {}
-        for fqn, t in {**self._params, **self._buffers}.items():
-            model[fqn] = Held(t, offsets(t.shape, self._program.placements.get(fqn, ()), axes,
-                                         coord))
-        for fqn in self._owned:
-            if fqn in self._stepped:
-                z = self._zero.layouts[fqn]
-                stepped[fqn] = (self._stepped[fqn], zero_held(self._stepped[fqn], z,
-                                                              self._dp_index, model[fqn].offsets))
-            else:
-                stepped[fqn] = (self._params[fqn], model[fqn])
-        return model, stepped
-
     def _zero_rows(self, plan) -> ZeroRows | None:
         """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""
         if not plan.options.zero:
@@ -555,66 +515,3 @@ class PipelineRunner:
         for program in gather:
             place(program.module, self.device)
         return ZeroRows(layouts, plan.options.zero, self._dp_index, self._dp, gather)
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        """The last step's full gradients, on every rank (each sent by its owner): a runner
-        made with ``keep_grads=True`` keeps them."""
-        check_kept(self.keep_grads)
-        mine, trained = {}, self._trained()
-        for fqn in sorted(self._owned):  # ZeRO: every replica's rows; then every tp shard
-            g = trained[fqn].grad
-            if g is not None:
-                mine[fqn] = self._full(fqn, self._zero.whole(fqn, g) if fqn in self._stepped
-                                       else g)
-        return self._gather(mine, self._grad_shapes())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors on every rank, each sent by the rank that trains it. (The runner
-        updates the model's own tensors in place, so a rank's copy of what it owns is current.)"""
-        model = self._plan.model
-        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-        tensors |= {fqn: self._full(fqn, p) for fqn, p in self._params.items()}
-        tensors |= self._buffers  # this rank's copies, on its device, updated by its steps
-        mine = {fqn: t for fqn, t in tensors.items() if self._holder(fqn) == self.rank}
-        full = self._gather(mine, self._state_shapes())
-        return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Every rank takes its weights (its tp shards) from a full state dict, as
-        ``state_dict`` gives it."""
-        def local(fqn: str, t: torch.Tensor) -> torch.Tensor:
-            placements = self._program.placements.get(fqn, ())
-            return t if self._tp is None or fqn not in self._params else \
-                self._tp.local(t, placements)
-
-        load_state(self._plan, state, {**self._params, **self._buffers}, local)
-
-    def _holder(self, fqn: str) -> int:
-        """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or
-        its buffer update), else the first that reads it."""
-        for kind in (M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE):
-            rank = self._program.producer(kind, fqn)
-            if rank is not None:
-                return rank
-        return min(self._program.readers(fqn), default=0)
-
-    def _state_shapes(self) -> dict[str, torch.Tensor]:
-        model = self._plan.model
-        return dict(model.named_parameters()) | dict(model.named_buffers())
-
-    def _grad_shapes(self) -> dict[str, torch.Tensor]:
-        model = dict(self._plan.model.named_parameters())
-        return {fqn: t for fqn, t in model.items()
-                if self._program.producer(M.OutputKind.GRAD, fqn) is not None}
-
-    def _gather(self, mine: dict, shapes: dict) -> dict[str, torch.Tensor]:
-        out = {}
-        for fqn in sorted(shapes):
-            owner = self._holder(fqn)
-            val = shapes[fqn]
-            t = mine[fqn].detach().to(self.device, copy=True) \
-                if self.rank == owner and mine.get(fqn) is not None \
-                else torch.empty(val.shape, dtype=val.dtype, device=self.device)
-            dist.broadcast(t, src=self._ranks[owner], group=self._pp)
-            out[fqn] = t
-        return out
