@@ -21,9 +21,9 @@ against the budget, and budget / plain. Below: the 80-layer budget plan against 
     python -m bench.plan_budget [--layers 4,16,32,80] [--no-append]
 
 Then the same model on pp=8 x tp=8 (``--pipeline-layers`` 8, 16, 80: a block a stage at
-least), plain and under 85% of the plain plan's fullest rank (its floor search took 617 s at 80
-layers): shallow copies do not judge pipelines, so every candidate of every schedule is judged
-on the whole stage programs.
+least), plain and under 85% of the plain plan's fullest rank (its floor search takes minutes
+at 80 layers): shallow copies do not judge pipelines, so every candidate of every schedule is
+judged on the whole stage programs.
 
 Small shapes for a quick check: ``--layers 4,16 --hidden 512 --inter 1408 --heads 8 --kv 8
 --vocab 1000 --seq 256 --pipeline-layers 8 --no-append``.
@@ -93,8 +93,8 @@ def one_size(a, layers: int) -> dict:
 
 
 PIPELINE = {"pp": 8, "tp": 8}
-PIPELINE_SHARE = 0.85  # of the plain pipeline's fullest rank (its floor search took 617 s at
-# 80 layers; at 8 the floor is 82% of the plain peak, the last stage holding the 128k head)
+PIPELINE_SHARE = 0.85  # of the plain pipeline's fullest rank (its floor search took minutes
+# at 80 layers; at 8 the floor is 82% of the plain peak, the last stage holding the 128k head)
 
 
 def one_pipeline(a, layers: int) -> dict:

@@ -1,8 +1,8 @@
 """Meeting ``memory_budget``: what each device keeps for the backward, and, in a pipeline, how
 many microbatches each rank keeps in flight.
 
-One device, dp and tp: `passes.remat_search.fit` recomputes the least that brings the predicted peak
-under the budget; in a model of many stamped blocks, each candidate is judged on two shallow
+One device, dp and tp: `passes.remat_search.fit` recomputes the least that brings the predicted
+peak under the budget; in a model of many stamped blocks, each candidate is judged on two shallow
 copies of it (`shardfx.shallow`), the choice on the whole program.
 
 A pipeline rank holds its stage's saved activations once per microbatch in flight, so there
@@ -18,9 +18,9 @@ recomputing ends the search (fewer in flight would only add bubble). Where the s
 for does not fit, 1F1B with one microbatch in flight is fitted next: a rank that keeps fewer
 microbatches in flight holds no more at any moment, whatever is recomputed, so where that one
 does not fit either none does, and its lowest peak is the one the error states (without it, a
-budget no plan meets searched each candidate's lowest peak: 617 s for an 80-layer pipeline of 8
-ranks). A user's own schedule, interleaved 1F1B and zero bubble keep their order, and remat
-alone fits them.
+budget no plan meets searched each candidate's lowest peak: over ten minutes for an 80-layer
+pipeline of 8 ranks). A user's own schedule, interleaved 1F1B and zero bubble keep their order,
+and remat alone fits them.
 
 Requires: a Plan with its IR planned and its program(s) emitted; ``plan.schedule`` in a pipeline.
 Ensures:  ``plan.remat`` (None if nothing is recomputed), ``plan.schedule`` the one chosen,

@@ -57,7 +57,8 @@ def test_shallow_copies_predict_the_whole_programs_peak():
         if solution is None:
             whole = _evaluate(plan)["device"]
         else:
-            whole = remat_search.trial_memory(plan.ir, problem, solution, lambda: _evaluate(plan))["device"]
+            whole = remat_search.trial_memory(plan.ir, problem, solution,
+                                              lambda: _evaluate(plan))["device"]
         assert (predicted.total, predicted.when.split(",")[0]) == \
             (whole.total, whole.when.split(",")[0])
 
@@ -80,7 +81,8 @@ def test_shallow_copies_predict_a_zero3_plan_within_a_bucket():
     for solution in (None, problem.smallest()):
         predicted = judge.judge(solution)["device"].total
         whole = (_evaluate(plan) if solution is None else
-                 remat_search.trial_memory(plan.ir, problem, solution, lambda: _evaluate(plan)))["device"]
+                 remat_search.trial_memory(plan.ir, problem, solution,
+                                           lambda: _evaluate(plan)))["device"]
         assert abs(predicted - whole.total) <= BUCKET_BYTES, (predicted, whole)
 
 
