@@ -17,10 +17,10 @@ from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.spmd import generate_spmd
 from shardfx.codegen.stages import inherit_stages
 from shardfx.ir import meta as M
-from shardfx.ir.text import ir_to_text
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
-from shardfx.passes.manager import Options, PassRecord, run_passes, run_program_passes
+from shardfx.passes.manager import (Options, PassRecord, captured_record, run_passes,
+                                    run_program_passes)
 from shardfx.passes.mixed_precision import mixed_precision
 from shardfx.passes.program import program_passes
 from shardfx.passes.rng import rng_dropout
@@ -44,7 +44,7 @@ def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
     """``record=False``: no pass's text rendered (an empty history), for a copy planned only
     to be measured (``shardfx.shallow``)."""
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=options.mesh.axes)
-    history = [PassRecord("capture", ir_to_text(gm))] if record else None
+    history = [captured_record(gm)] if record else None
     if options.stages > 1:
         return _compile_pipeline(gm, options, history)
     sharded = options.mesh.size > 1

@@ -24,7 +24,6 @@ from shardfx.codegen.triton import FusedKernel
 from shardfx.device_model import DeviceModel, default_model
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.html import plan_html
-from shardfx.ir.text import ir_to_text
 from shardfx.ir import meta as M
 from shardfx.memory import DeviceMemory, optimizer_model, spmd_memory
 from shardfx.memory_pipeline import pipeline_memory
@@ -33,7 +32,7 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.fused_loss import FusedLoss, fusing_reason
-from shardfx.passes.manager import Options, PassRecord, changes, snapshot
+from shardfx.passes.manager import Options, PassRecord, record, snapshot
 from shardfx.passes.remat import Choice, by_module, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.passes.zero import zero_layouts
@@ -266,8 +265,7 @@ class Plan:
         before = snapshot(self.ir)
         fit_budget(self, budget)
         if self.remat is not None:  # the IR recomputes: its program passes ran again
-            self.history.append(PassRecord("remat", changes("remat", before, self.ir)
-                                           + ir_to_text(self.ir)))
+            self.history.append(record("remat", before, snapshot(self.ir, before)))
             self.history += self.program_records
 
     def memory_estimate(self) -> dict[int, int]:
@@ -487,8 +485,8 @@ class Plan:
         stages, the memory, the collectives and the schedule."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        for i, record in enumerate(self.history):
-            (out / f"{i:02d}-{record.name}.txt").write_text(record.text)
+        for i, done in enumerate(self.history):
+            (out / f"{i:02d}-{done.name}.txt").write_text(done.text)
         if self.program is not None:
             (out / f"program_{self.mode}.py").write_text(self.program.source)
         for i, program in enumerate(self.zero_gather_programs):  # ZeRO-1/2, after each step

@@ -23,6 +23,7 @@ from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
 from shardfx.partitioner.capture import capture
 from shardfx.passes.assign_phase import assign_phase
+from shardfx.passes.estimate_cost import estimate_cost
 from shardfx.passes.manager import Options, PassRecord, run_passes
 from shardfx.testing import compare_training
 
@@ -228,3 +229,24 @@ def test_pass_breaking_the_ir_is_caught_by_verify():
     assert "VerifyError" in e.cause and "no ROLE" in e.cause
     assert e.where.startswith("pass lose_a_role (after capture)")
     assert isinstance(e.__cause__, VerifyError)
+
+
+def test_each_pass_is_recorded_as_it_left_the_ir_and_rendered_when_read(monkeypatch):
+    """The history keeps the IR after each pass without rendering it (most plans are never
+    dumped); read later, each record is the IR as that pass left it, not as later passes
+    rewrote the same nodes."""
+    import shardfx.passes.manager as manager
+
+    rendered = []
+    render = manager.ir_to_text
+    monkeypatch.setattr(manager, "ir_to_text", lambda gm: rendered.append(gm) or render(gm))
+    gm, history = _captured()
+    run_passes(gm, [assign_phase, estimate_cost], Options(debug=True), history)
+    assert rendered == []  # nothing rendered while planning
+    phase, cost = (r.text for r in history[1:])
+    assert len(rendered) == 2
+    assert phase.startswith("# after assign_phase:") and "wrote phase on" in phase
+    assert "FLOP" not in phase  # the costs estimate_cost wrote later are not in it
+    assert "wrote cost on" in cost and "FLOP" in cost
+    assert cost.endswith(ir_to_text(gm))  # the IR as it is now
+    assert history[2].text is cost and len(rendered) == 2  # rendered once

@@ -1,4 +1,4 @@
-"""Running passes: one at a time, verified, with the IR text kept after each for ``plan.dump``.
+"""Running passes: one at a time, verified, with the IR after each kept for ``plan.dump``.
 
 A pass is a function ``(gm, options) -> gm``; its docstring has ``Requires:`` and ``Ensures:``
 lines naming the meta keys it reads and writes. When a pass fails or breaks the IR, the
@@ -27,6 +27,7 @@ from shardfx.errors import PassError, ShardfxError, VerifyError
 from shardfx.mesh import MeshSpec
 from shardfx.precision import Precision
 from shardfx.ir import meta as M
+from shardfx.ir.frozen import FrozenGraph, FrozenNode, freeze
 from shardfx.ir.text import ir_to_text
 from shardfx.report import flops
 from shardfx.ir.verify import verify
@@ -74,60 +75,84 @@ class Options:
         return self.mesh.axis("pp") * (self.virtual_stages if self.mesh.axis("pp") > 1 else 1)
 
 
-@dataclass
 class PassRecord:
-    name: str
-    text: str  # the IR (or program) after the pass, under a header of what the pass changed
+    """A pass's name and the IR (or program) after it, under a header of what the pass
+    changed. ``text`` is rendered when first read (``plan.dump``, a failure's dump): a record
+    made with ``render`` keeps only what the text is made of (``ir.frozen``)."""
+
+    def __init__(self, name: str, text: str | None = None,
+                 render: Callable[[], str] | None = None):
+        assert (text is None) != (render is None), "a record has its text or a way to render it"
+        self.name, self._text, self._render = name, text, render
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text, self._render = self._render(), None
+        return self._text
+
+    def __repr__(self) -> str:
+        return f"PassRecord({self.name!r})"
 
 
-Snapshot = tuple[dict[str, dict[str, Any]], dict[str, Any]]  # per node, graph: meta key -> value
-
-
-def snapshot(gm: fx.GraphModule) -> Snapshot:
-    """What ``changes`` compares: each node's and the graph's meta values, held (so none is
-    freed and its id reused) and compared by identity: passes write new values rather than
-    mutate them (the meta values are frozen dataclasses)."""
-    nodes = {n.name: {k: v for k, v in n.meta.items() if _ours(k)} for n in gm.graph.nodes}
-    return nodes, {k: v for k, v in gm.meta.items() if _ours(k)}
+def snapshot(gm: fx.GraphModule, previous: FrozenGraph | None = None) -> FrozenGraph:
+    """``gm`` as it stands (``ir.frozen``): what ``changes`` compares and ``ir_to_text``
+    renders. Meta values are compared by identity: passes write new values rather than mutate
+    them (the meta values are frozen dataclasses)."""
+    return freeze(gm, previous)
 
 
 def _ours(key: str) -> bool:
     return key.startswith("shardfx.") or key == "val"
 
 
-def changes(name: str, before: Snapshot, gm: fx.GraphModule, after: Snapshot | None = None
-            ) -> str:
+def changes(name: str, before: FrozenGraph, after: FrozenGraph) -> str:
     """A comment header for the IR text after pass ``name``: the nodes it added and removed, and
     the meta keys it wrote on how many nodes (``# wrote cost on 547 nodes``), so a dump shows
     what each pass did even where the printed IR looks alike."""
-    nodes, graph = before
-    after, graph_after = after or snapshot(gm)
-    added = [n for n in after if n not in nodes]
-    removed = [n for n in nodes if n not in after]
+    nodes = before.by_name
+    added = [n.name for n in after.nodes if n.name not in nodes]
+    removed = [n for n in nodes if n not in after.by_name]
     wrote: dict[str, int] = {}
-    for node, keys in after.items():
-        old = nodes.get(node, {})
-        for key, value in keys.items():
-            if old.get(key) is not value:
+    for node in after.nodes:
+        old = nodes.get(node.name)
+        if old is node:  # kept unchanged from ``before``
+            continue
+        old_meta = old.meta if old is not None else {}
+        for key, value in node.meta.items():
+            if _ours(key) and old_meta.get(key) is not value:
                 wrote[key] = wrote.get(key, 0) + 1
     lines = [f"# after {name}: {len(added)} nodes added, {len(removed)} removed"]
     for label, names in (("added", added), ("removed", removed)):
         if names:
             lines.append(f"#   {label}: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
     for key, count in wrote.items():
-        lines.append(f"#   wrote {key.removeprefix('shardfx.')} on {count} nodes{_totals(key, gm)}")
-    for key in graph_after:
-        if graph.get(key) is not graph_after[key]:
+        lines.append(f"#   wrote {key.removeprefix('shardfx.')} on {count} nodes"
+                     f"{_totals(key, after.nodes)}")
+    for key, value in after.meta.items():
+        if _ours(key) and before.meta.get(key) is not value:
             lines.append(f"#   wrote the graph's {key.removeprefix('shardfx.')}")
     if len(lines) == 1:
         lines.append("#   the IR is unchanged")
     return "\n".join(lines) + "\n"
 
 
+def captured_record(gm: fx.GraphModule) -> PassRecord:
+    """The first record of a history: the IR as capture made it; rendered when read."""
+    frozen = snapshot(gm)
+    return PassRecord("capture", render=lambda: ir_to_text(frozen))
+
+
+def record(name: str, before: FrozenGraph, after: FrozenGraph) -> PassRecord:
+    """The record of pass ``name``, which turned ``before`` into ``after``; rendered when read."""
+    return PassRecord(name, render=lambda: changes(name, before, after) + ir_to_text(after))
+
+
 def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
                history: list[PassRecord] | None) -> fx.GraphModule:
-    """Apply ``passes`` in order; append the IR text after each one to ``history`` (None:
-    nothing rendered, for a copy planned only to be measured: ``shardfx.shallow``)."""
+    """Apply ``passes`` in order; append the IR after each one to ``history``, rendered as text
+    when a record is read (None: nothing kept, for a copy planned only to be measured:
+    ``shardfx.shallow``)."""
     if options.debug:
         verify(gm)
     state = snapshot(gm) if history is not None else None  # each "after": the next "before"
@@ -158,8 +183,8 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             raise error from e
         done.append(name)
         if history is not None:
-            after = snapshot(gm)
-            history.append(PassRecord(name, changes(name, state, gm, after) + ir_to_text(gm)))
+            after = snapshot(gm, state)
+            history.append(record(name, state, after))
             state = after
         log.debug("ran %s", name)
     return gm
@@ -195,32 +220,46 @@ def run_program_passes(program, passes: list, options: Options,
             dump_failure(error, history or [])
             raise error from e
         if history is not None:
-            after = _program_snapshot(program)
-            # made now: passes rewrite a program's module in place (0.1 s on an 80-layer 70B
-            # plan)
-            history.append(PassRecord(name, _program_changes(name, state, after)
-                                      + program_text(program)))
+            after = _program_snapshot(program, state)
+            history.append(_program_record(name, state, after))
             state = after
         before.append(name)
         log.debug("ran %s", name)
     return program
 
 
-def _program_snapshot(program) -> dict[str, tuple[str, ...]]:
-    """Per module the program runs, its node names: what ``_program_changes`` compares."""
+@dataclass(frozen=True)
+class _ProgramState:
+    """A program as it stood after a pass: each module it runs (``ir.frozen``; passes rewrite
+    a program's modules in place) and the collectives it issued."""
+
+    graphs: dict[str, FrozenGraph]
+    collectives: tuple
+
+
+def _program_snapshot(program, previous: _ProgramState | None = None) -> _ProgramState:
     from shardfx.passes.program import graphs
 
-    return {name: tuple(n.name for n in m.graph.nodes) for name, m in graphs(program)}
+    old = previous.graphs if previous is not None else {}
+    return _ProgramState({name: freeze(m, old.get(name, old.get("program")))
+                          for name, m in graphs(program)}, tuple(program.collectives))
 
 
-def _program_changes(name: str, before: dict, after: dict) -> str:
+def _program_record(name: str, before: _ProgramState, after: _ProgramState) -> PassRecord:
+    return PassRecord(name, render=lambda: _program_changes(name, before, after)
+                      + program_text(after))
+
+
+def _program_changes(name: str, before: _ProgramState, after: _ProgramState) -> str:
     """The header of a program pass's text: nodes added and removed, per module."""
     lines = []
-    for module, nodes in after.items():
-        old = before.get(module, before.get("program", ()))
-        old_set, new_set = set(old), set(nodes)  # once: per node it was quadratic
+    for module, frozen in after.graphs.items():
+        old = before.graphs.get(module, before.graphs.get("program"))
+        old_names = [n.name for n in old.nodes] if old is not None else []
+        nodes = [n.name for n in frozen.nodes]
+        old_set, new_set = set(old_names), set(nodes)  # once: per node it was quadratic
         added = [n for n in nodes if n not in old_set]
-        removed = [n for n in old if n not in new_set]
+        removed = [n for n in old_names if n not in new_set]
         where = "" if module == "program" else f" in {module}"
         lines.append(f"# after {name}: {len(added)} nodes added, {len(removed)} removed{where}")
         for label, names in (("added", added), ("removed", removed)):
@@ -230,14 +269,12 @@ def _program_changes(name: str, before: dict, after: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def program_text(program) -> str:
+def program_text(state: _ProgramState) -> str:
     """A program as text: its IR text (each module's, for a pipeline's parts), then the
     collectives it issues."""
-    from shardfx.passes.program import graphs
-
     parts = [ir_to_text(m) if name == "program" else f"# part {name}\n{ir_to_text(m)}"
-             for name, m in graphs(program)]
-    lines = [f"# {c.kind} {c.axis} {c.nbytes} B  {c.reason}" for c in program.collectives]
+             for name, m in state.graphs.items()]
+    lines = [f"# {c.kind} {c.axis} {c.nbytes} B  {c.reason}" for c in state.collectives]
     return "".join(parts) + ("# collectives:\n" + "\n".join(lines) + "\n" if lines else "")
 
 
@@ -246,10 +283,10 @@ def _where(name: str, before: list[str], inner: str | None) -> str:
     return f"{s}; {inner}" if inner else s
 
 
-def _totals(key: str, gm: fx.GraphModule) -> str:
+def _totals(key: str, nodes: list[FrozenNode]) -> str:
     """What the written values add up to, for the keys where a sum says something: the
     estimated FLOPs per phase, the ops per pipeline stage, the ops no sharding rule covered."""
-    values = [(n, n.meta[key]) for n in gm.graph.nodes if key in n.meta]
+    values = [(n, n.meta[key]) for n in nodes if key in n.meta]
     if key == M.COST:
         per: dict[str, int] = {}
         for n, cost in values:
