@@ -48,13 +48,15 @@ CPU_ATTENTION_FLOPS = {
 
 def node_flops(node: fx.Node) -> int:
     op = getattr(node.target, "overloadpacket", None)
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get(M.VAL), (node.args, node.kwargs))
-    if op in CPU_ATTENTION_FLOPS:
-        shapes = pytree.tree_map_only(torch.Tensor, lambda t: t.shape, (args, kwargs))
-        return int(CPU_ATTENTION_FLOPS[op](*shapes[0], **shapes[1]))
+    attention = CPU_ATTENTION_FLOPS.get(op)
     formula = flop_registry.get(op)
-    if formula is None:
+    if attention is None and formula is None:  # most ops: no operands to look at
         return 0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get(M.VAL),
+                                        (node.args, node.kwargs))
+    if attention is not None:
+        shapes = pytree.tree_map_only(torch.Tensor, lambda t: t.shape, (args, kwargs))
+        return int(attention(*shapes[0], **shapes[1]))
     return int(formula(*args, **kwargs, out_val=node.meta.get(M.VAL)))
 
 
