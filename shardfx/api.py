@@ -179,7 +179,7 @@ def partition(
     block's parameters in the backward, as soon as their gradients are final, and frees those
     gradients there (``codegen.step_in_backward``): a step never holds the whole model's
     gradients; it cannot clip by the global norm, accumulate batches or scale an fp16 loss,
-    and is not in pipelines or with ZeRO yet. ``device``: where this process's programs run
+    and is not in pipelines yet (with ZeRO each rank steps its rows). ``device``: where this process's programs run
     (``runtime.device``): by default
     ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.

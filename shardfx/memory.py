@@ -203,9 +203,16 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
             **state, optimizer=opt_state, gradients=grads,
             transient=optimizer_temporaries(stepped, optimizer, device)
             + _loss_bytes(program.graph), when="optimizer step")
+    if train and stage == 1 and not _steps_in_backward(program.graph):  # the runner cuts this rank's rows from the whole gradients,
+        # which the program returned and still holds (``runtime.runner._set_grads``)
+        whole = _graph_grads(program.graph)
+        moments["ZeRO-1 rows"] = DeviceMemory(
+            **state, optimizer=opt_state, gradients=whole + sum(map(_bytes, stepped)),
+            when="ZeRO-1: this rank's rows cut from the whole gradients")
     if train and gather:  # ZeRO-1/2: every rank's updated rows, gathered
-        moments["ZeRO gather"] = DeviceMemory(
-            **state, optimizer=opt_state, gradients=sum(map(_bytes, stepped)),
+        held = 0 if _steps_in_backward(program.graph) else sum(map(_bytes, stepped))
+        moments["ZeRO gather"] = DeviceMemory(  # (stepped in the backward: gradients gone)
+            **state, optimizer=opt_state, gradients=held,
             transient=zero_gather_peak(gather), when="ZeRO gather after the optimizer step")
     return moments
 

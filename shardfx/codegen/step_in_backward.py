@@ -17,12 +17,19 @@ gradients go: at most the gradients of the blocks whose backward is under way ex
 bytes the optimizer allocates while it steps them (``memory.optimizer_temporaries``), which the
 memory model counts at the op (its ``workspace``).
 
+Under ZeRO (``passes.zero``) the step is on this rank's rows: the stepper cuts them from a
+whole gradient (zero=1) or takes the rows the program returns (zero=2, 3: after their bucket's
+reduce-scatter is waited for); zero=1 and 2 gather every rank's updated rows after the
+program, as without this option. A parameter is stepped only after the collectives reading it
+are waited for (zero=3's all-gather in the backward reads the rows the step writes).
+
 What stepping early rules out, each refused where it is asked (``check``): clipping by the
 global norm and fp16's loss scaling need every gradient before any step; gradient accumulation
-needs them summed over batches first; ZeRO and pipelines are not supported yet.
+needs them summed over batches first; pipelines are not supported (below, ``check``).
 
-Requires: the generated program (one device, or a dp/tp mesh after ``codegen.bucketing``: a
-gradient is final once its bucket's reduction is waited for), its outputs' roles.
+Requires: the generated program (one device, or a dp/tp mesh after ``codegen.bucketing`` and
+the ZeRO passes: a gradient is final once its bucket's reduction is waited for), its outputs'
+roles.
 Ensures: every gradient output is None; for each group of parameters, one ``step_parameters``
 after their gradients and after the last op that reads them (through views); nothing else
 changed.
@@ -35,10 +42,13 @@ import contextvars
 import re
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+
+c10d = torch.ops._c10d_functional
 
 _stepper: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("stepper",
                                                                            default=None)
@@ -76,9 +86,11 @@ def group_of(name: str) -> str:
 
 
 def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
-                     inputs: tuple[M.InputRole, ...], temporaries: Callable[[list], int]) -> int:
+                     inputs: tuple[M.InputRole, ...],
+                     temporaries: Callable[[list[tuple[str, fx.Node]]], int]) -> int:
     """Rewrite ``module``'s graph (module docstring); returns how many ``step_parameters`` it
-    has. ``temporaries(values)``: the optimizer's bytes stepping parameters of those values."""
+    has. ``temporaries(params)``: the bytes stepping the parameters ``(FQN, placeholder)``
+    allocates besides their gradients."""
     from shardfx.memory import _bases
 
     graph = module.graph
@@ -88,8 +100,9 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     last_read: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op != "output":
+            done = _finished(node)  # an async collective reads its input until its wait
             for src in node.all_input_nodes:
-                last_read[base.get(src, src)] = node
+                last_read[base.get(src, src)] = done
     params = {r.name: n for r, n in zip(inputs, graph.find_nodes(op="placeholder"))
               if r.kind is M.InputKind.PARAM}
     groups: dict[str, list[tuple[int, str, fx.Node]]] = {}
@@ -102,10 +115,10 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
         after += [last_read[params[name]] for _, name, _ in members
                   if params.get(name) in last_read]
         at = max(after, key=order.__getitem__)
-        vals = [params[name].meta[M.VAL] for _, name, _ in members if name in params]
+        stepped = [(name, params[name]) for _, name, _ in members if name in params]
         with graph.inserting_after(at):
             hook = graph.call_function(step_parameters, (
-                temporaries(vals), tuple(name for _, name, _ in members),
+                temporaries(stepped), tuple(name for _, name, _ in members),
                 *(v for _, _, v in members)))
         hook.meta[M.PHASE] = M.Phase.BACKWARD
         hook.meta[M.VAL] = None  # it returns nothing
@@ -116,16 +129,22 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     return len(groups)
 
 
+def _finished(node: fx.Node) -> fx.Node:
+    """Where ``node`` is done reading its inputs: an async collective (``_c10d_functional``)
+    at the ``wait_tensor`` of its result; any other op where it runs."""
+    if getattr(node.target, "namespace", None) != "_c10d_functional" \
+            or node.target is c10d.wait_tensor.default:
+        return node
+    waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+    return waits[0] if waits else node
+
+
 def check(options) -> None:
     """``optimizer_in_backward`` with what it cannot run with: a named error."""
     where = "partition(..., optimizer_in_backward=True)"
     if options.stages > 1:
         raise InputError("optimizer_in_backward is not supported in a pipeline yet", where=where,
                          fix="drop optimizer_in_backward, or the pp axis")
-    if options.zero:
-        raise InputError(f"optimizer_in_backward is not supported with zero={options.zero} yet",
-                         where=where, fix="drop optimizer_in_backward (ZeRO already divides "
-                         "the gradients over dp from zero=2), or zero")
     if options.precision.scales_loss:
         raise InputError("optimizer_in_backward cannot run with fp16's loss scaling: an "
                          "overflow is found only once every gradient exists, after the steps",

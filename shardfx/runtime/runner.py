@@ -301,12 +301,12 @@ class Runner:
             return
         trained = self._trained()
         for name, g in zip(names, grads):
-            trained[name].grad = g
+            trained[name].grad = self._zero.grad(name, g) if name in self._stepped else g
         self.optimizer.step()
-        for name, g in zip(names, grads):  # later steps must not step them again
-            trained[name].grad = None
+        for name in names:  # later steps must not step them again
             if self.keep_grads:  # given back as .grad once the step is over (step_batches)
-                self._stepped_grads[name] = g
+                self._stepped_grads[name] = trained[name].grad
+            trained[name].grad = None
 
     def _trained(self) -> dict[str, torch.nn.Parameter]:
         """The tensors the optimizer steps, by FQN: the parameters, or ZeRO's rows of them."""
