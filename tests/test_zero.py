@@ -58,11 +58,13 @@ def test_each_program_pass_is_recorded_as_it_left_the_program():
     assert records["zero_reduce_scatter"].startswith("# after zero_reduce_scatter:")
 
 
-def test_zero3_gathers_each_block_ahead_and_again_in_backward():
-    # the fused head: with the ATen one the backward's grad_h = d @ w reads the LM head's
-    # forward copy (t(t(w))), which lives from the head's forward to its backward, right
-    # after (FSDP keeps its last layer gathered the same way)
-    plan = plan_of(3, fused_loss=True)
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_zero3_gathers_each_block_ahead_and_again_in_backward(fused_loss):
+    """Every forward copy dies in the forward. The backward's transposes of a weight (its
+    grad_x = d @ t(w)) are made again from the backward's copy: made from the forward's, they
+    kept every layer's gathered weights alive into the backward (a 105.8M Llama on dp=4: 887
+    MiB peak per rank instead of 578)."""
+    plan = plan_of(3, fused_loss=fused_loss)
     graph = plan.program.module.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for p in graph.find_nodes(op="placeholder"):
@@ -75,7 +77,7 @@ def test_zero3_gathers_each_block_ahead_and_again_in_backward():
     # the embedding, each of the 2 layers, the final norm, the LM head: forward and backward
     # (the embedding's backward does not read its weight, nor the fused head's: its
     # gradients are computed in its forward)
-    assert len(fwd) == 5 and len(bwd) == 3, sorted(gathers)
+    assert len(fwd) == 5 and len(bwd) == (3 if fused_loss else 4), sorted(gathers)
     waits = {n.name: n for n in calls(plan, c10d.wait_tensor.default)}
     for b in range(len(fwd) - 1):  # bucket b + 1 is issued before bucket b is waited for
         assert order[gathers[f"zero3_fwd{b + 1}_all_gather"]] < order[waits[f"zero3_fwd{b}_wait"]]

@@ -170,6 +170,7 @@ def zero_gather(program: Program, options) -> Program:
             p.meta[M.VAL] = torch.empty(z.shard_shape, dtype=val.dtype, device=val.device)
         p.meta[M.ZERO] = z
     records = []
+    gathered: dict[fx.Node, fx.Node] = {}  # parameter -> its forward copy
     for ph, tag in ((M.Phase.FORWARD, "fwd"), (M.Phase.BACKWARD, "bwd")):
         first = {p: min(users, key=order.get) for p, users in uses[ph].items()}
         buckets = _gather_buckets(sorted(first, key=lambda p: order[first[p]]), layouts)
@@ -187,7 +188,9 @@ def zero_gather(program: Program, options) -> Program:
                 fulls = finish_gather(graph, started, [layouts[p.meta[M.ROLE].name]
                                                        for p in bucket], name, ph)
             for p, full in zip(bucket, fulls):
-                _read_from(full, p, derived[p], uses[ph][p], ph, graph)
+                _read_from(full, p, derived[p], uses[ph][p], ph, graph, gathered.get(p))
+                if ph is M.Phase.FORWARD:
+                    gathered[p] = full
             nbytes = sum(_shard_bytes(layouts[p.meta[M.ROLE].name], p) for p in bucket)
             records.append(Collective("all_gather", "dp", nbytes, f"ZeRO-3 {tag} bucket {b} "
                                       f"({_names(bucket)}): ZeRO rows -> R on dp"))
@@ -209,10 +212,13 @@ def _made_from(p: fx.Node, phase: dict) -> list[fx.Node]:
 
 
 def _read_from(full: fx.Node, p: fx.Node, derived: list[fx.Node], users: list[fx.Node],
-               ph: M.Phase, graph: fx.Graph) -> None:
+               ph: M.Phase, graph: fx.Graph, forward: fx.Node | None = None) -> None:
     """Make ``users`` (of phase ``ph``) read ``full`` where they read ``p``; in backward, the
-    values made from ``p`` alone that they read are made again from ``full``."""
-    env = {p: full}
+    values made from ``p`` alone that they read are made again from ``full``. ``forward``:
+    the forward's copy of ``p``, which those values read by now (the forward's readers were
+    rewired first): their backward copies read ``full`` instead, or the forward's gathered
+    parameter would live on into the backward beside the backward's."""
+    env = {p: full} if forward is None else {p: full, forward: full}
     if ph is M.Phase.BACKWARD:
         needed = {a for u in users for a in u.all_input_nodes if a in set(derived)}
         for node in reversed(derived):  # what the needed ones are made from
