@@ -7,7 +7,8 @@ A step's memory is a walk over what runs, in the order it runs:
   optimizer's state (``OPTIMIZERS``: AdamW keeps two fp32 moments per parameter element, SGD
   with momentum one, plain SGD none, each with a step count).
 - **A program** (one device, or the SPMD program of a dp/tp mesh) is walked op by op: a tensor
-  is live from the op that makes it to its last reader (a view keeps its base alive); at each
+  is live from the op that makes it to its last reader (a view keeps its base alive; a
+  ``reshape`` is a view only where its input's traced strides allow one, else a copy); at each
   op the live bytes are split into *gradients* (values the program returns as a parameter's
   gradient), *saved* (forward values a backward op reads: the activations), *communication*
   (collectives' and gradient buckets' buffers) and *transient* (everything else: temporaries

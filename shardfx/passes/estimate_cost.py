@@ -14,6 +14,8 @@ is ``DeviceModel.node_seconds``: the roofline of these FLOPs and the bytes it re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -72,4 +74,26 @@ def is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return node.target.__name__ == "getitem"  # an element of a tuple the producer counted
+    if node.target is torch.ops.aten.reshape.default:  # a view where the strides allow it
+        return _reshape_views(node)
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _reshape_views(node: fx.Node) -> bool:
+    """Whether ``reshape`` returns a view of its input (else a copy, as torch makes when the
+    input's strides do not allow one: ZeRO-3's parameter rows split out of a gathered
+    ``[dp, n]`` buffer), by the traced values' layouts."""
+    src, out = node.args[0], node.meta.get(M.VAL)
+    val = src.meta.get(M.VAL) if isinstance(src, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return True
+    return _viewable(tuple(val.shape), val.stride(), tuple(out.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _viewable(shape: tuple, stride: tuple, into: tuple) -> bool:
+    try:
+        torch.empty_strided(shape, stride, device="meta").view(into)
+        return True
+    except RuntimeError:
+        return False
