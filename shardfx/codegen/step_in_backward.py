@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import re
 from typing import Callable
 
@@ -95,6 +96,9 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
 
     graph = module.graph
     out = graph.output_node()
+    grads = {v for v, r in zip(out.args[0], outputs)
+             if r.kind is M.OutputKind.GRAD and isinstance(v, fx.Node)}
+    wait_one_behind(graph, grads)
     order = {n: i for i, n in enumerate(graph.nodes)}
     base = _bases(graph)
     last_read: dict[fx.Node, fx.Node] = {}
@@ -109,7 +113,10 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     returned = list(out.args[0])
     for index, (value, role) in enumerate(zip(returned, outputs)):
         if role.kind is M.OutputKind.GRAD and isinstance(value, fx.Node):
-            groups.setdefault(group_of(role.name), []).append((index, role.name, value))
+            owner = base.get(value, value)  # a block's gradients in two buckets: two steps,
+            bucket = owner if _is_collective(owner) else None  # each freeing its bucket
+            groups.setdefault((group_of(role.name), bucket), []).append(
+                (index, role.name, value))
     for members in groups.values():
         after = [v for _, _, v in members]
         after += [last_read[params[name]] for _, name, _ in members
@@ -127,6 +134,68 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     out.args = (tuple(returned),)
     module.recompile()
     return len(groups)
+
+
+# What unpacks a gradient bucket's reduced buffer into the gradients (codegen.bucketing,
+# codegen.zero): moved with its wait.
+_UNPACKING = {c10d.wait_tensor.default, torch.ops.aten._to_copy.default,
+              torch.ops.aten.split_with_sizes.default, operator.getitem,
+              torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+              torch.ops.aten.slice.Tensor}
+
+
+def wait_one_behind(graph: fx.Graph, grads: set[fx.Node]) -> int:
+    """Each gradient bucket's reduction (an all-reduce, ZeRO's reduce-scatter) waited for once
+    the next bucket's is issued, with the ops unpacking its gradients moved after the wait:
+    those gradients are final there, so their step and their freeing come then, not at the
+    end of the backward, where ``codegen.bucketing`` waits for every bucket (nothing else
+    reads a gradient; here its step does). One bucket stays in flight behind the backward's
+    compute. Returns how many waits moved."""
+    out = graph.output_node()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    buckets = []  # (collective, its wait and unpacking ops in graph order), in issue order
+    for node in graph.nodes:
+        if getattr(node.target, "namespace", None) != "_c10d_functional" \
+                or node.target is c10d.wait_tensor.default:
+            continue
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        unpacking = _unpacking(waits[0], out, order) \
+            if len(node.users) == len(waits) == 1 else None
+        if unpacking and grads.intersection(unpacking):
+            buckets.append((node, unpacking))
+    moved = 0
+    for (_, unpacking), (issued, _) in zip(buckets, buckets[1:]):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[unpacking[0]] < order[issued] or any(
+                order[i] > order[issued] for n in unpacking for i in n.all_input_nodes
+                if i not in unpacking):
+            continue  # already waited for earlier, or reads what is made later
+        at = issued
+        for node in unpacking:
+            at.append(node)
+            at = node
+        moved += 1
+    return moved
+
+
+def _unpacking(wait: fx.Node, out: fx.Node, order: dict[fx.Node, int]
+               ) -> list[fx.Node] | None:
+    """``wait`` and every op after it up to the output, in graph order, if all of them only
+    unpack its buffer (``_UNPACKING``); else None."""
+    seen, todo = {wait}, [wait]
+    while todo:
+        for user in todo.pop().users:
+            if user is out or user in seen:
+                continue
+            if user.op != "call_function" or user.target not in _UNPACKING:
+                return None
+            seen.add(user)
+            todo.append(user)
+    return sorted(seen, key=order.__getitem__)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) == "_c10d_functional"
 
 
 def _finished(node: fx.Node) -> fx.Node:
