@@ -75,7 +75,11 @@ at the predicted peak, and the predicted peak).
 FSDP2 runs on CPU with gloo in torch 2.13 with no workaround (its all-gathers and
 reduce-scatters run on gloo; default options).
 
-    python -m bench.zero [--steps 5] [--warmup 2] [--layers 9] [--no-append]
+With ``--in-backward`` every shardfx row is planned with ``optimizer_in_backward=True`` (each
+rank steps its rows of a block's parameters in the backward, the gradients freed there); the
+FSDP2 rows are as above.
+
+    python -m bench.zero [--in-backward] [--steps 5] [--warmup 2] [--layers 9] [--no-append]
 
 Prints the tables and appends them to bench/RESULTS.md with the machine and date.
 """
@@ -170,18 +174,20 @@ def fsdp2(layers: int, mesh, reshard: bool, xs, ys) -> Contestant:
     return Contestant(step, (model, opt), model.parameters, opt)
 
 
-def planned(k: int, model: torch.nn.Module, x, y) -> Contestant:
-    """shardfx's plan of ``model`` with zero=k (k=0: ``partition`` without ``zero=``), its
-    runner with AdamW, a step on the global batch."""
+def planned(k: int, model: torch.nn.Module, x, y, in_backward: bool = False) -> Contestant:
+    """shardfx's plan of ``model`` with zero=k (k=0: ``partition`` without ``zero=``;
+    ``in_backward``: with ``optimizer_in_backward=True``), its runner with AdamW, a step on
+    the global batch."""
     plan = shardfx.partition(model, (x,), loss_fn, (y,), mesh={"dp": DP},
-                             **({"zero": k} if k else {}))
+                             **({"zero": k} if k else {}),
+                             **({"optimizer_in_backward": True} if in_backward else {}))
     runner = plan.runner(optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
     return Contestant(lambda: runner.step((x,), (y,)), (runner,), runner.parameters,
                       runner.optimizer, plan.memory_breakdown()[dist.get_rank()])
 
 
-def race(layers: int, b: int, s: int, warmup: int, steps: int, phases: list[list[str]]
-         ) -> dict | None:
+def race(layers: int, b: int, s: int, warmup: int, steps: int, phases: list[list[str]],
+         in_backward: bool = False) -> dict | None:
     """On every rank, phase by phase: build the phase's contestants, alternate their steps,
     measure one more step of each, free them. Rank 0 returns times, losses and memory (every
     rank's)."""
@@ -202,7 +208,7 @@ def race(layers: int, b: int, s: int, warmup: int, steps: int, phases: list[list
                 built[name] = fsdp2(layers, mesh, FSDP[name], xs, ys)
             else:  # the phase's plans share one seeded model (their runners copy it)
                 shared = llama(layers=layers, **SIZE) if shared is None else shared
-                built[name] = planned(ZERO[name], shared, x, y)
+                built[name] = planned(ZERO[name], shared, x, y, in_backward)
         for name in phase:
             cpu[name], losses[name] = [], []
         clocked_steps = {k: clocked(c.step, cpu[k], losses[k]) for k, c in built.items()}
@@ -298,6 +304,8 @@ def main() -> None:
                         help="decoder layers (9: 105.8 M parameters; 8 would be 99.5 M)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--in-backward", action="store_true",
+                        help="plan every shardfx row with optimizer_in_backward=True")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
 
@@ -312,14 +320,18 @@ def main() -> None:
     print(f"Llama {a.layers} layers: {params:,} parameters")
     start = time.perf_counter()
     res = shardfx.launch(race, a.layers, a.batch, a.seq, a.warmup, a.steps, phases,
-                         nprocs=DP, timeout=600, deadline=3600)[0]
+                         a.in_backward, nprocs=DP, timeout=600, deadline=3600)[0]
     table, failures = tables(a, res, params, phases, time.perf_counter() - start)
+    if a.in_backward:
+        table += ("\n\nEvery shardfx row planned with optimizer_in_backward=True (each block's "
+                  "rows stepped in the backward).")
     print(table)
     if failures:
         raise SystemExit("zero: the contestants' losses disagree (same function, weights and "
                          "data): " + "; ".join(failures))
     if not a.no_append:
-        append_results("zero", table, machine())
+        append_results("zero (optimizer_in_backward)" if a.in_backward else "zero", table,
+                       machine())
 
 
 if __name__ == "__main__":
