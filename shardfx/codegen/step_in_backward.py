@@ -25,7 +25,8 @@ are waited for (zero=3's all-gather in the backward reads the rows the step writ
 
 What stepping early rules out, each refused where it is asked (``check``): clipping by the
 global norm and fp16's loss scaling need every gradient before any step; gradient accumulation
-needs them summed over batches first; pipelines are not supported (below, ``check``).
+needs them summed over batches first; pipelines are not supported yet (their gradients are
+summed over microbatches, final only in each stage's last microbatch's backward).
 
 Requires: the generated program (one device, or a dp/tp mesh after ``codegen.bucketing`` and
 the ZeRO passes: a gradient is final once its bucket's reduction is waited for), its outputs'
@@ -212,8 +213,11 @@ def check(options) -> None:
     """``optimizer_in_backward`` with what it cannot run with: a named error."""
     where = "partition(..., optimizer_in_backward=True)"
     if options.stages > 1:
-        raise InputError("optimizer_in_backward is not supported in a pipeline yet", where=where,
-                         fix="drop optimizer_in_backward, or the pp axis")
+        raise InputError("optimizer_in_backward is not supported in a pipeline yet: a "
+                         "stage's gradients are summed over its microbatches, final only in "
+                         "its last microbatch's backward", where=where,
+                         fix="drop optimizer_in_backward, or the pp axis (zero=2 over dp "
+                         "divides the gradients a pipeline holds)")
     if options.precision.scales_loss:
         raise InputError("optimizer_in_backward cannot run with fp16's loss scaling: an "
                          "overflow is found only once every gradient exists, after the steps",
