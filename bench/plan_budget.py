@@ -3,7 +3,8 @@
 The model is ``bench.plan``'s: a Hugging Face ``LlamaForCausalLM`` of the Llama-3-70B shape on
 the meta device, at ``--layers`` 4, 16, 32 and 80, the global batch 16 x 4096 token ids, on
 dp=8 x tp=8 (``shard="megatron"``). After one untimed plan (a process's first trace is slower),
-per layer count, each a fresh ``partition`` timed in CPU seconds (this machine is shared):
+per layer count ``--repeats`` rounds, each round every plan below in turn, each a fresh
+``partition`` timed in CPU seconds (this machine is shared), the median and minimum reported:
 
 - plain: no budget;
 - floor: ``memory_budget=1``, which no plan meets: the search for the lowest peak, stated by
@@ -18,7 +19,7 @@ Per row: the seconds of each, what the budget recomputes (ops, FLOPs), the predi
 against the budget, and budget / plain. Below: the 80-layer budget plan against the 4-layer one
 (goal <= 1.3x) and the shallow judging against the whole program's.
 
-    python -m bench.plan_budget [--layers 4,16,32,80] [--no-append]
+    python -m bench.plan_budget [--layers 4,16,32,80] [--repeats 3] [--no-append]
 
 Then the same model on pp=8 x tp=8 (``--pipeline-layers`` 8, 16, 80: a block a stage at
 least), plain and under 85% of the plain plan's fullest rank (its floor search takes minutes
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 import warnings
@@ -57,7 +59,17 @@ def cpu_seconds(fn):
     return out, time.process_time() - start
 
 
+def timings(rounds: list[dict]) -> dict:
+    """Per contestant, the median of its rounds' CPU seconds, and the minimum (``" min"``)."""
+    out = {}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        out[key], out[key + " min"] = statistics.median(values), min(values)
+    return out
+
+
 def one_size(a, layers: int) -> dict:
+    """``--repeats`` rounds of the four plans, each round all four in turn (interleaved)."""
     model, args, targets = build(a, layers)
 
     def plan(budget=None):
@@ -71,25 +83,30 @@ def one_size(a, layers: int) -> dict:
             return e.least.total
         raise AssertionError("a budget of 1 byte was met")
 
-    plain, plain_s = cpu_seconds(plan)
-    top = plain.memory_estimate()[0]
-    del plain
-    least, floor_s = cpu_seconds(floor)
-    budget = (least + top) // 2
-    out = dict(top=top, least=least, limit=budget, plain=plain_s, floor=floor_s)
-    deep = shallow.DEEP
-    for name, depth in (("budget", deep), ("whole", 10 ** 9)):
-        shallow.DEEP = depth
-        try:
-            fitted, seconds = cpu_seconds(lambda: plan(budget))
-        finally:
-            shallow.DEEP = deep
-        remat = fitted.remat
-        out[name] = seconds
-        out[name + " choice"] = (remat.recomputed if remat else (), fitted.memory_estimate()[0])
-        out["flops"] = remat.flops if remat else 0
-        del fitted
-    return out
+    rounds, out = [], {}
+    for _ in range(a.repeats):
+        seconds = {}
+        plain, seconds["plain"] = cpu_seconds(plan)
+        top = plain.memory_estimate()[0]
+        del plain
+        least, seconds["floor"] = cpu_seconds(floor)
+        budget = (least + top) // 2
+        out.update(top=top, least=least, limit=budget)
+        deep = shallow.DEEP
+        for name, depth in (("budget", deep), ("whole", 10 ** 9)):
+            shallow.DEEP = depth
+            try:
+                fitted, seconds[name] = cpu_seconds(lambda: plan(budget))
+            finally:
+                shallow.DEEP = deep
+            remat = fitted.remat
+            choice = (remat.recomputed if remat else (), fitted.memory_estimate()[0])
+            if out.setdefault(name + " choice", choice) != choice:  # planning is deterministic
+                out[name + " choice"] = ("differs between rounds", 0)
+            out["flops"] = remat.flops if remat else 0
+            del fitted
+        rounds.append(seconds)
+    return out | timings(rounds)
 
 
 PIPELINE = {"pp": 8, "tp": 8}
@@ -106,27 +123,37 @@ def one_pipeline(a, layers: int) -> dict:
         return shardfx.partition(model, args, loss_fn, targets, mesh=PIPELINE, shard="megatron",
                                  microbatches=a.microbatches, memory_budget=budget)
 
-    plain, plain_s = cpu_seconds(plan)
-    top = max(plain.memory_estimate().values())
-    del plain
-    budget = int(PIPELINE_SHARE * top)
-    fitted, seconds = cpu_seconds(lambda: plan(budget))
-    remat = fitted.remat
-    return dict(top=top, limit=budget, plain=plain_s, budget=seconds,
-                ops=len(remat.recomputed) if remat else 0,
-                peak=max(fitted.memory_estimate().values()),
-                schedule=next((c.name for c in fitted.budget_candidates
-                               if c.schedule is fitted.schedule), "as asked"))
+    rounds = []
+    for _ in range(a.repeats):  # the two interleaved
+        seconds = {}
+        plain, seconds["plain"] = cpu_seconds(plan)
+        top = max(plain.memory_estimate().values())
+        del plain
+        budget = int(PIPELINE_SHARE * top)
+        fitted, seconds["budget"] = cpu_seconds(lambda: plan(budget))
+        remat = fitted.remat
+        out = dict(top=top, limit=budget, ops=len(remat.recomputed) if remat else 0,
+                   peak=max(fitted.memory_estimate().values()),
+                   schedule=next((c.name for c in fitted.budget_candidates
+                                  if c.schedule is fitted.schedule), "as asked"))
+        del fitted
+        rounds.append(seconds)
+    return out | timings(rounds)
 
 
 def pipeline_rows(results: dict[int, dict]) -> list[str]:
     out = ["| layers | plain (s) | budget (s) | budget / plain | recomputed ops | schedule | "
            "peak / budget (GiB) |", "|---:|---:|---:|---:|---:|---|---|"]
     for layers, r in results.items():
-        out.append(f"| {layers} | {r['plain']:.2f} | {r['budget']:.2f} | "
+        out.append(f"| {layers} | {cell(r, 'plain')} | {cell(r, 'budget')} | "
                    f"{r['budget'] / r['plain']:.2f}x | {r['ops']} | {r['schedule']} | "
                    f"{r['peak'] / GiB:.1f} / {r['limit'] / GiB:.1f} |")
     return out
+
+
+def cell(r: dict, key: str) -> str:
+    """Median seconds (minimum)."""
+    return f"{r[key]:.2f} ({r[key + ' min']:.2f})"
 
 
 def rows(results: dict[int, dict]) -> list[str]:
@@ -135,8 +162,9 @@ def rows(results: dict[int, dict]) -> list[str]:
            "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for layers, r in results.items():
         ops, peak = r["budget choice"]
-        out.append(f"| {layers} | {r['plain']:.2f} | {r['floor']:.2f} | {r['budget']:.2f} | "
-                   f"{r['whole']:.2f} | {r['budget'] / r['plain']:.2f}x | {len(ops)} | "
+        out.append(f"| {layers} | {cell(r, 'plain')} | {cell(r, 'floor')} | "
+                   f"{cell(r, 'budget')} | {cell(r, 'whole')} | "
+                   f"{r['budget'] / r['plain']:.2f}x | {len(ops)} | "
                    f"{r['flops'] / 1e12:.2f} | {peak / GiB:.1f} / {r['limit'] / GiB:.1f} | "
                    f"{r['least'] / GiB:.1f} |")
     return out
@@ -149,6 +177,8 @@ def main() -> None:
     parser.add_argument("--pipeline-layers", default="8,16,80",
                         help="layer counts of the pp=8 x tp=8 rows ('' for none)")
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipeline")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds per layer count, the plans of a round in turn")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
     layer_counts = sorted({int(n) for n in a.layers.split(",")})
@@ -167,8 +197,9 @@ def main() -> None:
     lo, hi = min(results), max(results)
     title = (f"planning under memory_budget: Llama, hidden {a.hidden}, intermediate {a.inter}, "
              f"{a.heads} heads, {a.kv} KV heads, vocab {a.vocab} (meta device), global batch "
-             f"{a.batch} x {a.seq}, dp=8 x tp=8, shard=megatron; CPU seconds of one partition "
-             f"each; the budget halfway between the floor and the plain plan's peak")
+             f"{a.batch} x {a.seq}, dp=8 x tp=8, shard=megatron; CPU seconds of a partition, "
+             f"median (min) of {a.repeats} rounds, each round every plan of a layer count in "
+             f"turn; the budget halfway between the floor and the plain plan's peak")
     summary = [
         f"- the {hi}-layer budget plan: {results[hi]['budget'] / results[lo]['budget']:.2f}x "
         f"the {lo}-layer one (goal <= {GOAL}x); its plain plan {results[hi]['plain']:.2f} s, "
