@@ -31,7 +31,9 @@ summed over microbatches, final only in each stage's last microbatch's backward)
 Requires: the generated program (one device, or a dp/tp mesh after ``codegen.bucketing`` and
 the ZeRO passes: a gradient is final once its bucket's reduction is waited for), its outputs'
 roles.
-Ensures: every gradient output is None; for each group of parameters, one ``step_parameters``
+Ensures: every gradient output is None; each gradient bucket's wait (and the ops unpacking it)
+right after the next bucket's reduction is issued (``wait_one_behind``); for each group of
+parameters (a block's, split where its gradients are in two buckets), one ``step_parameters``
 after their gradients and after the last op that reads them (through views); nothing else
 changed.
 """
@@ -110,7 +112,7 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
                 last_read[base.get(src, src)] = done
     params = {r.name: n for r, n in zip(inputs, graph.find_nodes(op="placeholder"))
               if r.kind is M.InputKind.PARAM}
-    groups: dict[str, list[tuple[int, str, fx.Node]]] = {}
+    groups: dict[tuple[str, fx.Node | None], list[tuple[int, str, fx.Node]]] = {}
     returned = list(out.args[0])
     for index, (value, role) in enumerate(zip(returned, outputs)):
         if role.kind is M.OutputKind.GRAD and isinstance(value, fx.Node):
@@ -156,8 +158,7 @@ def wait_one_behind(graph: fx.Graph, grads: set[fx.Node]) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     buckets = []  # (collective, its wait and unpacking ops in graph order), in issue order
     for node in graph.nodes:
-        if getattr(node.target, "namespace", None) != "_c10d_functional" \
-                or node.target is c10d.wait_tensor.default:
+        if not _is_collective(node) or node.target is c10d.wait_tensor.default:
             continue
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         unpacking = _unpacking(waits[0], out, order) \
@@ -202,8 +203,7 @@ def _is_collective(node: fx.Node) -> bool:
 def _finished(node: fx.Node) -> fx.Node:
     """Where ``node`` is done reading its inputs: an async collective (``_c10d_functional``)
     at the ``wait_tensor`` of its result; any other op where it runs."""
-    if getattr(node.target, "namespace", None) != "_c10d_functional" \
-            or node.target is c10d.wait_tensor.default:
+    if not _is_collective(node) or node.target is c10d.wait_tensor.default:
         return node
     waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
     return waits[0] if waits else node
