@@ -179,9 +179,8 @@ def partition(
     block's parameters in the backward, as soon as their gradients are final, and frees those
     gradients there (``codegen.step_in_backward``): a step never holds the whole model's
     gradients; it cannot clip by the global norm, accumulate batches or scale an fp16 loss,
-    and is not in pipelines yet (with ZeRO each rank steps its rows). ``device``: where this process's programs run
-    (``runtime.device``): by default
-    ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
+    and is not in pipelines yet (with ZeRO each rank steps its rows). ``device``: where this
+    process's programs run (``runtime.device``): by default ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.
     ``device_model``: the speeds every choice that trades time is made at (stage cuts,
     recomputation, the schedule under a budget) and ``plan.predicted_step`` is predicted on

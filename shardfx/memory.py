@@ -185,9 +185,7 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
         role, val = node.meta[M.ROLE], node.meta[M.VAL]
         if role.kind is M.InputKind.PARAM:
             params.append(val)
-            z = (zero or {}).get(role.name)
-            stepped.append(val if z is None or M.ZERO in node.meta else
-                           torch.empty(z.shard_shape, dtype=val.dtype, device="meta"))
+            stepped.append(stepped_value(node, (zero or {}).get(role.name)))
         elif role.kind is M.InputKind.BUFFER:
             buffers += _bytes(val)
     state = dict(parameters=sum(map(_bytes, params)), buffers=buffers)
@@ -198,24 +196,34 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
     moments: dict[object, DeviceMemory] = {
         at: DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
         for at, (peak, _, when) in walked.items()}
-    if train and optimizer.name != "none" and not _steps_in_backward(program.graph):
+    in_backward = bool(_steps_in_backward(program.graph))  # no step after the program
+    if train and optimizer.name != "none" and not in_backward:
         grads = sum(map(_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
         moments["optimizer step"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=grads,
             transient=optimizer_temporaries(stepped, optimizer, device)
             + _loss_bytes(program.graph), when="optimizer step")
-    if train and stage == 1 and not _steps_in_backward(program.graph):  # the runner cuts this rank's rows from the whole gradients,
-        # which the program returned and still holds (``runtime.runner._set_grads``)
+    if train and stage == 1 and not in_backward:  # the runner cuts this rank's rows from the
+        # whole gradients, which the program returned and still holds (``runner._set_grads``)
         whole = _graph_grads(program.graph)
         moments["ZeRO-1 rows"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=whole + sum(map(_bytes, stepped)),
             when="ZeRO-1: this rank's rows cut from the whole gradients")
     if train and gather:  # ZeRO-1/2: every rank's updated rows, gathered
-        held = 0 if _steps_in_backward(program.graph) else sum(map(_bytes, stepped))
+        held = 0 if in_backward else sum(map(_bytes, stepped))
         moments["ZeRO gather"] = DeviceMemory(  # (stepped in the backward: gradients gone)
             **state, optimizer=opt_state, gradients=held,
             transient=zero_gather_peak(gather), when="ZeRO gather after the optimizer step")
     return moments
+
+
+def stepped_value(param: fx.Node, layout: M.ZeroShard | None):
+    """What the optimizer steps for a parameter input: its value, or ZeRO's rows of it (a
+    meta tensor; zero=3's input is the rows already)."""
+    val = param.meta[M.VAL]
+    if layout is None or M.ZERO in param.meta:
+        return val
+    return torch.empty(layout.shard_shape, dtype=val.dtype, device="meta")
 
 
 def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:

@@ -32,7 +32,8 @@ from shardfx.partitioner.capture import (Captured, canonical_names, capture, des
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.fused_loss import FusedLoss, fusing_reason
-from shardfx.passes.manager import Options, PassRecord, record, snapshot
+from shardfx.ir.frozen import freeze
+from shardfx.passes.manager import Options, PassRecord, record
 from shardfx.passes.remat import Choice, by_module, group_name
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.passes.zero import zero_layouts
@@ -262,10 +263,10 @@ class Plan:
                     where="partition(..., memory_budget=...)",
                     fix="a larger budget, or shard the model over a tp or pp axis")
             return
-        before = snapshot(self.ir)
+        before = freeze(self.ir)
         fit_budget(self, budget)
         if self.remat is not None:  # the IR recomputes: its program passes ran again
-            self.history.append(record("remat", before, snapshot(self.ir, before)))
+            self.history.append(record("remat", before, freeze(self.ir, before)))
             self.history += self.program_records
 
     def memory_estimate(self) -> dict[int, int]:

@@ -21,8 +21,8 @@ Where it is not, the whole program says so: the choice found is applied to the w
 its program generated once. Over the budget, the search runs again against the budget less what
 the line fell short by (at most ``CORRECTIONS`` times, then it judges on the whole program as
 ``remat_search.fit`` does); under it by less than the line said, once more against the budget
-plus the surplus, keeping the cheaper choice that fits. ZeRO's and dp's buckets are why: a bucket falls a
-little differently across blocks at each depth (on a 16-layer Llama with zero=3 the line was
+plus the surplus, keeping the cheaper choice that fits. ZeRO's and dp's buckets are why: a
+bucket falls a little differently across blocks at each depth (on a 16-layer Llama with zero=3 the line was
 0.1% over, and at the lowest peak that was the difference between 468 and 657 GFLOPs
 recomputed). When no candidate fits, the one with the lowest extended peak is measured on the
 whole program: under the budget after all, it is the choice; otherwise its real peak is the

@@ -165,9 +165,8 @@ def wait_one_behind(graph: fx.Graph, grads: set[fx.Node]) -> int:
             if len(node.users) == len(waits) == 1 else None
         if unpacking and grads.intersection(unpacking):
             buckets.append((node, unpacking))
-    moved = 0
+    moved = 0  # (a move keeps the order of the nodes it does not move: ``order`` still holds)
     for (_, unpacking), (issued, _) in zip(buckets, buckets[1:]):
-        order = {n: i for i, n in enumerate(graph.nodes)}
         if order[unpacking[0]] < order[issued] or any(
                 order[i] > order[issued] for n in unpacking for i in n.all_input_nodes
                 if i not in unpacking):

@@ -95,11 +95,6 @@ class PassRecord:
         return f"PassRecord({self.name!r})"
 
 
-def snapshot(gm: fx.GraphModule, previous: FrozenGraph | None = None) -> FrozenGraph:
-    """``gm`` as it stands (``ir.frozen``): what ``changes`` compares and ``ir_to_text``
-    renders. Meta values are compared by identity: passes write new values rather than mutate
-    them (the meta values are frozen dataclasses)."""
-    return freeze(gm, previous)
 
 
 def _ours(key: str) -> bool:
@@ -139,7 +134,7 @@ def changes(name: str, before: FrozenGraph, after: FrozenGraph) -> str:
 
 def captured_record(gm: fx.GraphModule) -> PassRecord:
     """The first record of a history: the IR as capture made it; rendered when read."""
-    frozen = snapshot(gm)
+    frozen = freeze(gm)
     return PassRecord("capture", render=lambda: ir_to_text(frozen))
 
 
@@ -155,7 +150,7 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
     ``shardfx.shallow``)."""
     if options.debug:
         verify(gm)
-    state = snapshot(gm) if history is not None else None  # each "after": the next "before"
+    state = freeze(gm) if history is not None else None  # each "after": the next "before"
     done: list[str] = [r.name for r in history or ()]
     for p in passes:
         name = p.__name__
@@ -183,7 +178,7 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
             raise error from e
         done.append(name)
         if history is not None:
-            after = snapshot(gm, state)
+            after = freeze(gm, state)
             history.append(record(name, state, after))
             state = after
         log.debug("ran %s", name)
@@ -199,7 +194,7 @@ def run_program_passes(program, passes: list, options: Options,
     from shardfx.ir.verify import verify_program
 
     before = [r.name for r in history or ()]
-    state = _program_snapshot(program) if history is not None else None
+    state = _program_freeze(program) if history is not None else None
     for p in passes:
         name = p.__name__
         try:
@@ -220,7 +215,7 @@ def run_program_passes(program, passes: list, options: Options,
             dump_failure(error, history or [])
             raise error from e
         if history is not None:
-            after = _program_snapshot(program, state)
+            after = _program_freeze(program, state)
             history.append(_program_record(name, state, after))
             state = after
         before.append(name)
@@ -237,7 +232,7 @@ class _ProgramState:
     collectives: tuple
 
 
-def _program_snapshot(program, previous: _ProgramState | None = None) -> _ProgramState:
+def _program_freeze(program, previous: _ProgramState | None = None) -> _ProgramState:
     from shardfx.passes.program import graphs
 
     old = previous.graphs if previous is not None else {}

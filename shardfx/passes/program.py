@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
 from shardfx.codegen.bucketing import bucket_gradients
@@ -23,8 +22,7 @@ from shardfx.codegen.program import Program
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
 from shardfx.device_model import default_model
-from shardfx.ir import meta as M
-from shardfx.memory import optimizer_model, optimizer_temporaries
+from shardfx.memory import optimizer_model, optimizer_temporaries, stepped_value
 from shardfx.passes.fused_loss import fuse_loss
 from shardfx.passes.fusion import fuse
 from shardfx.passes.zero import zero_gather, zero_layouts, zero_reduce_scatter
@@ -97,20 +95,12 @@ def optimizer_in_backward(program: Program, options) -> Program:
     def temporaries(params: list[tuple[str, fx.Node]]) -> int:
         """The optimizer's temporaries on what it steps (ZeRO: this rank's rows); zero=1
         also cuts those rows from each whole gradient (``runtime.zero.ZeroRows.grad``)."""
-        stepped = [_stepped(node, layouts.get(name)) for name, node in params]
+        stepped = [stepped_value(node, layouts.get(name)) for name, node in params]
         rows = sum(v.numel() * v.element_size() for v in stepped) if options.zero == 1 else 0
         return optimizer_temporaries(stepped, model, options.device) + rows
 
     step_in_backward(program.module, program.outputs, program.inputs, temporaries)
     return program
-
-
-def _stepped(param: fx.Node, layout: M.ZeroShard | None):
-    """The value the optimizer steps for a parameter input: itself, or ZeRO's rows of it."""
-    val = param.meta[M.VAL]
-    if layout is None or M.ZERO in param.meta:  # zero=3's input is the rows already
-        return val
-    return torch.empty(layout.shard_shape, dtype=val.dtype, device="meta")
 
 
 def split_stages(program: Program, options) -> Program:

@@ -28,10 +28,10 @@ simulator counts it.
 
 Gradients are summed over microbatches, in place: into the first microbatch's output itself
 where no other tensor holds its storage (``memory_pipeline.owned_gradients``: no copy), else
-into a copy of it; once every accumulator a part writes exists, the part's accumulating variant adds each
-matmul's and embedding's weight gradient into it where it is made (``codegen.accumulate_into``:
-no fresh gradient per microbatch, no separate add). The tangent is 1/m when the batch's loss is the mean of
-the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
+into a copy of it; once every accumulator a part writes exists, the part's accumulating
+variant adds each matmul's and embedding's weight gradient into it where it is made
+(``codegen.accumulate_into``: no fresh gradient per microbatch, no separate add). The tangent
+is 1/m when the batch's loss is the mean of the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
 time); dp replicas average or add alike, in DDP-sized buckets. The optimizer steps each rank's
 own parameters, and a parameter read by several stages (a tied embedding) is sent from the
 stage that owns its gradient to the others after each step. Its training state, for
