@@ -171,20 +171,22 @@ def _wide_peaks(mesh: dict, zero: int) -> tuple:
     runner = plan.runner(adamw)
     runner.step(*batches[0])
     (x,), (y,) = batches[1]
-    peak = measured_peak(lambda: runner.step((x,), (y,)), runner, x, y)
+    peaks = [measured_peak(lambda: runner.step((x,), (y,)), runner, x, y).total
+             - x.nbytes - y.nbytes for _ in range(4)]
     rank = torch.distributed.get_rank()
-    return peak.total - x.nbytes - y.nbytes, plan.memory_estimate()[rank], \
-        plan.memory_breakdown()[rank].when
+    return peaks, plan.memory_estimate()[rank], plan.memory_breakdown()[rank].when
 
 
 def test_pipeline_rank_peaking_at_the_optimizer_step():
     """The last stage's peak is its optimizer step: the update's temporaries and the whole
     gradients, with no send buffer left (the runner lets finished sends go); with ZeRO-1 the
-    dp all-reduce, after the sends."""
+    dp all-reduce, after the sends. Every step's: a bucket's buffer goes when it is written
+    back, not when gloo's worker lets go of it (one step in four or five, before)."""
     for mesh, zero, nprocs in (({"pp": 2}, 0, 2), ({"pp": 2, "dp": 2}, 1, 4)):
         peaks = shardfx.launch(_wide_peaks, mesh, zero, nprocs=nprocs)
         for rank, (measured, predicted, when) in enumerate(peaks):
-            assert within(measured, predicted, 0.01), (mesh, rank, measured, predicted, when)
+            for m in measured:
+                assert within(m, predicted, 0.01), (mesh, rank, measured, predicted, when)
         assert peaks[1][2] == ("optimizer step" if zero == 0 else "dp all-reduce"), peaks
 
 

@@ -58,7 +58,7 @@ class GradBuckets:
         self.rows: dict[str, torch.Tensor] = {}
         self._open: list[tuple[torch.Tensor, str | None]] = []
         self._bytes = 0
-        self._flying: list[tuple[list, torch.Tensor, object]] = []  # in order
+        self._flying: list[tuple[list, torch.Tensor, object, list]] = []  # in order
         self._done = 0  # buckets written back before finish
 
     def add(self, grad: torch.Tensor, fqn: str | None = None) -> None:
@@ -84,11 +84,11 @@ class GradBuckets:
             flat = flat.to(self.reduce_dtype)  # summed narrower, widened back in finish
         if self.layouts is None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._flying.append((bucket, flat, work))
+            self._flying.append((bucket, flat, work, [flat]))
             return
         out = flat.new_empty(flat.numel() // self.size)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
-        self._flying.append((bucket, out, work))
+        self._flying.append((bucket, out, work, [out]))  # gloo copies the input
 
     def retire(self) -> None:
         """Write back the buckets whose all-reduce has completed (without waiting), so their
@@ -102,21 +102,30 @@ class GradBuckets:
         gradients. Returns how many all-reduces the step took."""
         if self._open:
             self._start()
-        for bucket, flat, work in self._flying:
-            self._write_back(bucket, flat, work)
+        for flying in self._flying:
+            self._write_back(*flying)
         done, self._done, self._flying = self._done + len(self._flying), 0, []
         return done
 
-    def _write_back(self, bucket: list, flat: torch.Tensor, work) -> None:
+    def _write_back(self, bucket: list, result: torch.Tensor, work, scratch: list) -> None:
+        """Wait for ``work``, then its ``result`` into the gradients (ZeRO-2: into
+        ``self.rows``). The ``scratch`` buffers (the all-reduced bucket; the reduce-scatter's
+        output unless the rows view it) are freed here: the process group's own thread (gloo's worker, NCCL's watchdog) holds the
+        work and its tensors a while after the wait, so dropping them would free the memory at
+        a moment that differs from step to step."""
         work.wait()
-        flat = flat.to(bucket[0][0].dtype)
+        wide = result.to(bucket[0][0].dtype)
         if self.mean:
-            flat /= self.size
+            wide /= self.size
         if self.layouts is not None:  # ZeRO-2: this replica's rows of each
             shapes = [self.layouts[fqn].shard_shape for _, fqn in bucket]
             sizes = [torch.Size(s).numel() for s in shapes]
-            for (_, fqn), part, shape in zip(bucket, flat.split(sizes), shapes):
+            for (_, fqn), part, shape in zip(bucket, wide.split(sizes), shapes):
                 self.rows[fqn] = part.view(shape)
-            return
-        for (g, _), part in zip(bucket, flat.split([g.numel() for g, _ in bucket])):
-            g.copy_(part.view_as(g))
+        else:
+            for (g, _), part in zip(bucket, wide.split([g.numel() for g, _ in bucket])):
+                g.copy_(part.view_as(g))
+        kept = wide.data_ptr() if self.layouts is not None else None  # the rows view it
+        for t in scratch:
+            if t.data_ptr() != kept:
+                t.untyped_storage().resize_(0)
