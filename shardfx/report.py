@@ -9,6 +9,7 @@ from rich.table import Table
 
 from shardfx.analysis import Summary
 from shardfx.codegen.redistribute import Collective
+from shardfx.ir.text import block_pattern
 from shardfx.memory import KINDS, DeviceMemory
 
 
@@ -79,6 +80,8 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
         console.print(_stages(stages))
     if collectives:
         console.print(_communication(collectives))
+        if any(c.module for c in collectives):
+            console.print(_by_module(collectives))
         console.print(_largest(collectives))
     if replicated:
         shown = ", ".join(replicated[:12]) + (" ..." if len(replicated) > 12 else "")
@@ -132,6 +135,34 @@ def collective_totals(collectives: list[Collective]) -> dict[tuple[str, str], tu
         t[0] += 1
         t[1] += c.nbytes
     return {key: (n, b) for key, (n, b) in sorted(totals.items())}
+
+
+def by_module(collectives: list[Collective]) -> list[tuple]:
+    """(module, phase, axis, kind, per block: count, bytes; blocks) of the collectives a
+    module's ops need, a repeated block's index as ``*`` (``ir.text.block_pattern``); the
+    largest first. Gradient buckets and the like, needed by no one op, are "(program)"."""
+    groups: dict[tuple[str, str, str, str], list] = {}
+    for c in collectives:
+        key = (block_pattern(c.module) if c.module else "(program)", c.phase, c.axis, c.kind)
+        g = groups.setdefault(key, [0, 0, set()])
+        g[0] += 1
+        g[1] += c.nbytes
+        g[2].add(c.module)
+    rows = [(*key, n // len(paths), b // len(paths), len(paths))
+            for key, (n, b, paths) in groups.items()]
+    return sorted(rows, key=lambda r: -r[5] * r[6])
+
+
+def _by_module(collectives: list[Collective], n: int = 10) -> Table:
+    rows = by_module(collectives)
+    table = Table(title=f"Communication by module, per block ({min(n, len(rows))} of "
+                  f"{len(rows)})", title_justify="left")
+    for col in ("module", "phase", "axis", "collective", "count", "bytes", "blocks"):
+        table.add_column(col, justify="right" if col in ("count", "bytes", "blocks")
+                         else "left")
+    for module, phase, axis, kind, count, b, blocks in rows[:n]:
+        table.add_row(module, phase, axis, kind, str(count), nbytes(b), str(blocks))
+    return table
 
 
 def _largest(collectives: list[Collective], n: int = 8) -> Table:

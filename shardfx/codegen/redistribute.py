@@ -50,13 +50,16 @@ class Collective:
     axis: str
     nbytes: int  # bytes of the local tensor the collective takes in
     reason: str  # "node_name: S(0) -> R"
+    module: str = ""  # the model's module whose op needs it ("model.layers.0.mlp.down_proj")
+    phase: str = ""  # that op's: fwd | bwd
 
 
 Emit = Callable[..., fx.Node]  # emit(op, *args) -> node with its local value filled in
 
 
 def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
-                 mesh: list[MeshInputs], reason: str, log: list[Collective]) -> fx.Node:
+                 mesh: list[MeshInputs], reason: str, log: list[Collective],
+                 module: tuple[str, str] = ("", "")) -> fx.Node:
     for i, (h, w) in enumerate(zip(have, want)):
         if h == w:
             continue
@@ -64,29 +67,31 @@ def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
         via_replicate = (isinstance(h, Shard) and isinstance(w, (Shard, Partial))) or \
             (isinstance(h, Partial) and isinstance(w, Partial))
         if via_replicate:
-            x = _one(emit, x, h, Replicate(), axis, reason, log)
+            x = _one(emit, x, h, Replicate(), axis, reason, log, module)
             h = Replicate()
-        x = _one(emit, x, h, w, axis, reason, log)
+        x = _one(emit, x, h, w, axis, reason, log, module)
     return x
 
 
-def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list) -> fx.Node:
+def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
+         module: tuple[str, str]) -> fx.Node:
+    """``module``: (module, phase) of the op that needs it, for the record."""
     n = axis.size
     why = f"{reason}: {M.placements_str((h,))} -> {M.placements_str((w,))} on {axis.axis}"
     if isinstance(h, Partial) and isinstance(w, Replicate):
-        log.append(Collective("all_reduce", axis.axis, _bytes(x), why))
+        log.append(Collective("all_reduce", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, 0)  # collectives read dense memory: a transposed view is not
         x = emit(c10d.wait_tensor.default, emit(c10d.all_reduce.default, x, "sum", axis.group))
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
     if isinstance(h, Partial) and isinstance(w, Shard):
-        log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why))
+        log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, w.dim)
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.reduce_scatter_tensor.default, x, "sum", n, axis.group))
         x = _dim_from_front(emit, x, w.dim)
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
     if isinstance(h, Shard) and isinstance(w, Replicate):
-        log.append(Collective("all_gather", axis.axis, _bytes(x), why))
+        log.append(Collective("all_gather", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, h.dim)
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.all_gather_into_tensor.default, x, n, axis.group))

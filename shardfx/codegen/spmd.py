@@ -31,6 +31,7 @@ from shardfx.errors import PassError
 from shardfx.hints import MARKERS
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_value, map_nodes, op_nodes, operands
+from shardfx.ir.text import module_of
 
 
 # One FakeTensorMode per IR: a memory budget generates an IR's program again for every
@@ -49,12 +50,17 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
     log: list[Collective] = []
     moved: dict[tuple[fx.Node, M.Placements], fx.Node] = {}  # each value redistributed once
 
-    def to(node: fx.Node, want: M.Placements | None, reason: str) -> fx.Node:
-        """``node``'s local value with placements ``want``, emitted on first use."""
+    def to(node: fx.Node, want: M.Placements | None, reason: str,
+           reader: fx.Node | None = None) -> fx.Node:
+        """``node``'s local value with placements ``want``, emitted on first use (for the op
+        ``reason``, ``reader`` in the IR: its module is recorded with the collectives)."""
         if want is None or want == have[node]:
             return env[node]
         if (node, want) not in moved:
-            moved[node, want] = redistribute(emit, env[node], have[node], want, mesh, reason, log)
+            module = (module_of(reader), str(reader.meta.get(M.PHASE, ""))) \
+                if reader is not None else ("", "")
+            moved[node, want] = redistribute(emit, env[node], have[node], want, mesh, reason, log,
+                                             module)
         return moved[node, want]
 
     def emit(op, *args, **kwargs) -> fx.Node:
@@ -97,7 +103,7 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
 def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
     """Redistribute ``node``'s operands as its rule asks, then emit it with local arguments."""
     sharding: M.NodeSharding = node.meta[M.SHARDING]
-    local_operands = iter([to(a, want, node.name)
+    local_operands = iter([to(a, want, node.name, node)
                            for a, want in zip(operands(node), sharding.inputs)])
     if node.target in MARKERS:  # the redistribution was the point; the op itself is identity
         env[node], have[node] = next(local_operands), sharding.out

@@ -27,6 +27,7 @@ in the model and the source line (``model.layers.3.mlp.down_proj modeling_llama.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -118,11 +119,21 @@ def origin(node: fx.Node) -> str:
     ``file:line`` in the user's code or the library the model is from (the innermost frame of
     ``stack_trace`` outside torch and shardfx).
     '' when neither is known (an op shardfx made, a graph parsed from text)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    module = _module(next(reversed(stack.values()))) if stack else ""
+    module = module_of(node)
     frame = user_frame(node.meta.get("stack_trace")) if node.op == "call_function" else None
     line = f"{os.path.basename(frame[0])}:{frame[1]}" if frame else ""
     return f"{module} {line}".strip()
+
+
+def module_of(node: fx.Node) -> str:
+    """The path in the model of the module that ran ``node`` (``origin`` without the line)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    return _module(next(reversed(stack.values()))) if stack else ""
+
+
+def block_pattern(path: str) -> str:
+    """A module path with each block index as ``*``: "model.layers.*.mlp" for every layer's."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
 INLINE_CONSTANT = 16  # constants of at most this many elements are printed with their values

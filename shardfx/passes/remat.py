@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -392,13 +391,13 @@ def undo(gm: fx.GraphModule, recompile: bool = True) -> None:
 def by_module(gm: fx.GraphModule, names: tuple[str, ...], most: int = 8) -> str:
     """What is recomputed, by the module that runs it (``ir.text.origin``), a repeated
     block's index as ``*``: "model.layers.*.mlp.act_fn (1 op x 8 blocks), ..."."""
-    from shardfx.ir.text import origin
+    from shardfx.ir.text import block_pattern, origin
 
     wanted, ops, blocks = set(names), defaultdict(int), defaultdict(set)
     for node in gm.graph.nodes:
         if node.name in wanted:
             path = origin(node).split(" ")[0] or "(no module)"
-            key = re.sub(r"\.\d+(?=\.|$)", ".*", path)
+            key = block_pattern(path)
             ops[key] += 1
             blocks[key].add(path)
     rows = sorted(ops, key=lambda k: -ops[k])
