@@ -155,7 +155,8 @@ def partition(
     With ``loss_fn(model_output, *targets) -> scalar`` the plan trains (forward, loss, backward);
     without, it runs inference. ``mesh`` names the axes and sizes (``{"dp": 2, "tp": 2}``);
     ``shard`` says how parameters are split over them: ``"auto"``, ``"megatron"``,
-    ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
+    ``"megatron-sp"`` (Megatron with sequence parallelism: the tokens split over tp between
+    the parallel matmuls), ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
     model is cut into stages that run ``schedule`` (gpipe | 1f1b | interleaved-1f1b |
     zero-bubble, or a ``Schedule`` or its text form) over ``microbatches`` slices of the batch
     (each dp replica's rows in as many); ``virtual_stages`` per rank for the interleaved one

@@ -161,16 +161,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _every_mesh() -> dict[str, float]:
     """On every rank, for the MLP and GPT-2: one device, then dp=2, tp=2 and pp=2
-    (2 microbatches), 2 SGD steps each; the worst relative error of the losses, gradients
+    (2 microbatches), and GPT-2 with sequence parallelism on tp=2, 2 SGD steps each; the worst relative error of the losses, gradients
     and parameters vs one device's."""
     from models import lm_loss, token_batches
 
     out = {}
-    for model, build, batches, loss_fn, tp in [
-            ("mlp", Net, data(), F.mse_loss, dict(shard=TP)),
-            ("gpt2", gpt2, token_batches(2), lm_loss, dict(shard="megatron"))]:
+    sp = {"sp": dict(mesh={"tp": 2}, shard="megatron-sp")}  # dropout on each rank's tokens
+    for model, build, batches, loss_fn, tp, more in [
+            ("mlp", Net, data(), F.mse_loss, dict(shard=TP), {}),
+            ("gpt2", gpt2, token_batches(2), lm_loss, dict(shard="megatron"), sp)]:
         one = _train(build, batches, loss_fn, {})
-        for name, mesh in MESHES.items():
+        for name, mesh in (MESHES | more).items():
             got = _train(build, batches, loss_fn, mesh | (tp if name == "tp" else {}))
             errors = [_rel(got[0], one[0])]
             errors += [_rel(got[1][k], one[1][k]) for k in one[1]]

@@ -42,7 +42,7 @@ class Options:
     """What the user asked of ``partition``, as the passes see it."""
 
     mesh: MeshSpec = MeshSpec()
-    shard: Any = "auto"  # "auto" | "megatron" | "replicate" | {param glob: placements}
+    shard: Any = "auto"  # "auto" | "megatron" | "megatron-sp" | "replicate" | {glob: placements}
     module_types: dict[str, str] = field(default_factory=dict)  # module FQN -> class name
     microbatches: int = 1  # slices of the batch a pipeline runs one at a time
     schedule: str = "1f1b"  # gpipe | 1f1b | zero-bubble (pipeline schedule)

@@ -9,12 +9,18 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
     name: attention q/k/v and MLP gate/up/fc projections column-parallel (output features
     sharded), attention output and MLP down projections row-parallel (input features sharded);
     embeddings and the LM head replicated; everything else replicated;
+  - ``"megatron-sp"``: the same parameters, with Megatron's sequence parallelism (Korthikanti
+    et al. 2022): the inputs and targets are also split on their sequence dimension (dim 1)
+    over ``tp``, so the embedding, norms, dropout and residual adds run on each rank's part
+    of the sequence; ``shard_propagate`` turns a row-parallel output's all-reduce into a
+    reduce-scatter onto that split, and a column-parallel input is all-gathered;
   - ``"auto"``: ``"megatron"`` when the mesh has a ``tp`` axis, else ``"replicate"`` (the ILP
     solver replaces this in a later version);
   - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
     its placements, one per mesh axis; unmatched parameters are replicated.
-Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``; the tangent,
-buffers and constants (the same on every device) are replicated.
+Inputs and targets are sharded on their batch dimension (dim 0) over ``dp`` (and with
+``megatron-sp``, those of the first input's (batch, sequence) shape on dim 1 over ``tp``); the
+tangent, buffers and constants (the same on every device) are replicated.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import re
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
@@ -39,12 +46,13 @@ def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = options.mesh
     axes = [a for a, _ in mesh.axes]
     params = _param_placements(gm, options)
+    tokens = sequence_shape(gm) if sequence_parallel(options) else None
     for node in gm.graph.find_nodes(op="placeholder"):
         role = node.meta[M.ROLE]
         if role.kind is M.InputKind.PARAM:
             node.meta[M.ANNOTATION] = params.get(role.name) or replicated(axes)
         elif role.kind in (M.InputKind.INPUT, M.InputKind.TARGET):
-            node.meta[M.ANNOTATION] = _batch_sharded(node, role, mesh)
+            node.meta[M.ANNOTATION] = _batch_sharded(node, role, mesh, tokens)
         elif role.kind is not M.InputKind.MESH:
             node.meta[M.ANNOTATION] = replicated(axes)
     return gm
@@ -54,10 +62,29 @@ def replicated(axes: list[str]) -> M.Placements:
     return tuple(Replicate() for _ in axes)
 
 
-def _batch_sharded(node: fx.Node, role: M.InputRole, mesh) -> M.Placements:
+def sequence_parallel(options) -> bool:
+    """Whether the plan splits the sequence over ``tp`` (``shard="megatron-sp"``)."""
+    return options.shard == "megatron-sp" and options.mesh.axis("tp") > 1
+
+
+def sequence_shape(gm: fx.GraphModule) -> tuple[int, int] | None:
+    """(batch, sequence) of the traced tokens: the first input's first two dimensions. A value
+    of this leading shape is split on dim 1 under sequence parallelism."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get(M.VAL)
+        if node.meta[M.ROLE].kind is M.InputKind.INPUT and isinstance(val, torch.Tensor):
+            return tuple(val.shape[:2]) if val.dim() >= 2 else None
+    return None
+
+
+def _batch_sharded(node: fx.Node, role: M.InputRole, mesh,
+                   tokens: tuple[int, int] | None) -> M.Placements:
     val = node.meta[M.VAL]
     out = []
     for axis, n in mesh.axes:
+        if axis == "tp" and tokens is not None and n > 1 and tuple(val.shape[:2]) == tokens:
+            out.append(_sequence_split(role, val, n))
+            continue
         if axis != "dp" or n == 1 or val.dim() == 0:
             out.append(Replicate())
             continue
@@ -68,6 +95,17 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh) -> M.Placements:
                 fix=f"use a global batch that is a multiple of {n}, or a smaller dp")
         out.append(Shard(0))
     return tuple(out)
+
+
+def _sequence_split(role: M.InputRole, val, n: int) -> Shard:
+    if val.shape[1] % n:
+        raise MeshError(
+            f"{role.name} has sequence length {val.shape[1]}, not divisible by tp={n} "
+            "(megatron-sp splits the sequence over tp)",
+            where=f"{role.name} (shape {list(val.shape)})",
+            fix=f"use a sequence length that is a multiple of {n} (pad it), or "
+            'shard="megatron" (no sequence split)')
+    return Shard(1)
 
 
 def _param_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
@@ -81,13 +119,14 @@ def _param_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
         shard = "megatron" if "tp" in axes else "replicate"
     if shard == "replicate":
         return {}
-    if shard == "megatron":
+    if shard in ("megatron", "megatron-sp"):
         request = _megatron(shapes, options.module_types, axes)
     elif isinstance(shard, dict):
         request = _from_globs(shard, shapes, axes)
     else:
         raise ShardingError(f"unknown shard request {shard!r}", where="partition(..., shard=...)",
-                            fix='use "auto", "megatron", "replicate" or {param glob: placements}')
+                            fix='use "auto", "megatron", "megatron-sp", "replicate" or '
+                            "{param glob: placements}")
     for fqn, placements in request.items():
         _check_divisible(fqn, shapes[fqn][0], placements, mesh)
     return request

@@ -43,6 +43,7 @@ log = logging.getLogger("shardfx.passes.shard_propagate")
 
 def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = planning_mesh(options.mesh.axes)
+    split = _sequence_split(gm, options)
     spec: dict[fx.Node, object] = {}  # node -> DTensorSpec, or tuple of them for multi-output ops
     memo: dict = {}  # what _propagate answered, by what determines the answer
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -64,7 +65,7 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
                                                    inputs=(None,))
             spec[node] = out
             continue
-        sharding, out = _remembered(node, spec, mesh, memo)
+        sharding, out = _remembered(node, spec, mesh, memo, split)
         node.meta[M.SHARDING] = sharding
         spec[node] = out
     _require_outputs(gm, mesh)
@@ -114,7 +115,42 @@ def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):
     return sharding, _spec(mesh, want, val)
 
 
-def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """Sequence parallelism's rule for partial sums on ``tp`` (mesh axis ``axis``): a value of
+    leading shape ``tokens`` (batch, sequence) is reduce-scattered onto its sequence dimension
+    rather than all-reduced (Megatron-SP: the row-parallel output's reduction, whose result
+    the norms, dropout and residual adds then split by sequence)."""
+
+    axis: int
+    tokens: tuple[int, int]
+
+    def placement(self, i: int, s: DTensorSpec):
+        """What a partial sum on mesh axis ``i`` of a value with spec ``s`` is reduced to."""
+        if i == self.axis and tuple(s.tensor_meta.shape[:2]) == self.tokens and not any(
+                type(p) is Shard and p.dim == 1 for p in s.placements):
+            return Shard(1)
+        return Replicate()
+
+    def gathered(self, s: DTensorSpec) -> DTensorSpec:
+        """``s`` with its sequence split on ``tp`` gathered (itself if it has none)."""
+        p = s.placements[self.axis]
+        if type(p) is not Shard or p.dim != 1 or tuple(s.tensor_meta.shape[:2]) != self.tokens:
+            return s
+        placements = tuple(Replicate() if i == self.axis else q for i, q in enumerate(s.placements))
+        return DTensorSpec(s.mesh, placements, s.tensor_meta)
+
+
+def _sequence_split(gm: fx.GraphModule, options) -> SequenceSplit | None:
+    from shardfx.passes.shard_annotate import sequence_parallel, sequence_shape
+    tokens = sequence_shape(gm) if sequence_parallel(options) else None
+    if tokens is None:
+        return None
+    return SequenceSplit([a for a, _ in options.mesh.axes].index("tp"), tokens)
+
+
+def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict,
+                split: SequenceSplit | None = None):
     """``_propagate``'s answer, asked once per distinct (op, arguments, operand specs): the
     answer depends on nothing else, so the 80 layers of a deep model ask the rules as often as
     one does. The remembered answer's local arguments name the first node's operands; they are
@@ -123,9 +159,9 @@ def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
         key = (node.target, hashable(map_nodes((node.args, node.kwargs), spec.__getitem__)))
         hash(key)
     except TypeError:
-        return _propagate(node, spec, mesh)
+        return _propagate(node, spec, mesh, split)
     if key not in memo:
-        memo[key] = _propagate(node, spec, mesh)
+        memo[key] = _propagate(node, spec, mesh, split)
     sharding, out = memo[key]
     if sharding.local_args is None and sharding.local_kwargs is None:
         return sharding, out
@@ -135,31 +171,28 @@ def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict):
     return dataclasses.replace(sharding, local_args=local_args, local_kwargs=local_kwargs), out
 
 
-def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
+def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh, split: SequenceSplit | None = None):
     """Ask the rule, under one policy on partial sums (P): they flow only through views, sums,
     widening casts and additions of other partial sums, and are all-reduced before any other
     op, and before the rule would split a replicated operand into partial shares to match them
     (``add(P, R)`` -> ``add(P, R/n)``). That is Megatron's placement: a row-parallel matmul's output is reduced
     once, before the residual add; a column-parallel layer's input gradient once, before the
     norm's backward. Left to itself the min-cost rule defers the reduction into every branch
-    after it and pays several collectives instead of one."""
+    after it and pays several collectives instead of one. Under sequence parallelism
+    (``split``) a partial activation is reduce-scattered onto its sequence split instead."""
     operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
     have = {n: spec[n] for n in operands}
-    answer = _ask(node, have)
-    if answer is not None:
-        axes = _replicated_to_partial(operands, have, answer[1])
-        if node.target not in CARRIES_PARTIAL and not _widens(node):
-            axes |= {i for n in operands for i, p in enumerate(have[n].placements)
-                     if type(p) is Partial}
-        if axes:
-            reduced = {n: _reduce_partials(s, axes) for n, s in have.items()}
-            answer = _ask(node, reduced) or answer
+    answer = _answer(node, operands, have, split)
+    if answer is None and split is not None:
+        # The sequence split gathered, the rest kept: the all-gather before a column-parallel
+        # matmul, whose input is flattened (batch, sequence) -> tokens.
+        gathered = {n: split.gathered(s) for n, s in have.items()}
+        if any(gathered[n] is not have[n] for n in operands):
+            answer = _answer(node, operands, gathered, split)
     if answer is None:
         return _replicated(node, operands, mesh)
     result, target_specs, target = answer
     out_specs = result.output_spec
-    if not _supported(node, out_specs, target_specs):
-        return _replicated(node, operands, mesh)
     local_args = local_kwargs = local_op = None
     if result.use_val_from_redistribute_schema:
         local_args, local_kwargs = _localize(node, target)
@@ -169,6 +202,24 @@ def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh):
     sharding = M.NodeSharding(out=out, inputs=tuple(s.placements for s in target_specs),
                               local_args=local_args, local_kwargs=local_kwargs, local_op=local_op)
     return sharding, _with_meta(mesh, out_specs, node.meta[M.VAL])
+
+
+def _answer(node: fx.Node, operands: list[fx.Node], have: dict,
+            split: SequenceSplit | None):
+    """The rule's answer for ``node`` with operands ``have`` under the policy on partial sums
+    (``_propagate``), or None where there is no rule or codegen cannot run its answer."""
+    answer = _ask(node, have)
+    if answer is not None:
+        axes = _replicated_to_partial(operands, have, answer[1])
+        if node.target not in CARRIES_PARTIAL and not _widens(node):
+            axes |= {i for n in operands for i, p in enumerate(have[n].placements)
+                     if type(p) is Partial}
+        if axes:
+            reduced = {n: _reduce_partials(s, axes, split) for n, s in have.items()}
+            answer = _ask(node, reduced) or answer
+    if answer is None or not _supported(node, answer[0].output_spec, answer[1]):
+        return None
+    return answer
 
 
 def _widens(node: fx.Node) -> bool:
@@ -228,8 +279,10 @@ def _replicated_to_partial(operands: list[fx.Node], have: dict, want: list[DTens
             if type(h) is Replicate and type(p) is Partial}
 
 
-def _reduce_partials(s: DTensorSpec, axes: set[int]) -> DTensorSpec:
-    placements = tuple(Replicate() if i in axes and type(p) is Partial else p
+def _reduce_partials(s: DTensorSpec, axes: set[int],
+                     split: SequenceSplit | None = None) -> DTensorSpec:
+    placements = tuple((split.placement(i, s) if split else Replicate())
+                       if i in axes and type(p) is Partial else p
                        for i, p in enumerate(s.placements))
     return DTensorSpec(s.mesh, placements, s.tensor_meta)
 

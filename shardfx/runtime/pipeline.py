@@ -359,7 +359,10 @@ class PipelineRunner(PipelineState):
             piece = (self._batch * self._dp_size + self._dp_index) * self.m + mb
             return rng_value(self._seed, self.step_count, piece).to(self.device)
         mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
-        return mine.chunk(self.m)[mb].to(self.device)  # moved: only this microbatch's
+        mine = mine.chunk(self.m)[mb]
+        if self._tp is not None:  # megatron-sp: this tp rank's part of the sequence
+            mine = self._tp.local(mine, program.placements.get(role.name, ()))
+        return mine.to(self.device)  # moved: only this microbatch's
 
     # --- inference --------------------------------------------------------------------------
 
