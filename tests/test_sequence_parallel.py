@@ -21,10 +21,10 @@ from models import SEQ, lm_loss, tiny, token_batches
 pytest.importorskip("transformers")
 
 
-def _train_and_infer(cases: list[tuple[str, dict, dict]]) -> list[tuple]:
+def _train_and_infer(cases: list[tuple[str, dict, dict, int]]) -> list[tuple]:
     out = []
-    for name, mesh, kw in cases:
-        data = token_batches(3, 4)
+    for name, mesh, kw, batch in cases:
+        data = token_batches(3, batch)
         report = compare_training(tiny(name), data, lm_loss, mesh=mesh, shard="megatron-sp", **kw)
         worst = compare_inference(tiny(name), data[0][0], mesh=mesh, shard="megatron-sp", **kw)
         source = report.plan.program.source if report.plan.program is not None else ""
@@ -41,8 +41,9 @@ def _check(results: list[list[tuple]]) -> None:
 
 def test_two_ranks_train_like_one_device():
     _check(shardfx.launch(_train_and_infer, [
-        ("llama", {"tp": 2}, {}),
-        ("gpt2", {"tp": 2}, {"fused_loss": True}),
+        ("llama", {"tp": 2}, {}, 4),
+        ("llama", {"tp": 2}, {}, 1),  # a batch of one: tokens flattened as they are
+        ("gpt2", {"tp": 2}, {"fused_loss": True}, 4),
     ], nprocs=2, timeout=120, deadline=600))
 
 
@@ -50,17 +51,17 @@ def test_four_ranks_train_like_one_device():
     """tp=4, and sequence parallelism inside dp x tp and inside a pipeline's stages (each
     microbatch's tokens split over its stage's tp ranks)."""
     _check(shardfx.launch(_train_and_infer, [
-        ("llama", {"tp": 4}, {}),
-        ("gpt2", {"tp": 4}, {}),
-        ("llama", {"dp": 2, "tp": 2}, {}),
-        ("gpt2", {"pp": 2, "tp": 2}, {"microbatches": 2}),
+        ("llama", {"tp": 4}, {}, 4),
+        ("gpt2", {"tp": 4}, {}, 4),
+        ("llama", {"dp": 2, "tp": 2}, {}, 4),
+        ("gpt2", {"pp": 2, "tp": 2}, {"microbatches": 2}, 4),
     ], nprocs=4, timeout=120, deadline=900))
 
 
 # --- what it moves and what it holds, counted in the generated program ---------------------
 
-def _plan(shard: str, tp: int, layers: int = 2, name: str = "llama"):
-    (x,), (y,) = token_batches(1, 4)[0]
+def _plan(shard: str, tp: int, layers: int = 2, name: str = "llama", batch: int = 4):
+    (x,), (y,) = token_batches(1, batch)[0]
     return shardfx.partition(tiny(name, layers), (x,), lm_loss, (y,), mesh={"tp": tp},
                              shard=shard, fused_loss=False)
 
@@ -74,19 +75,21 @@ def _moved(plan, tp: int) -> float:
     return sum(share[c.kind] * c.nbytes for c in plan.collectives if c.module)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_layer_moves_what_tensor_parallelism_all_reduces(tp):
+@pytest.mark.parametrize("tp,batch", [(2, 4), (4, 4), (2, 1)])
+def test_a_layer_moves_what_tensor_parallelism_all_reduces(tp, batch):
     """Per layer (a 2-layer plan less a 1-layer one), forward and backward: Megatron's two
     all-reduces become a reduce-scatter onto the sequence and an all-gather from it, the same
-    bytes. The norms' weight gradients are summed over tp on top (2 x hidden per layer, as in
-    Megatron-SP): they are in the gradient bucket, not counted here."""
-    per_layer = {shard: _moved(_plan(shard, tp, 2), tp) - _moved(_plan(shard, tp, 1), tp)
+    bytes (one gather for q, k and v, with a batch of one too). The norms' weight gradients
+    are summed over tp on top (2 x hidden per layer, as in Megatron-SP): they are in the
+    gradient bucket, not counted here."""
+    per_layer = {shard: _moved(_plan(shard, tp, 2, batch=batch), tp)
+                 - _moved(_plan(shard, tp, 1, batch=batch), tp)
                  for shard in ("megatron", "megatron-sp")}
     assert per_layer["megatron"] > 0
     assert per_layer["megatron-sp"] == per_layer["megatron"], per_layer
     # each of tp's all-reduces is a reduce-scatter and an all-gather, in the same phase (with
     # 2 kv heads on tp=4 both gather k and v: the same in both)
-    kinds = {shard: Counter((c.phase, c.kind) for c in _plan(shard, tp, 1).collectives
+    kinds = {shard: Counter((c.phase, c.kind) for c in _plan(shard, tp, 1, batch=batch).collectives
                             if c.module.startswith("model.layers.0"))
              for shard in ("megatron", "megatron-sp")}
     want = Counter({k: n for k, n in kinds["megatron"].items() if k[1] != "all_reduce"})

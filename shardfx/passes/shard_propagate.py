@@ -115,6 +115,9 @@ def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):
     return sharding, _spec(mesh, want, val)
 
 
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """Sequence parallelism's rule for partial sums on ``tp`` (mesh axis ``axis``): a value of
@@ -131,6 +134,14 @@ class SequenceSplit:
                 type(p) is Shard and p.dim == 1 for p in s.placements):
             return Shard(1)
         return Replicate()
+
+    def flattens(self, node: fx.Node) -> bool:
+        """``node`` reshapes a (batch, sequence) value into one of another leading shape."""
+        if node.target not in _RESHAPES or not isinstance(node.args[0], fx.Node):
+            return False
+        src, out = node.args[0].meta.get(M.VAL), node.meta.get(M.VAL)
+        return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and \
+            tuple(src.shape[:2]) == self.tokens and tuple(out.shape[:2]) != self.tokens
 
     def gathered(self, s: DTensorSpec) -> DTensorSpec:
         """``s`` with its sequence split on ``tp`` gathered (itself if it has none)."""
@@ -182,13 +193,17 @@ def _propagate(node: fx.Node, spec: dict, mesh: DeviceMesh, split: SequenceSplit
     (``split``) a partial activation is reduce-scattered onto its sequence split instead."""
     operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
     have = {n: spec[n] for n in operands}
-    answer = _answer(node, operands, have, split)
+    flattens = split is not None and split.flattens(node)
+    answer = None if flattens else _answer(node, operands, have, split)
     if answer is None and split is not None:
         # The sequence split gathered, the rest kept: the all-gather before a column-parallel
-        # matmul, whose input is flattened (batch, sequence) -> tokens.
+        # matmul, whose input is flattened (batch, sequence) -> tokens (with a batch of 1
+        # DTensor would keep the tokens split, and gather before each matmul reading them).
         gathered = {n: split.gathered(s) for n, s in have.items()}
         if any(gathered[n] is not have[n] for n in operands):
             answer = _answer(node, operands, gathered, split)
+        elif flattens:
+            answer = _answer(node, operands, have, split)
     if answer is None:
         return _replicated(node, operands, mesh)
     result, target_specs, target = answer
