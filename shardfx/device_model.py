@@ -331,8 +331,13 @@ def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
     if head is not None:
         flops, logits, weight = head
         moved += 2 * logits + weight
+    elif cost is not None:
+        flops = cost.flops
+    elif hasattr(node.target, "flops"):  # a program op that says (codegen.ring_attention)
+        flops = node.target.flops(*(a.meta.get(M.VAL) if isinstance(a, fx.Node) else a
+                                    for a in node.args))
     else:
-        flops = cost.flops if cost is not None else node_flops(node)
+        flops = node_flops(node)
     return flops, moved, dtype
 
 

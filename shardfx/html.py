@@ -7,7 +7,9 @@ schedule as a grid of ranks by time slots, every action one slot wide as ``str(s
 draws it; the predicted memory per device; the
 collectives, totalled per axis and kind, then one by one with the reason for each; and every
 parameter as a row, under its layer in model order, with its full shape, its placement on each
-mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its bytes per device.
+mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its bytes per device. A plan that
+splits sequences (``megatron-sp``, a ``cp`` axis) says how in the header; the collectives are
+also shown by the module whose op needs them.
 
 The file is self-contained: inline CSS, no script, no fonts, images or anything fetched, so it
 opens offline and can be attached to a bug report. ``shardfx.report`` is the same plan as text.
@@ -21,8 +23,9 @@ from html import escape
 from shardfx.codegen.spmd import local_shape
 from shardfx.ir import meta as M
 from shardfx.memory import KINDS
+from shardfx.passes.shard_annotate import sequence_split
 from shardfx.passes.stage_cut import stage_report, weight_stages
-from shardfx.report import collective_totals, flops, nbytes
+from shardfx.report import by_module, collective_totals, flops, nbytes
 from shardfx.schedule.check import simulate
 
 CSS = """
@@ -79,6 +82,8 @@ def _header(plan) -> str:
     facts = [("model", s.model), ("mode", s.mode), ("mesh", plan.mesh), ("device", plan.device),
              ("parameters", f"{s.param_count:,}"), ("parameter bytes", nbytes(s.param_bytes)),
              ("buffer bytes", nbytes(s.buffer_bytes))]
+    if sequence_split(plan.options):
+        facts.append(("sequence", sequence_split(plan.options)))
     if plan.schedule is not None:
         sched = plan.options.schedule
         facts.append(("schedule", f"{sched if isinstance(sched, str) else 'custom'}, "
@@ -205,9 +210,15 @@ def _collectives(collectives) -> str:
               for (axis, kind), (n, b) in collective_totals(collectives).items()]
     each = [f'<tr class="collective">{_td(c.kind)}{_td(c.axis)}{_td(nbytes(c.nbytes), "num")}'
             f'{_td(c.reason, "mono")}</tr>' for c in collectives]
+    modules = [f"<tr>{_td(m, 'mono')}{_td(phase)}{_td(axis)}{_td(kind)}{_td(n, 'num')}"
+               f"{_td(nbytes(b), 'num')}{_td(blocks, 'num')}</tr>"
+               for m, phase, axis, kind, n, b, blocks in by_module(collectives)]
     return ('<section id="collectives"><h2>Collectives</h2>'
             + _table(["axis", "collective", "count", "bytes"], totals,
                      "per step, per device, bytes in")
+            + _table(["module", "phase", "axis", "collective", "count", "bytes", "blocks"],
+                     modules, "by the module whose op needs them, per block of a repeated "
+                     "module")
             + _table(["collective", "axis", "bytes", "why: node, placement change"], each,
                      f"all {len(collectives)}") + "</section>")
 

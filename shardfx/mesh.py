@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from shardfx.errors import MeshError
 
-AXES = ("dp", "pp", "tp", "ep")
+AXES = ("dp", "pp", "cp", "tp", "ep")
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Axis sizes in the canonical order dp, pp, tp, ep; axes of size 1 are kept as given."""
+    """Axis sizes in the canonical order dp, pp, cp, tp, ep; axes of size 1 are kept as given."""
 
     axes: tuple[tuple[str, int], ...] = ()
 
@@ -55,6 +55,12 @@ class MeshSpec:
                 f"expert parallelism (ep={mesh['ep']}) is not implemented yet; shardfx would run "
                 "every expert on every device of the ep axis", where="mesh['ep']",
                 fix="drop the ep axis (or set ep=1); use dp or tp for those devices")
+        if mesh.get("cp", 1) > 1 and mesh.get("pp", 1) > 1:
+            raise MeshError(
+                f"context parallelism (cp={mesh['cp']}) inside a pipeline (pp={mesh['pp']}) is "
+                "not implemented yet", where="mesh['cp']",
+                fix="use cp with dp and tp, or pp without cp (megatron-sp splits the sequence "
+                "over tp inside a pipeline)")
         return cls(tuple((a, mesh[a]) for a in AXES if a in mesh))
 
 

@@ -23,6 +23,7 @@ from shardfx.passes.manager import (Options, PassRecord, captured_record, run_pa
                                     run_program_passes)
 from shardfx.passes.mixed_precision import mixed_precision
 from shardfx.passes.program import program_passes
+from shardfx.passes.causal_mask import causal_mask
 from shardfx.passes.rng import rng_dropout
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
@@ -50,6 +51,8 @@ def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
     sharded = options.mesh.size > 1
     gm = run_passes(gm, [
         rng_dropout,      # dropout masks from each element's global place: the same on any mesh
+        *([causal_mask]   # a traced causal mask as is_causal: ring attention needs to know
+          if options.mesh.axis("cp") > 1 else []),
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
         mixed_precision,  # bf16/fp16 matmuls, fp32 where it matters: before costs and shards
         estimate_cost,    # FLOPs and bytes per op: the summary now, the stage cutter and solver later

@@ -35,6 +35,7 @@ from shardfx.passes.fused_loss import FusedLoss, fusing_reason
 from shardfx.ir.frozen import freeze
 from shardfx.passes.manager import Options, PassRecord, record
 from shardfx.passes.remat import Choice, by_module, group_name
+from shardfx.passes.shard_annotate import sequence_split
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.passes.zero import zero_layouts
 from shardfx.runtime.device import place
@@ -306,9 +307,14 @@ class Plan:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self.memory_rows(),
-                      notes=self._memory_notes(), compute=self.compute_rows(),
+                      notes=self._memory_notes() + self._sequence_notes(),
+                      compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1,
                       predicted=str(self.predicted_step))
+
+    def _sequence_notes(self) -> list[str]:
+        split = sequence_split(self.options)
+        return [f"Sequence: {split}"] if split else []
 
     @property
     def device_model(self) -> DeviceModel:

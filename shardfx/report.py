@@ -167,7 +167,8 @@ def _by_module(collectives: list[Collective], n: int = 10) -> Table:
 
 def _largest(collectives: list[Collective], n: int = 8) -> Table:
     """The biggest collectives and why each is there (all of them: plan.dump's collectives.txt)."""
-    table = Table(title=f"Largest collectives ({n} of {len(collectives)})", title_justify="left")
+    table = Table(title=f"Largest collectives ({min(n, len(collectives))} of {len(collectives)})",
+                  title_justify="left")
     for col in ("collective", "axis", "bytes", "why: node, placement change"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for c in sorted(collectives, key=lambda c: -c.nbytes)[:n]:

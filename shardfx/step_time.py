@@ -101,6 +101,11 @@ def program_seconds(graph: fx.Graph, model: DeviceModel, axes) -> tuple[float, f
         kind = _COLLECTIVES.get(node.target)
         if kind is None:
             compute += model.node_seconds(node)
+            if hasattr(node.target, "sends"):  # ring attention's p2p, not overlapped here
+                link = model.link_of(tuple(axes), "cp")
+                vals = [a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args]
+                comm += sum(model.collective_seconds("send", b, 2, link)
+                            for b in node.target.sends(*vals))
             continue
         axis = _axis(node)
         n = dict(axes).get(axis, 1)

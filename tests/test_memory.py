@@ -83,7 +83,7 @@ def measure(name: str, mesh: dict | None = None, **kw) -> tuple[int, int, object
     """(measured, predicted, breakdown) for this rank's second training step of ``name``: the
     optimizer's state exists by then, as in every later step. The batch is the caller's and
     left out of the measured peak."""
-    batches = token_batches(3, batch=8)
+    batches = token_batches(3, batch=kw.pop("batch", 8))
     model = tiny(name)
     plan = shardfx.partition(model, *batches[0][:1], lm_loss, batches[0][1], mesh=mesh, **kw)
     runner = plan.runner(adamw)
@@ -113,15 +113,17 @@ def _every_model(mesh: dict, kw: dict) -> list:
 @pytest.mark.parametrize("mesh,kw", [
     ({"tp": 2}, {}),
     ({"tp": 2}, {"shard": "megatron-sp"}),
+    ({"cp": 2}, {"batch": 1}),
     ({"dp": 2}, {}),
     ({"pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),
     ({"pp": 2}, {"microbatches": 4, "schedule": "gpipe"}),
     ({"dp": 2}, {"zero": 1}),
     ({"dp": 2}, {"zero": 2}),
     ({"dp": 2}, {"zero": 3}),
-], ids=["tp2", "tp2-sp", "dp2", "pp2-1f1b", "pp2-gpipe", "dp2-zero1", "dp2-zero2", "dp2-zero3"])
+], ids=["tp2", "tp2-sp", "cp2", "dp2", "pp2-1f1b", "pp2-gpipe", "dp2-zero1", "dp2-zero2", "dp2-zero3"])
 def test_estimate_is_the_measured_peak_per_rank(mesh, kw):
-    """Each rank's own peak: a tp shard's (with sequence parallelism too), a dp replica's with its gradient buckets, a pipeline
+    """Each rank's own peak: a tp shard's (with sequence parallelism too), a cp rank's (its
+    ring attention's blocks in flight), a dp replica's with its gradient buckets, a pipeline
     rank's with the microbatches its schedule keeps in flight, its receive buffers and its
     gradient accumulators, a ZeRO rank's (its rows of the optimizer state, and by stage of the
     gradients and parameters, with ZeRO-3's gathered blocks in flight)."""

@@ -1,7 +1,8 @@
 """Redistribution as graph code: turn a value's placements into the ones an op needs.
 
-Each mesh axis is handled on its own (shard_propagate never shards one tensor dim on two axes),
-with torch's functional collectives, so the program reads as plain ATen plus collectives:
+Each mesh axis is handled on its own, with torch's functional collectives, so the program reads
+as plain ATen plus collectives (a tensor dim split over several axes is nested in mesh order:
+its splits are gathered innermost first, and made outermost first):
 
     have -> want          emitted on that axis
     P    -> R             all_reduce(sum), then / n for P(avg)
@@ -60,16 +61,20 @@ Emit = Callable[..., fx.Node]  # emit(op, *args) -> node with its local value fi
 def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
                  mesh: list[MeshInputs], reason: str, log: list[Collective],
                  module: tuple[str, str] = ("", "")) -> fx.Node:
+    have = list(have)
+    # Gathers first, the last axis first: a dim split over several axes is nested in mesh
+    # order, so the innermost split is gathered before the one around it.
+    for i in reversed(range(len(have))):
+        if isinstance(have[i], Shard) and have[i] != want[i]:
+            x = _one(emit, x, have[i], Replicate(), mesh[i], reason, log, module)
+            have[i] = Replicate()
     for i, (h, w) in enumerate(zip(have, want)):
         if h == w:
             continue
-        axis = mesh[i]
-        via_replicate = (isinstance(h, Shard) and isinstance(w, (Shard, Partial))) or \
-            (isinstance(h, Partial) and isinstance(w, Partial))
-        if via_replicate:
-            x = _one(emit, x, h, Replicate(), axis, reason, log, module)
+        if isinstance(h, Partial) and isinstance(w, Partial):
+            x = _one(emit, x, h, Replicate(), mesh[i], reason, log, module)
             h = Replicate()
-        x = _one(emit, x, h, w, axis, reason, log, module)
+        x = _one(emit, x, h, w, mesh[i], reason, log, module)
     return x
 
 

@@ -27,7 +27,8 @@ from torch.distributed.tensor import Shard
 
 from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
-from shardfx.errors import PassError
+from shardfx.codegen.ring_attention import ring_op
+from shardfx.errors import PassError, ShardingError
 from shardfx.hints import MARKERS
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_value, map_nodes, op_nodes, operands
@@ -79,7 +80,9 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
 
     for node in op_nodes(gm.graph):
         try:
-            _emit_op(node, emit, to, env, have)
+            _emit_op(node, emit, to, env, have, mesh)
+        except ShardingError:  # the user's request (an attention the ring cannot run)
+            raise
         except Exception as e:
             raise PassError(f"{type(e).__name__}: {e}", where=f"codegen.spmd at {node.format_node()}"
                             f" with sharding {node.meta[M.SHARDING]!r}",
@@ -100,8 +103,9 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
     return Program(module, inputs, tuple(out.meta[M.OUTPUTS]), tuple(log))
 
 
-def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
-    """Redistribute ``node``'s operands as its rule asks, then emit it with local arguments."""
+def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInputs]) -> None:
+    """Redistribute ``node``'s operands as its rule asks, then emit it with local arguments
+    (attention split on the sequence over cp: as ring attention, ``codegen.ring_attention``)."""
     sharding: M.NodeSharding = node.meta[M.SHARDING]
     local_operands = iter([to(a, want, node.name, node)
                            for a, want in zip(operands(node), sharding.inputs)])
@@ -112,6 +116,9 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict) -> None:
     kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
     args, kwargs = map_nodes((args, kwargs), lambda _: next(local_operands))
     target = sharding.local_op or node.target
+    ring = ring_op(node, sharding.inputs, mesh, args, kwargs)
+    if ring is not None:
+        target, args, kwargs = ring
     # A local operand may be laid out unlike the global one (redistributed, a batch slice):
     # a view becomes a reshape here, so the fake value is computed as the program will run.
     target = RESHAPES.get(target, target)

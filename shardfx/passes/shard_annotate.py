@@ -18,9 +18,10 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
     solver replaces this in a later version);
   - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
     its placements, one per mesh axis; unmatched parameters are replicated.
-Inputs and targets are sharded on their batch dimension (dim 0) over ``dp`` (and with
-``megatron-sp``, those of the first input's (batch, sequence) shape on dim 1 over ``tp``); the
-tangent, buffers and constants (the same on every device) are replicated.
+Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``, and those of the
+first input's (batch, sequence) shape on dim 1 over ``cp`` (context parallelism) or, with
+``megatron-sp``, over ``tp``; the tangent, buffers and constants (the same on every device)
+are replicated.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = options.mesh
     axes = [a for a, _ in mesh.axes]
     params = _param_placements(gm, options)
-    tokens = sequence_shape(gm) if sequence_parallel(options) else None
+    tokens = sequence_shape(gm) if sequence_parallel(options) or mesh.axis("cp") > 1 else None
+    if sequence_parallel(options) and mesh.axis("cp") > 1:
+        raise ShardingError(
+            'shard="megatron-sp" splits the sequence over tp, and the cp axis splits it too: '
+            "a dimension is split over one axis at most", where="partition(..., shard=...)",
+            fix='use shard="megatron" with cp (the tokens are split over cp already)')
     for node in gm.graph.find_nodes(op="placeholder"):
         role = node.meta[M.ROLE]
         if role.kind is M.InputKind.PARAM:
@@ -67,6 +73,18 @@ def sequence_parallel(options) -> bool:
     return options.shard == "megatron-sp" and options.mesh.axis("tp") > 1
 
 
+def sequence_split(options) -> str:
+    """How the plan splits each sequence, in words ('' where it does not)."""
+    if options.mesh.axis("cp") > 1:
+        return (f"each sequence split over cp={options.mesh.axis('cp')} (context parallelism: "
+                "every activation on its rank's tokens, attention as a ring)")
+    if sequence_parallel(options):
+        return (f"each sequence split over tp={options.mesh.axis('tp')} between the parallel "
+                "matmuls (megatron-sp: embedding, norms, dropout and residual adds on the "
+                "rank's tokens)")
+    return ""
+
+
 def sequence_shape(gm: fx.GraphModule) -> tuple[int, int] | None:
     """(batch, sequence) of the traced tokens: the first input's first two dimensions. A value
     of this leading shape is split on dim 1 under sequence parallelism."""
@@ -82,8 +100,9 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh,
     val = node.meta[M.VAL]
     out = []
     for axis, n in mesh.axes:
-        if axis == "tp" and tokens is not None and n > 1 and tuple(val.shape[:2]) == tokens:
-            out.append(_sequence_split(role, val, n))
+        if axis in ("tp", "cp") and tokens is not None and n > 1 and \
+                tuple(val.shape[:2]) == tokens and (axis == "cp" or mesh.axis("cp") == 1):
+            out.append(_sequence_split(role, val, axis, n, mesh.axis("dp")))
             continue
         if axis != "dp" or n == 1 or val.dim() == 0:
             out.append(Replicate())
@@ -97,14 +116,23 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh,
     return tuple(out)
 
 
-def _sequence_split(role: M.InputRole, val, n: int) -> Shard:
-    if val.shape[1] % n:
+def _sequence_split(role: M.InputRole, val, axis: str, n: int, dp: int = 1) -> Shard:
+    if axis == "cp" and val.shape[0] != dp:
         raise MeshError(
-            f"{role.name} has sequence length {val.shape[1]}, not divisible by tp={n} "
-            "(megatron-sp splits the sequence over tp)",
+            f"{role.name} has {val.shape[0] // dp} sequences per dp replica; context "
+            "parallelism runs one at a time (a sequence split over cp, flattened with others, "
+            "is no longer a split the matmuls can keep)",
             where=f"{role.name} (shape {list(val.shape)})",
-            fix=f"use a sequence length that is a multiple of {n} (pad it), or "
-            'shard="megatron" (no sequence split)')
+            fix=f"give each step {dp} sequence(s), one per dp replica, and accumulate the rest "
+            "(runner.step_batches), or use dp for the batch")
+    if val.shape[1] % n:
+        why = "megatron-sp splits the sequence over tp" if axis == "tp" else \
+            "context parallelism splits the sequence over cp"
+        instead = 'shard="megatron" (no sequence split)' if axis == "tp" else "a smaller cp"
+        raise MeshError(
+            f"{role.name} has sequence length {val.shape[1]}, not divisible by {axis}={n} "
+            f"({why})", where=f"{role.name} (shape {list(val.shape)})",
+            fix=f"use a sequence length that is a multiple of {n} (pad it), or {instead}")
     return Shard(1)
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
 from shardfx.errors import ShardingError, user_line
@@ -351,22 +352,30 @@ def _with_meta(mesh, out_specs, val):
     return _spec(mesh, out_specs.placements, val)
 
 
+def _plain_shard(p) -> bool:
+    """``Shard``, or a ``_StridedShard`` of split factor 1 (the same split): DTensor writes so
+    the tokens flattened from (batch, sequence), one sequence per rank, the sequence split over
+    ``cp`` -- and unflattens them back to the sequence split, which it could not from a
+    ``Shard(0)`` nested inside dp's."""
+    return type(p) is Shard or (type(p) is _StridedShard and p.split_factor == 1)
+
+
 def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> bool:
-    """Only placements codegen implements: Shard, Replicate, Partial(sum|avg); each tensor dim
-    sharded over at most one mesh axis; even shards only (same shapes on every rank)."""
+    """Only placements codegen implements: Shard, Replicate, Partial(sum|avg) (a dim may be
+    split over several axes, nested in mesh order); even shards only (same shapes on every
+    rank)."""
     outs = out_specs if isinstance(out_specs, (tuple, list)) else [out_specs]
     vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (tuple, list)) else [node.meta[M.VAL]]
     pairs = [(s, tuple(v.shape)) for s, v in zip(outs, vals)
              if s is not None and isinstance(v, torch.Tensor)]
     pairs += [(s, tuple(s.tensor_meta.shape)) for s in target_specs]
     for s, shape in pairs:
-        dims = [p.dim for p in s.placements if type(p) is Shard]
-        if len(dims) != len(set(dims)):
-            return False
+        size = dict(enumerate(shape))
         for p, n in zip(s.placements, s.mesh.shape):
-            if type(p) is Shard:
-                if shape[p.dim] % n:
+            if _plain_shard(p):  # a dim on several axes: split in mesh order
+                if size[p.dim] % n:
                     return False
+                size[p.dim] //= n
             elif type(p) is Partial:
                 if p.reduce_op not in ("sum", "avg"):
                     return False

@@ -11,6 +11,10 @@ sibling, over (B, H, T, D) tensors:
     batch        S(0)       S(0)       S(0)       S(0), or R for a mask of batch 1 (the CPU
                                                       kernel takes a mask of batch 1 or the
                                                       local batch, nothing else)
+    sequence     S(2)       S(2)       S(2)       (none: no mask)
+
+The sequence strategy exists on a mesh with a ``cp`` axis and without a mask: ``codegen.spmd``
+runs it as ring attention (``codegen.ring_attention``) on that axis, and only there.
 """
 
 from __future__ import annotations
@@ -30,10 +34,14 @@ def _mask_batch(op_schema: OpSchema) -> int | None:
     return mask.shape[0] if isinstance(mask, OpStrategy) else None
 
 
-def _strategies(n_out: int, n_in: int, mask_batch: int | None) -> list[list]:
-    """Placement lists [outputs..., tensor inputs..., mask?] for the three strategies."""
+def _has_cp(mesh) -> bool:
+    return "cp" in (mesh.mesh_dim_names or ())
+
+
+def _strategies(n_out: int, n_in: int, mask_batch: int | None, ring: bool = False) -> list[list]:
+    """Placement lists [outputs..., tensor inputs..., mask?] for the strategies."""
     rows = []
-    for p in (R, Shard(1), Shard(0)):
+    for p in (R, Shard(1), Shard(0)) + ((Shard(2),) if ring and mask_batch is None else ()):
         row = [p] * (n_out + n_in)
         if mask_batch is not None:
             row.append(Shard(0) if p == Shard(0) and mask_batch > 1 else R)
@@ -46,7 +54,7 @@ def _strategies(n_out: int, n_in: int, mask_batch: int | None) -> list[list]:
 def flash_attention_cpu(op_schema: OpSchema) -> OpStrategy:
     # outputs: (out, logsumexp); tensor inputs: q, k, v (+ attn_mask kwarg)
     mesh = op_schema.get_mesh_from_args()
-    rows = _strategies(2, 3, _mask_batch(op_schema))
+    rows = _strategies(2, 3, _mask_batch(op_schema), _has_cp(mesh))
     return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=2)
 
 
@@ -55,5 +63,5 @@ def flash_attention_cpu(op_schema: OpSchema) -> OpStrategy:
 def flash_attention_cpu_backward(op_schema: OpSchema) -> OpStrategy:
     # outputs: grad q, k, v; tensor inputs: grad_out, q, k, v, out, logsumexp (+ attn_mask)
     mesh = op_schema.get_mesh_from_args(validate=False)
-    rows = _strategies(3, 6, _mask_batch(op_schema))
+    rows = _strategies(3, 6, _mask_batch(op_schema), _has_cp(mesh))
     return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=3)

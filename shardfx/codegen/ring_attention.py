@@ -1,0 +1,222 @@
+"""codegen.ring_attention: attention over a sequence split on the ``cp`` mesh axis, as a ring.
+
+Context parallelism splits every activation's sequence over the ``cp`` ranks. Everything but
+attention works on its own tokens; attention needs every key and value. Ring Attention (Liu et
+al. 2023) passes the key/value blocks around the ring of cp ranks: at step i rank r holds the
+block of rank ``(r - i) mod cp``, computes its queries' attention to it while the block moves
+on to rank r + 1 (its send and the next block's receive posted before the compute), and
+merges the block's result into its own by the log-sum-exp (the online softmax):
+
+    lse = logaddexp(lse, lse_b);  out = out * exp(lse_old - lse) + out_b * exp(lse_b - lse)
+
+With a causal mask a block from a later rank is skipped (all masked), a block from an earlier
+one is attended whole, and a rank's own block with the causal mask. The backward goes round
+the ring again with the forward's (global) output and log-sum-exp: each block's gradients of
+q, k and v are exact from those (the flash backward's P = exp(s - lse) and D = rowsum(dO o O));
+dq stays, dk and dv travel with their block and are home after one more step.
+
+``RingAttention`` and ``RingAttentionBackward`` are program ops in the place of the CPU flash
+attention op and its backward (``codegen.spmd`` emits them where the rule split q, k and v on
+the sequence over ``cp``: ``rules.attention``), called with the cp group's name and this
+rank's coordinate, program inputs like every collective's. The p2p runs on the cp group; a
+block's attention is the CPU flash kernel itself. Each op's ``workspace`` is what the memory
+model counts beyond its inputs and outputs (``memory.walk``): the blocks in flight and the
+fp32 accumulators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import Shard
+
+from shardfx.errors import PassError, ShardingError, user_line
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _ring(group: str) -> tuple[dist.ProcessGroup, list[int]]:
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    return pg, dist.get_process_group_ranks(pg)
+
+
+def _pass_on(pg, ranks: list[int], coord: int, tensors: list[torch.Tensor]):
+    """Send ``tensors`` to the next rank of the ring and receive the previous rank's into new
+    buffers: (buffers, works to wait for)."""
+    n = len(ranks)
+    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # dense
+    ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[(coord + 1) % n], pg) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, ranks[(coord - 1) % n], pg) for b in bufs]
+    return bufs, dist.batch_isend_irecv(ops)
+
+
+def _blocks(coord: int, size: int, causal: bool):
+    """(step, whose block, with the causal mask) for each block rank ``coord`` attends to."""
+    for i in range(size):
+        src = (coord - i) % size
+        if causal and src > coord:
+            yield i, src, None  # all masked: skipped, but the block still passes on
+        else:
+            yield i, src, causal and src == coord
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """``(out, lse) = op(q, k, v, group, coord)``: the flash op's outputs for this rank's
+    queries over every rank's keys and values (``q, k, v``: (B, H, T/cp, D) local blocks)."""
+
+    causal: bool
+    scale: float | None
+    size: int  # ranks on cp
+    name: str = "ring_attention"
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def __call__(self, q, k, v, group: str, coord: int):
+        lse_shape = q.shape[:-1]
+        if is_fake(q) or q.device.type == "meta":
+            return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+        pg, ranks = _ring(group)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+        for i, _, masked in _blocks(coord, self.size, self.causal):
+            if i + 1 < self.size:
+                (k_next, v_next), works = _pass_on(pg, ranks, coord, [k, v])
+            if masked is not None:
+                out_b, lse_b = FLASH(q, k, v, 0.0, masked, scale=self.scale)
+                total = torch.logaddexp(lse, lse_b)
+                out.mul_(torch.exp(lse - total).unsqueeze(-1))
+                out.add_(out_b.float() * torch.exp(lse_b - total).unsqueeze(-1))
+                lse = total
+            if i + 1 < self.size:
+                for w in works:
+                    w.wait()
+                k, v = k_next, v_next
+        return out.to(q.dtype), lse
+
+    def blocks(self) -> float:
+        """Blocks a rank attends to, on average over the ranks (causal: its own and earlier)."""
+        return (self.size + 1) / 2 if self.causal else self.size
+
+    def flops(self, q, k, v, *_) -> int:
+        """Two matmuls per block, (T/cp x D) by (D x T/cp), over the blocks attended."""
+        b, h, t, d = q.shape
+        return int(4 * b * h * t * k.shape[2] * d * self.blocks())
+
+    def sends(self, q, k, v, *_) -> list[int]:
+        """Bytes of each message this rank sends: the key/value block, cp - 1 times."""
+        return [k.numel() * k.element_size() + v.numel() * v.element_size()] * (self.size - 1)
+
+    def workspace(self, q, k, v, *_) -> int:
+        """The next key/value block and the fp32 output accumulator with one block's output."""
+        kv = 2 * (k.numel() * k.element_size() + v.numel() * v.element_size())
+        return kv + 2 * q.numel() * 4
+
+
+@dataclass(frozen=True)
+class RingAttentionBackward:
+    """``(dq, dk, dv) = op(grad_out, q, k, v, out, lse, group, coord)``, the gradients of
+    ``RingAttention`` for this rank's blocks."""
+
+    causal: bool
+    scale: float | None
+    size: int
+    name: str = "ring_attention_backward"
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def __call__(self, grad_out, q, k, v, out, lse, group: str, coord: int):
+        if is_fake(q) or q.device.type == "meta":
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        pg, ranks = _ring(group)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for i, _, masked in _blocks(coord, self.size, self.causal):
+            if masked is not None:
+                dq_b, dk_b, dv_b = FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, masked,
+                                                  scale=self.scale)
+                dq.add_(dq_b)
+                dk.add_(dk_b)
+                dv.add_(dv_b)
+            # the block and its gradients so far go on; after the last step only the
+            # gradients, which then reach the rank the block is from
+            moving = [k, v, dk, dv] if i + 1 < self.size else [dk, dv]
+            if self.size > 1:
+                bufs, works = _pass_on(pg, ranks, coord, moving)
+                for w in works:
+                    w.wait()
+                if i + 1 < self.size:
+                    k, v, dk, dv = bufs
+                else:
+                    dk, dv = bufs
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def flops(self, grad_out, q, k, v, *_) -> int:
+        """Five matmuls per block (the flash backward's), over the blocks attended."""
+        b, h, t, d = q.shape
+        blocks = (self.size + 1) / 2 if self.causal else self.size
+        return int(10 * b * h * t * k.shape[2] * d * blocks)
+
+    def sends(self, grad_out, q, k, v, *_) -> list[int]:
+        """The block and its fp32 gradients cp - 1 times, then the gradients home."""
+        kv = k.numel() * k.element_size() + v.numel() * v.element_size()
+        grads = (k.numel() + v.numel()) * 4
+        return [kv + grads] * (self.size - 1) + [grads]
+
+    def workspace(self, grad_out, q, k, v, *_) -> int:
+        """The blocks in flight (k, v and their fp32 gradients, twice) and the fp32 dq."""
+        kv = k.numel() * k.element_size() + v.numel() * v.element_size()
+        grads = (k.numel() + v.numel()) * 4
+        return 2 * (kv + grads) + q.numel() * 4
+
+
+def ring_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict):
+    """(op, local args, kwargs) running ``node`` (the CPU flash attention op or its backward)
+    as ring attention where its rule split q on the sequence (dim 2) over ``cp``
+    (``inputs``: the placements of its operands; ``mesh``: the program's ``MeshInputs``);
+    None elsewhere. Attention the ring cannot compute on a cp mesh (a mask, dropout) is an
+    error naming the op."""
+    if node.target not in (FLASH, FLASH_BACKWARD):
+        return None
+    cp = next((m for m in mesh if m.axis == "cp" and m.size > 1), None)
+    if cp is None:
+        return None
+    backward = node.target is FLASH_BACKWARD
+    names = [a.name for a in node.target._schema.arguments]
+    given = dict(zip(names, args)) | dict(kwargs)
+    where = f"{node.name} ({user_line(node.meta.get('stack_trace')) or 'attention'})"
+    if given.get("attn_mask") is not None:
+        raise ShardingError(
+            "this attention has a dense mask: ring attention (the cp axis) computes causal or "
+            "full attention only", where=where,
+            fix="pass no attention_mask when every token attends to the ones before it (the "
+            "model's causal attention), or drop the cp axis")
+    if given.get("dropout_p", 0.0):
+        raise ShardingError(
+            f"this attention has dropout_p={given['dropout_p']}: ring attention (the cp axis) "
+            "draws no dropout", where=where,
+            fix="set the attention dropout to 0 (attention_dropout, attn_pdrop), or drop cp")
+    axes = [m.axis for m in mesh]
+    q_at = 1 if backward else 0
+    split = [axes[i] for i, p in enumerate(inputs[q_at]) if type(p) is Shard and p.dim == 2]
+    if not split:
+        return None
+    if split != ["cp"]:
+        raise PassError(f"attention {node.name} is split on its sequence over "
+                        f"{', '.join(split)}: only cp runs it as a ring",
+                        where=node.format_node(), fix="this is a shardfx bug; report it")
+    kind = RingAttentionBackward if backward else RingAttention
+    op = kind(bool(given.get("is_causal", False)), given.get("scale"), cp.size)
+    tensors = ("grad_out", "query", "key", "value", "out", "logsumexp") if backward else \
+        ("query", "key", "value")
+    return op, (*(given[t] for t in tensors), cp.group, cp.coord), {}

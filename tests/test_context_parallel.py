@@ -1,0 +1,137 @@
+"""Context parallelism: the ``cp`` mesh axis splits every activation's sequence, attention runs
+as a ring (``codegen.ring_attention``), and training equals one device's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfx
+from shardfx.codegen.ring_attention import RingAttention, RingAttentionBackward
+from shardfx.html import plan_html
+from shardfx.testing import compare_inference, compare_training
+
+from models import SEQ, VOCAB, lm_loss, tiny, token_batches
+
+pytest.importorskip("transformers")
+
+
+class _Encoder(torch.nn.Module):
+    """Every token attends to every other (no causal mask), or, with ``window``, to the ones
+    within ``window`` positions: a mask the ring cannot split."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+        self.window = window
+
+    def forward(self, ids):
+        b, t = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        mask = None
+        if self.window is not None:
+            pos = torch.arange(t, device=ids.device)
+            mask = (pos[:, None] - pos[None, :]).abs() <= self.window
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(self.out(y.transpose(1, 2).reshape(b, t, 32)))
+
+
+def _build(name: str) -> torch.nn.Module:
+    return _Encoder() if name == "encoder" else tiny(name)
+
+
+def _train_and_infer(cases: list[tuple[str, dict, int]]) -> list[tuple]:
+    out = []
+    for name, mesh, batch in cases:
+        data = token_batches(3, batch)
+        report = compare_training(_build(name), data, lm_loss, mesh=mesh)
+        worst = compare_inference(_build(name), data[0][0], mesh=mesh)
+        ring = sum(isinstance(n.target, (RingAttention, RingAttentionBackward))
+                   for n in report.plan.program.module.graph.nodes)
+        out.append((f"{name} {mesh} batch {batch}", report.max(), worst, ring,
+                    hash(report.plan.program.source)))
+    return out
+
+
+def _check(results: list[list[tuple]]) -> None:
+    for rows in results:
+        for label, train, infer, ring, _ in rows:
+            assert train < 1e-5 and infer < 1e-5, (label, train, infer)
+            assert ring >= 2, (label, ring)  # each layer's attention, forward and backward
+    assert len({tuple(h for *_, h in rows) for rows in results}) == 1  # one program for all
+
+
+def test_two_ranks_train_like_one_device():
+    """Causal (Llama's and GPT-2's masks, traced dense, found causal) and full attention."""
+    _check(shardfx.launch(_train_and_infer, [
+        ("llama", {"cp": 2}, 1),
+        ("gpt2", {"cp": 2}, 1),
+        ("encoder", {"cp": 2}, 1),
+    ], nprocs=2, timeout=120, deadline=600))
+
+
+def test_four_ranks_train_like_one_device():
+    _check(shardfx.launch(_train_and_infer, [
+        ("llama", {"cp": 4}, 1),
+        ("gpt2", {"cp": 4}, 1),
+        ("llama", {"dp": 2, "cp": 2}, 2),
+        ("llama", {"cp": 2, "tp": 2}, 1),
+    ], nprocs=4, timeout=120, deadline=900))
+
+
+def test_only_gradients_and_the_loss_cross_cp():
+    """The ring's blocks pass inside its ops; the program's cp collectives are the gradients'
+    and the loss's sums: no activation is gathered over cp."""
+    (x,), (y,) = token_batches(1, 1)[0]
+    plan = shardfx.partition(tiny("llama"), (x,), lm_loss, (y,), mesh={"cp": 2},
+                             fused_loss=False)
+    kinds = {c.kind for c in plan.collectives if c.axis == "cp"}
+    assert kinds == {"all_reduce"}, plan.collectives
+    activations = [c for c in plan.collectives if c.module and c.kind != "all_reduce"]
+    assert not activations, activations
+    assert "each sequence split over cp=2" in str(plan)
+    assert "each sequence split over cp=2" in plan_html(plan)
+
+
+def test_the_ring_counts_its_messages_and_blocks():
+    """What the predicted step (``step_time``) and the device FLOPs take from the ring ops:
+    cp - 1 key/value blocks sent forward; backward those with their fp32 gradients, then the
+    gradients home; causal attention computes (cp + 1) / 2 blocks on average, full attention
+    cp."""
+    q = k = v = torch.empty(1, 4, 16, 8)  # a rank's (B, H, T / cp, D)
+    block = 2 * k.numel() * 4
+    causal, full = RingAttention(True, None, 4), RingAttention(False, None, 4)
+    assert causal.sends(q, k, v) == [block] * 3
+    assert RingAttentionBackward(True, None, 4).sends(q, q, k, v) == [2 * block] * 3 + [block]
+    assert causal.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * 2.5
+    assert full.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * 4
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+def _partition(model, batch: int = 1, seq: int = SEQ, **kw):
+    (x,), (y,) = token_batches(1, batch)[0]
+    return shardfx.partition(model, (x[:, :seq],), lm_loss, (y[:, :seq],), **kw)
+
+
+def test_a_mask_the_ring_cannot_split_is_refused():
+    with pytest.raises(shardfx.ShardingError) as e:
+        _partition(_Encoder(window=2), mesh={"cp": 2})
+    assert "dense mask" in str(e.value) and "drop the cp axis" in str(e.value)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(seq=SEQ - 2, mesh={"cp": 4}), "sequence length 6, not divisible by cp=4"),
+    (dict(batch=2, mesh={"cp": 2}), "2 sequences per dp replica"),
+    (dict(mesh={"cp": 2, "tp": 2}, shard="megatron-sp"), "split over one axis at most"),
+    (dict(mesh={"cp": 2, "pp": 2}), "inside a pipeline"),
+])
+def test_bad_requests_are_refused(kw, words):
+    with pytest.raises(shardfx.ShardfxError) as e:
+        _partition(tiny("llama"), **kw)
+    assert words in str(e.value)
