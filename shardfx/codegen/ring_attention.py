@@ -45,14 +45,28 @@ def _ring(group: str) -> tuple[dist.ProcessGroup, list[int]]:
     return pg, dist.get_process_group_ranks(pg)
 
 
-def _pass_on(pg, ranks: list[int], coord: int, tensors: list[torch.Tensor]):
-    """Send ``tensors`` to the next rank of the ring and receive the previous rank's into new
-    buffers: (buffers, works to wait for)."""
-    n = len(ranks)
-    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # dense
-    ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[(coord + 1) % n], pg) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, b, ranks[(coord - 1) % n], pg) for b in bufs]
-    return bufs, dist.batch_isend_irecv(ops)
+class _Passing:
+    """``tensors`` sent to the next rank of the ring and the previous rank's received into new
+    dense buffers (``bufs``), once ``wait`` returns."""
+
+    def __init__(self, pg, ranks: list[int], coord: int, tensors: list[torch.Tensor]):
+        n = len(ranks)
+        self.bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        dense = [t.contiguous() for t in tensors]
+        self._copies = [d for d, t in zip(dense, tensors) if d is not t]
+        ops = [dist.P2POp(dist.isend, d, ranks[(coord + 1) % n], pg) for d in dense]
+        ops += [dist.P2POp(dist.irecv, b, ranks[(coord - 1) % n], pg) for b in self.bufs]
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        """The received buffers. The dense copies made to send go now: the process group's
+        thread holds a finished send's tensor a while (as ``runtime.buckets`` says)."""
+        for w in self._works:
+            w.wait()
+        for c in self._copies:
+            c.untyped_storage().resize_(0)
+        self._works, self._copies = [], []
+        return self.bufs
 
 
 def _blocks(coord: int, size: int, causal: bool):
@@ -63,6 +77,13 @@ def _blocks(coord: int, size: int, causal: bool):
             yield i, src, None  # all masked: skipped, but the block still passes on
         else:
             yield i, src, causal and src == coord
+
+
+def _free_received(*bufs: torch.Tensor) -> None:
+    """The last blocks received, read for the last time: freed now, not when the process
+    group's thread lets go of its receive."""
+    for b in bufs:
+        b.untyped_storage().resize_(0)
 
 
 @dataclass(frozen=True)
@@ -84,11 +105,11 @@ class RingAttention:
         if is_fake(q) or q.device.type == "meta":
             return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
         pg, ranks = _ring(group)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros_like(q, dtype=torch.float32)  # q's layout, as the flash op's output
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
         for i, _, masked in _blocks(coord, self.size, self.causal):
             if i + 1 < self.size:
-                (k_next, v_next), works = _pass_on(pg, ranks, coord, [k, v])
+                passing = _Passing(pg, ranks, coord, [k, v])
             if masked is not None:
                 out_b, lse_b = FLASH(q, k, v, 0.0, masked, scale=self.scale)
                 total = torch.logaddexp(lse, lse_b)
@@ -96,9 +117,9 @@ class RingAttention:
                 out.add_(out_b.float() * torch.exp(lse_b - total).unsqueeze(-1))
                 lse = total
             if i + 1 < self.size:
-                for w in works:
-                    w.wait()
-                k, v = k_next, v_next
+                k, v = passing.wait()
+        if self.size > 1:
+            _free_received(k, v)
         return out.to(q.dtype), lse
 
     def blocks(self) -> float:
@@ -135,11 +156,12 @@ class RingAttentionBackward:
         return self.name
 
     def __call__(self, grad_out, q, k, v, out, lse, group: str, coord: int):
-        if is_fake(q) or q.device.type == "meta":
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if is_fake(q) or q.device.type == "meta":  # the layouts the ring returns (below)
+            dense = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v)]
+            return torch.empty_like(q), *dense
         pg, ranks = _ring(group)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dq = torch.zeros_like(q, dtype=torch.float32)  # q's layout; dk and dv come dense
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # from the ring
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for i, _, masked in _blocks(coord, self.size, self.causal):
             if masked is not None:
@@ -152,14 +174,15 @@ class RingAttentionBackward:
             # gradients, which then reach the rank the block is from
             moving = [k, v, dk, dv] if i + 1 < self.size else [dk, dv]
             if self.size > 1:
-                bufs, works = _pass_on(pg, ranks, coord, moving)
-                for w in works:
-                    w.wait()
+                bufs = _Passing(pg, ranks, coord, moving).wait()
                 if i + 1 < self.size:
                     k, v, dk, dv = bufs
                 else:
                     dk, dv = bufs
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+        if self.size > 1:
+            _free_received(k, v)
+        return dq.to(q.dtype), dk, dv
 
     def flops(self, grad_out, q, k, v, *_) -> int:
         """Five matmuls per block (the flash backward's), over the blocks attended."""
@@ -174,10 +197,12 @@ class RingAttentionBackward:
         return [kv + grads] * (self.size - 1) + [grads]
 
     def workspace(self, grad_out, q, k, v, *_) -> int:
-        """The blocks in flight (k, v and their fp32 gradients, twice) and the fp32 dq."""
+        """While a block passes on: the block's own gradients of q, k and v, the next block
+        and its fp32 gradients received, the dense copies of k and v sent (the program's are
+        views) and the fp32 gradients sent."""
         kv = k.numel() * k.element_size() + v.numel() * v.element_size()
         grads = (k.numel() + v.numel()) * 4
-        return 2 * (kv + grads) + q.numel() * 4
+        return q.numel() * q.element_size() + kv + (kv + grads) + kv + grads
 
 
 def ring_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict):
