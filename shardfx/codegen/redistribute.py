@@ -62,8 +62,13 @@ def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
                  mesh: list[MeshInputs], reason: str, log: list[Collective],
                  module: tuple[str, str] = ("", "")) -> fx.Node:
     have = list(have)
-    # Gathers first, the last axis first: a dim split over several axes is nested in mesh
-    # order, so the innermost split is gathered before the one around it.
+    # Sums first, on the smaller local values; then gathers, the last axis first: a dim split
+    # over several axes is nested in mesh order, so the innermost split is gathered before the
+    # one around it; then the rest.
+    for i, (h, w) in enumerate(zip(have, want)):
+        if isinstance(h, Partial) and isinstance(w, Replicate):
+            x = _one(emit, x, h, w, mesh[i], reason, log, module)
+            have[i] = w
     for i in reversed(range(len(have))):
         if isinstance(have[i], Shard) and have[i] != want[i]:
             x = _one(emit, x, have[i], Replicate(), mesh[i], reason, log, module)
