@@ -315,6 +315,7 @@ def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
     reads and writes, not what its ops would one by one; the chunked LM head and loss
     (``codegen.linear_ce``) moves its inputs and outputs and writes and reads its logits once.
     Collectives and waits are 0 here: their time is ``DeviceModel.collective_seconds``."""
+    from shardfx.ir.graph import arg_values
     from shardfx.passes.estimate_cost import is_view, node_flops
 
     if node.op != "call_function" or _is_collective(node) or is_view(node):
@@ -334,8 +335,7 @@ def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
     elif cost is not None:
         flops = cost.flops
     elif hasattr(node.target, "flops"):  # a program op that says (codegen.ring_attention)
-        flops = node.target.flops(*(a.meta.get(M.VAL) if isinstance(a, fx.Node) else a
-                                    for a in node.args))
+        flops = node.target.flops(*arg_values(node))
     else:
         flops = node_flops(node)
     return flops, moved, dtype

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from shardfx.ir import meta as M
-from shardfx.ir.graph import phases
+from shardfx.ir.graph import arg_values, phases
 from shardfx.passes.estimate_cost import is_view, node_bytes
 
 log = logging.getLogger("shardfx.memory")
@@ -337,7 +337,7 @@ def _workspace(node: fx.Node) -> int:
     workspace = getattr(node.target, "workspace", None) if node.op == "call_function" else None
     if workspace is None:
         return 0
-    return workspace(*(a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args))
+    return workspace(*arg_values(node))
 
 
 def _loss_bytes(graph: fx.Graph) -> int:

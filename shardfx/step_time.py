@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from shardfx.device_model import DeviceModel, default_model
 from shardfx.ir import meta as M
+from shardfx.ir.graph import arg_values
 from shardfx.memory import optimizer_model
 from shardfx.schedule import simulate
 
@@ -103,9 +104,8 @@ def program_seconds(graph: fx.Graph, model: DeviceModel, axes) -> tuple[float, f
             compute += model.node_seconds(node)
             if hasattr(node.target, "sends"):  # ring attention's p2p, not overlapped here
                 link = model.link_of(tuple(axes), "cp")
-                vals = [a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args]
                 comm += sum(model.collective_seconds("send", b, 2, link)
-                            for b in node.target.sends(*vals))
+                            for b in node.target.sends(*arg_values(node)))
             continue
         axis = _axis(node)
         n = dict(axes).get(axis, 1)

@@ -92,6 +92,12 @@ def phases(graph: fx.Graph) -> dict[fx.Node, M.Phase]:
     return out
 
 
+def arg_values(node: fx.Node) -> list:
+    """``node``'s positional arguments, each node as its value (VAL), others as they are: what
+    a program op's ``workspace``, ``flops`` or ``sends`` take."""
+    return [a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args]
+
+
 def operands(node: fx.Node) -> list[fx.Node]:
     """The nodes among ``node``'s arguments, in argument order (positional, then keyword), one
     entry per use: the order a rule's per-operand answers come in."""
