@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import shardfx
-from shardfx.codegen.ring_attention import RingAttention, RingAttentionBackward
+from shardfx import cp_layout
+from shardfx.codegen.ring_attention import RingAttention, RingAttentionBackward, _blocks
 from shardfx.html import plan_html
 from shardfx.testing import compare_inference, compare_training
 
@@ -100,16 +101,53 @@ def test_only_gradients_and_the_loss_cross_cp():
 
 def test_the_ring_counts_its_messages_and_blocks():
     """What the predicted step (``step_time``) and the device FLOPs take from the ring ops:
-    cp - 1 key/value blocks sent forward; backward those with their fp32 gradients, then the
-    gradients home; causal attention computes (cp + 1) / 2 blocks on average, full attention
-    cp."""
+    cp - 1 key/value blocks sent forward; backward those, and their fp32 gradients cp times
+    (the last time home); causal attention computes (cp + 1) / 2 blocks on every rank (its own
+    and half of each other), full attention cp."""
     q = k = v = torch.empty(1, 4, 16, 8)  # a rank's (B, H, T / cp, D)
     block = 2 * k.numel() * 4
     causal, full = RingAttention(True, None, 4), RingAttention(False, None, 4)
     assert causal.sends(q, k, v) == [block] * 3
-    assert RingAttentionBackward(True, None, 4).sends(q, q, k, v) == [2 * block] * 3 + [block]
+    assert RingAttentionBackward(True, None, 4).sends(q, q, k, v) == [block] * 3 + [block] * 4
     assert causal.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * 2.5
     assert full.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * 4
+
+
+def test_each_rank_holds_a_front_and_a_back_chunk():
+    """cp=4 cuts a sequence of 16 into 8 chunks of 2, rank r holding chunks r and 7 - r; a
+    gather in rank order puts them back in order, and a reduce-scatter's input is ordered so
+    that each rank receives its own two."""
+    seq = torch.arange(16 * 3).view(16, 3)
+    parts = [cp_layout.take(cp_layout.call, seq, 0, 16, r, 4) for r in range(4)]
+    assert parts[0][:, 0].tolist() == [0, 3, 42, 45] and parts[3][:, 0].tolist() == [18, 21, 24, 27]
+    whole = cp_layout.unshuffle(cp_layout.call, torch.cat(parts), (16, 3), 4)
+    assert torch.equal(whole, seq)
+    scattered = cp_layout.shuffle(cp_layout.call, seq, (16, 3), 4).chunk(4)
+    assert all(torch.equal(a, b) for a, b in zip(scattered, parts))
+
+
+def test_causal_attention_is_the_same_work_on_every_rank():
+    """Each rank's own block (causal, counted whole as the flash kernel's FLOPs are) and half
+    of every other: (cp + 1) / 2 blocks on each of the cp ranks, not 1 .. cp."""
+    work = {"own": 1.0, "front": 0.5, "back": 0.5, "all": 1.0}
+    for cp in (2, 4):
+        per_rank = {sum(work[part] for _, part in _blocks(r, cp, True)) for r in range(cp)}
+        assert per_rank == {(cp + 1) / 2}
+        assert {sum(work[p] for _, p in _blocks(r, cp, False)) for r in range(cp)} == {cp}
+
+
+def test_dtensor_dispatch_is_offered_no_sequence_strategy():
+    """The sequence strategy of the CPU attention op is for shardfx's plans alone (their ring
+    computes it): a user's DTensors on a mesh with a cp axis (PyTorch's context_parallel on
+    CPU among them) would attend within each rank's own tokens."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardfx.passes.shard_propagate import planning_mesh
+    from shardfx.rules import attention
+
+    theirs = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("cp",), _init_backend=False,
+                        _rank=0)
+    assert attention._has_cp(planning_mesh((("cp", 2),))) and not attention._has_cp(theirs)
 
 
 # --- bad input -----------------------------------------------------------------------------
@@ -126,7 +164,7 @@ def test_a_mask_the_ring_cannot_split_is_refused():
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(seq=SEQ - 2, mesh={"cp": 4}), "sequence length 6, not divisible by cp=4"),
+    (dict(seq=SEQ - 4, mesh={"cp": 4}), "sequence length 4, not divisible by 2*cp=8"),
     (dict(batch=2, mesh={"cp": 2}), "2 sequences per dp replica"),
     (dict(mesh={"cp": 2, "tp": 2}, shard="megatron-sp"), "split over one axis at most"),
     (dict(mesh={"cp": 2, "pp": 2}), "inside a pipeline"),

@@ -13,6 +13,10 @@ its splits are gathered innermost first, and made outermost first):
     R    -> P             x / n for P(sum): every rank holds a share that sums back to x
     S(a) -> S(b), S -> P  through R
 
+On ``cp`` a rank holds two chunks of the dim, one from the front and one from the back
+(``cp_layout``): its narrow is two, concatenated; a gather puts the chunks back in order and a
+reduce-scatter's input is ordered so that each rank receives its two.
+
 Process-group names and the rank's coordinate on each axis are program inputs (``group_tp``,
 ``coord_tp``), never constants: one program serves every rank (the SPMD property).
 """
@@ -27,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from shardfx import cp_layout
 from shardfx.ir import meta as M
 
 c10d = torch.ops._c10d_functional
@@ -96,6 +101,8 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
     if isinstance(h, Partial) and isinstance(w, Shard):
         log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, w.dim)
+        if axis.axis == cp_layout.AXIS:
+            x = cp_layout.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n)
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.reduce_scatter_tensor.default, x, "sum", n, axis.group))
         x = _dim_from_front(emit, x, w.dim)
@@ -105,7 +112,11 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         x = _dim_to_front(emit, x, h.dim)
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.all_gather_into_tensor.default, x, n, axis.group))
+        if axis.axis == cp_layout.AXIS:
+            x = cp_layout.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n)
         return _dim_from_front(emit, x, h.dim)
+    if isinstance(h, Replicate) and isinstance(w, Shard) and axis.axis == cp_layout.AXIS:
+        return cp_layout.take(emit, x, w.dim, x.meta[M.VAL].shape[w.dim], axis.coord, n)
     if isinstance(h, Replicate) and isinstance(w, Shard):
         size = x.meta[M.VAL].shape[w.dim] // n
         start = emit(operator.mul, axis.coord, size)

@@ -9,11 +9,16 @@ merges the block's result into its own by the log-sum-exp (the online softmax):
 
     lse = logaddexp(lse, lse_b);  out = out * exp(lse_old - lse) + out_b * exp(lse_b - lse)
 
-With a causal mask a block from a later rank is skipped (all masked), a block from an earlier
-one is attended whole, and a rank's own block with the causal mask. The backward goes round
-the ring again with the forward's (global) output and log-sum-exp: each block's gradients of
-q, k and v are exact from those (the flash backward's P = exp(s - lse) and D = rowsum(dO o O));
-dq stays, dk and dv travel with their block and are home after one more step.
+Each rank holds two chunks of the sequence, one from the front and one from the back
+(``cp_layout``), so with the causal mask every rank does the same work: its own block is
+causal attention over its tokens, a block from an earlier rank is attended by every query but
+only its front chunk of keys is not in the future, and a block from a later rank by the back
+chunk of queries only -- half a block each, where a contiguous split would leave the last rank
+cp whole blocks and the first one. The backward goes round the ring again with the forward's
+(global) output and log-sum-exp: each block's gradients of q, k and v are exact from those (the
+flash backward's P = exp(s - lse) and D = rowsum(dO o O)); dq stays, and a block's dk and dv
+follow it one step behind, so the rank holding it next adds its share while the block after
+is on its way; they are home after one more step.
 
 ``RingAttention`` and ``RingAttentionBackward`` are program ops in the place of the CPU flash
 attention op and its backward (``codegen.spmd`` emits them where the rule split q, k and v on
@@ -49,18 +54,23 @@ class _Passing:
     """``tensors`` sent to the next rank of the ring and the previous rank's received into new
     dense buffers (``bufs``), once ``wait`` returns."""
 
-    def __init__(self, pg, ranks: list[int], coord: int, tensors: list[torch.Tensor]):
+    def __init__(self, pg, ranks: list[int], coord: int, tensors: list[torch.Tensor],
+                 sent_are_ours: bool = False):
+        """``sent_are_ours``: ``tensors`` are read by no one after the send (freed by ``wait``
+        as the dense copies are)."""
         n = len(ranks)
         self.bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         dense = [t.contiguous() for t in tensors]
-        self._copies = [d for d, t in zip(dense, tensors) if d is not t]
+        self._copies = dense if sent_are_ours else \
+            [d for d, t in zip(dense, tensors) if d is not t]
         ops = [dist.P2POp(dist.isend, d, ranks[(coord + 1) % n], pg) for d in dense]
         ops += [dist.P2POp(dist.irecv, b, ranks[(coord - 1) % n], pg) for b in self.bufs]
         self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[torch.Tensor]:
-        """The received buffers. The dense copies made to send go now: the process group's
-        thread holds a finished send's tensor a while (as ``runtime.buckets`` says)."""
+        """The received buffers. The dense copies made to send go now (and the sent tensors,
+        if ours): the process group's thread holds a finished send's tensor a while (as
+        ``runtime.buckets`` says)."""
         for w in self._works:
             w.wait()
         for c in self._copies:
@@ -70,13 +80,38 @@ class _Passing:
 
 
 def _blocks(coord: int, size: int, causal: bool):
-    """(step, whose block, with the causal mask) for each block rank ``coord`` attends to."""
+    """(step, which part) for each block rank ``coord`` attends to: its queries and keys are
+    chunks (coord, 2n-1-coord) of the sequence (``cp_layout``), so with the causal mask its own
+    block is causal attention over its tokens, a block from an earlier rank is attended by
+    every query in its front chunk only (keys ``FRONT``), and one from a later rank by the
+    queries of the back chunk only (``BACK``); without the mask every block whole (``ALL``)."""
     for i in range(size):
         src = (coord - i) % size
-        if causal and src > coord:
-            yield i, src, None  # all masked: skipped, but the block still passes on
-        else:
-            yield i, src, causal and src == coord
+        yield i, (ALL if not causal else OWN if src == coord else FRONT if src < coord else BACK)
+
+
+ALL, OWN, FRONT, BACK = "all", "own", "front", "back"
+
+
+def _pieces(part: str, queries: tuple, keys: tuple) -> tuple[list, list]:
+    """The rows of a block's attention: ``queries`` are values indexed like q on dim 2 (the
+    output, the log-sum-exp, their gradients), ``keys`` like k (v, the gradients of both);
+    ``BACK`` reads the back half of the queries, ``FRONT`` the front half of the keys."""
+    half = queries[0].shape[2] // 2
+    if part == BACK:
+        queries = [t[:, :, half:] for t in queries]
+    if part == FRONT:
+        keys = [t[:, :, :half] for t in keys]
+    return list(queries), list(keys)
+
+
+def _merge(out, lse, out_b, lse_b) -> None:
+    """Fold one block's attention (``out_b``, ``lse_b``) into the running ``out`` and ``lse``
+    (fp32 views, updated in place) by the log-sum-exp."""
+    total = torch.logaddexp(lse, lse_b)
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    out.add_(out_b.float() * torch.exp(lse_b - total).unsqueeze(-1))
+    lse.copy_(total)
 
 
 def _free_received(*bufs: torch.Tensor) -> None:
@@ -107,15 +142,12 @@ class RingAttention:
         pg, ranks = _ring(group)
         out = torch.zeros_like(q, dtype=torch.float32)  # q's layout, as the flash op's output
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
-        for i, _, masked in _blocks(coord, self.size, self.causal):
+        for i, part in _blocks(coord, self.size, self.causal):
             if i + 1 < self.size:
                 passing = _Passing(pg, ranks, coord, [k, v])
-            if masked is not None:
-                out_b, lse_b = FLASH(q, k, v, 0.0, masked, scale=self.scale)
-                total = torch.logaddexp(lse, lse_b)
-                out.mul_(torch.exp(lse - total).unsqueeze(-1))
-                out.add_(out_b.float() * torch.exp(lse_b - total).unsqueeze(-1))
-                lse = total
+            (q_b, out_r, lse_r), (k_b, v_b) = _pieces(part, (q, out, lse), (k, v))
+            out_b, lse_b = FLASH(q_b, k_b, v_b, 0.0, part == OWN, scale=self.scale)
+            _merge(out_r, lse_r, out_b, lse_b)
             if i + 1 < self.size:
                 k, v = passing.wait()
         if self.size > 1:
@@ -123,7 +155,8 @@ class RingAttention:
         return out.to(q.dtype), lse
 
     def blocks(self) -> float:
-        """Blocks a rank attends to, on average over the ranks (causal: its own and earlier)."""
+        """Blocks each rank attends to (causal: its own, as a whole one, and half of each
+        other: the flash kernel skips the masked half of its own)."""
         return (self.size + 1) / 2 if self.causal else self.size
 
     def flops(self, q, k, v, *_) -> int:
@@ -161,45 +194,49 @@ class RingAttentionBackward:
             return torch.empty_like(q), *dense
         pg, ranks = _ring(group)
         dq = torch.zeros_like(q, dtype=torch.float32)  # q's layout; dk and dv come dense
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # from the ring
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for i, _, masked in _blocks(coord, self.size, self.causal):
-            if masked is not None:
-                dq_b, dk_b, dv_b = FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, masked,
-                                                  scale=self.scale)
-                dq.add_(dq_b)
-                dk.add_(dk_b)
-                dv.add_(dv_b)
-            # the block and its gradients so far go on; after the last step only the
-            # gradients, which then reach the rank the block is from
-            moving = [k, v, dk, dv] if i + 1 < self.size else [dk, dv]
-            if self.size > 1:
-                bufs = _Passing(pg, ranks, coord, moving).wait()
-                if i + 1 < self.size:
-                    k, v, dk, dv = bufs
-                else:
-                    dk, dv = bufs
-        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+        incoming = None  # the gradients so far of the block held next, on their way here
+        for i, part in _blocks(coord, self.size, self.causal):
+            last = i + 1 == self.size
+            if not last:  # the block moves on while its gradients here are computed
+                passing = _Passing(pg, ranks, coord, [k, v])
+            (go_b, q_b, out_b, lse_b, dq_r), (k_b, v_b) = _pieces(
+                part, (grad_out, q, out, lse, dq), (k, v))
+            dq_b, dk_b, dv_b = FLASH_BACKWARD(go_b, q_b, k_b, v_b, out_b, lse_b.contiguous(),
+                                              0.0, part == OWN, scale=self.scale)
+            dq_r.add_(dq_b)
+            if incoming is None:
+                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            else:  # from the ranks that held the block before
+                dk, dv = incoming.wait()
+            _, (dk_r, dv_r) = _pieces(part, (q,), (dk, dv))
+            dk_r.add_(dk_b)
+            dv_r.add_(dv_b)
+            del dq_b, dk_b, dv_b
+            if self.size > 1:  # on to the next holder; after the last step, home
+                incoming = _Passing(pg, ranks, coord, [dk, dv], sent_are_ours=True)
+            if not last:
+                k, v = passing.wait()
         if self.size > 1:
+            dk, dv = incoming.wait()  # this rank's own block's, from every rank
             _free_received(k, v)
-        return dq.to(q.dtype), dk, dv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def flops(self, grad_out, q, k, v, *_) -> int:
         """Five matmuls per block (the flash backward's), over the blocks attended."""
         b, h, t, d = q.shape
-        blocks = (self.size + 1) / 2 if self.causal else self.size
-        return int(10 * b * h * t * k.shape[2] * d * blocks)
+        return int(10 * b * h * t * k.shape[2] * d * RingAttention.blocks(self))
 
     def sends(self, grad_out, q, k, v, *_) -> list[int]:
-        """The block and its fp32 gradients cp - 1 times, then the gradients home."""
+        """The block cp - 1 times, and its fp32 gradients cp times (the last one home)."""
         kv = k.numel() * k.element_size() + v.numel() * v.element_size()
         grads = (k.numel() + v.numel()) * 4
-        return [kv + grads] * (self.size - 1) + [grads]
+        return [kv] * (self.size - 1) + [grads] * self.size
 
     def workspace(self, grad_out, q, k, v, *_) -> int:
-        """While a block passes on: the block's own gradients of q, k and v, the next block
-        and its fp32 gradients received, the dense copies of k and v sent (the program's are
-        views) and the fp32 gradients sent."""
+        """While a block's gradients are computed: the block's own gradients of q, k and v,
+        the next block received, the dense copies of k and v sent (the program's are views),
+        and two sets of fp32 gradients of a block: those coming in, those going out."""
         kv = k.numel() * k.element_size() + v.numel() * v.element_size()
         grads = (k.numel() + v.numel()) * 4
         return q.numel() * q.element_size() + kv + (kv + grads) + kv + grads

@@ -125,14 +125,17 @@ def _sequence_split(role: M.InputRole, val, axis: str, n: int, dp: int = 1) -> S
             where=f"{role.name} (shape {list(val.shape)})",
             fix=f"give each step {dp} sequence(s), one per dp replica, and accumulate the rest "
             "(runner.step_batches), or use dp for the batch")
-    if val.shape[1] % n:
+    parts = 2 * n if axis == "cp" else n
+    if val.shape[1] % parts:
+        what = f"{axis}={n}" if axis == "tp" else f"2*cp={parts}"
         why = "megatron-sp splits the sequence over tp" if axis == "tp" else \
-            "context parallelism splits the sequence over cp"
+            "context parallelism gives each cp rank a front and a back chunk of the sequence, " \
+            "so causal attention is the same work on every rank"
         instead = 'shard="megatron" (no sequence split)' if axis == "tp" else "a smaller cp"
         raise MeshError(
-            f"{role.name} has sequence length {val.shape[1]}, not divisible by {axis}={n} "
-            f"({why})", where=f"{role.name} (shape {list(val.shape)})",
-            fix=f"use a sequence length that is a multiple of {n} (pad it), or {instead}")
+            f"{role.name} has sequence length {val.shape[1]}, not divisible by {what} ({why})",
+            where=f"{role.name} (shape {list(val.shape)})",
+            fix=f"use a sequence length that is a multiple of {parts} (pad it), or {instead}")
     return Shard(1)
 
 

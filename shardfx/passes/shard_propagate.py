@@ -34,6 +34,8 @@ from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
+from shardfx import cp_layout
+from shardfx.rules import attention as attention_rules
 from shardfx.errors import ShardingError, user_line
 from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
@@ -89,8 +91,10 @@ def planning_mesh(axes: tuple[tuple[str, int], ...]) -> DeviceMesh:
     """A DeviceMesh with the right shape and names but no process groups: rules need only that."""
     sizes = [n for _, n in axes] or [1]
     names = tuple(a for a, _ in axes) or ("dp",)
-    return DeviceMesh("cpu", torch.arange(max(1, torch.Size(sizes).numel())).view(sizes),
+    mesh = DeviceMesh("cpu", torch.arange(max(1, torch.Size(sizes).numel())).view(sizes),
                       mesh_dim_names=names, _init_backend=False, _rank=0)
+    attention_rules.planning(mesh)
+    return mesh
 
 
 def _spec(mesh: DeviceMesh, placements: M.Placements, val: torch.Tensor) -> DTensorSpec:
@@ -266,7 +270,9 @@ def _ask(node: fx.Node, have: dict):
         # those constants differ (mse_loss_backward's 2/numel). No rule: replicated.
         return None
     try:
-        result = prop.propagate_op_sharding(schema)
+        ask = prop.propagate_op_sharding_non_cached if node.target in attention_rules.OPS \
+            else prop.propagate_op_sharding  # answered unlike DTensor's dispatch: not shared
+        result = ask(schema)
     except Exception as e:  # no rule, or a rule that cannot take these placements
         log.debug("%s: no sharding rule (%s); replicated", node.name, e)
         return None
@@ -371,9 +377,9 @@ def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> boo
     pairs += [(s, tuple(s.tensor_meta.shape)) for s in target_specs]
     for s, shape in pairs:
         size = dict(enumerate(shape))
-        for p, n in zip(s.placements, s.mesh.shape):
+        for p, n, axis in zip(s.placements, s.mesh.shape, s.mesh.mesh_dim_names):
             if _plain_shard(p):  # a dim on several axes: split in mesh order
-                if size[p.dim] % n:
+                if size[p.dim] % (2 * n if axis == cp_layout.AXIS else n):  # cp: 2 chunks each
                     return False
                 size[p.dim] //= n
             elif type(p) is Partial:

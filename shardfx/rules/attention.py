@@ -13,11 +13,17 @@ sibling, over (B, H, T, D) tensors:
                                                       local batch, nothing else)
     sequence     S(2)       S(2)       S(2)       (none: no mask)
 
-The sequence strategy exists on a mesh with a ``cp`` axis and without a mask: ``codegen.spmd``
-runs it as ring attention (``codegen.ring_attention``) on that axis, and only there.
+The sequence strategy exists without a mask on a mesh with a ``cp`` axis that shardfx plans
+on (``planning``): ``codegen.spmd`` runs it as ring attention (``codegen.ring_attention``) on
+that axis, and only there. DTensor's own dispatch (a user's DTensors, PyTorch's
+context_parallel on CPU) never sees it: there the op would attend within each rank's tokens.
+``shard_propagate`` asks DTensor's propagator for these two ops past its cache, so an answer
+given to one never reaches the other.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -26,6 +32,14 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 
 aten = torch.ops.aten
 R = Replicate()
+OPS = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+       aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+_PLANNING: dict[int, weakref.ref] = {}  # by id: a user's mesh of the same shape is == to ours
+
+
+def planning(mesh) -> None:
+    """``mesh`` is shardfx's, for planning: the sequence strategy is offered on it."""
+    _PLANNING[id(mesh)] = weakref.ref(mesh, lambda _, key=id(mesh): _PLANNING.pop(key, None))
 
 
 def _mask_batch(op_schema: OpSchema) -> int | None:
@@ -35,7 +49,8 @@ def _mask_batch(op_schema: OpSchema) -> int | None:
 
 
 def _has_cp(mesh) -> bool:
-    return "cp" in (mesh.mesh_dim_names or ())
+    ours = _PLANNING.get(id(mesh))
+    return ours is not None and ours() is mesh and "cp" in (mesh.mesh_dim_names or ())
 
 
 def _strategies(n_out: int, n_in: int, mask_batch: int | None, ring: bool = False) -> list[list]:

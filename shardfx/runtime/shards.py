@@ -2,15 +2,19 @@
 
 The program's inputs carry their placements (ANNOTATION). On a mesh this rank holds, for a
 tensor ``Shard(d)`` on an axis of size n, the slice ``coord * size : (coord + 1) * size`` of
-dim ``d`` (shard_propagate guarantees even sizes); ``Replicate`` keeps it whole. Full tensors
-come back with DTensor's ``full_tensor`` (an all-gather per sharded axis).
+dim ``d`` (shard_propagate guarantees even sizes), and on ``cp`` its two chunks of the
+sequence, a front and a back one (``cp_layout``); ``Replicate`` keeps it whole. Full tensors
+come back with an all-gather per sharded axis, the innermost first (a dim split over several
+axes is nested in mesh order), cp's chunks put back in order.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
+from shardfx import cp_layout
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
 from shardfx.runtime.mesh import coordinate, device_mesh
@@ -29,15 +33,26 @@ class Shards:
     def local(self, full: torch.Tensor, placements: M.Placements) -> torch.Tensor:
         out = full
         for (axis, n), p in zip(self.spec.axes, placements):
-            if isinstance(p, Shard):
+            if isinstance(p, Shard) and axis == cp_layout.AXIS:
+                out = cp_layout.take(cp_layout.call, out, p.dim, out.shape[p.dim],
+                                     self.coord[axis], n)
+            elif isinstance(p, Shard):
                 size = out.shape[p.dim] // n
                 out = out.narrow(p.dim, self.coord[axis] * size, size)
         return out
 
     def full(self, local: torch.Tensor, placements: M.Placements) -> torch.Tensor:
-        if not any(isinstance(p, Shard) for p in placements):
-            return local
-        return DTensor.from_local(local, self.mesh, placements, run_check=False).full_tensor()
+        out = local.detach()
+        for (axis, n), p in reversed(list(zip(self.spec.axes, placements))):
+            if not isinstance(p, Shard) or n == 1:
+                continue
+            front = out.movedim(p.dim, 0).contiguous()
+            whole = front.new_empty((n * front.shape[0], *front.shape[1:]))
+            dist.all_gather_into_tensor(whole, front, group=self.mesh.get_group(axis))
+            if axis == cp_layout.AXIS:
+                whole = cp_layout.unshuffle(cp_layout.call, whole, tuple(whole.shape), n)
+            out = whole.movedim(0, p.dim)
+        return out.contiguous()
 
     def mesh_input(self, role: M.InputRole):
         """The value of a MESH program input: ``group(tp)`` or ``coord(tp)``."""
