@@ -234,7 +234,7 @@ def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, sp
             reduction = loss_reduction(loss_fn, captured.output, example_targets, slices)
             options = dataclasses.replace(options, loss_reduction=reduction)
     # hints name mesh axes: check them while the user's line of each is known
-    sharded = spec.only("tp") if options.stages > 1 else spec
+    sharded = spec.stage() if options.stages > 1 else spec
     if sharded.size > 1:
         check_hint_axes(captured.gm, [a for a, _ in sharded.axes], [a for a, _ in spec.axes])
     dump = os.environ.get("SHARDFX_DUMP")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from shardfx.errors import MeshError
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
+STAGE_AXES = ("cp", "tp")  # a pipeline stage's program is split over these
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,11 @@ class MeshSpec:
     def only(self, *names: str) -> "MeshSpec":
         """The sub-mesh of the axes named (those the mesh has)."""
         return MeshSpec(tuple((a, n) for a, n in self.axes if a in names))
+
+    def stage(self) -> "MeshSpec":
+        """What each pipeline stage is sharded over (dp is the pipeline runner's: replicas of
+        the whole pipeline)."""
+        return self.only(*STAGE_AXES)
 
     def axis(self, name: str) -> int:
         """The size of axis ``name`` (1 when the mesh does not have it)."""
@@ -55,12 +61,6 @@ class MeshSpec:
                 f"expert parallelism (ep={mesh['ep']}) is not implemented yet; shardfx would run "
                 "every expert on every device of the ep axis", where="mesh['ep']",
                 fix="drop the ep axis (or set ep=1); use dp or tp for those devices")
-        if mesh.get("cp", 1) > 1 and mesh.get("pp", 1) > 1:
-            raise MeshError(
-                f"context parallelism (cp={mesh['cp']}) inside a pipeline (pp={mesh['pp']}) is "
-                "not implemented yet", where="mesh['cp']",
-                fix="use cp with dp and tp, or pp without cp (megatron-sp splits the sequence "
-                "over tp inside a pipeline)")
         return cls(tuple((a, mesh[a]) for a in AXES if a in mesh))
 
 

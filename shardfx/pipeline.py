@@ -96,7 +96,7 @@ def generate_program(gm: fx.GraphModule, options: Options) -> Program:
     """Code generation: the IR as the program one device runs (``codegen.program``), or, over a
     dp/tp mesh (a pipeline's tp), with local shapes and explicit collectives (``codegen.spmd``);
     a pipeline's ops inserted by codegen given a stage to run in (``codegen.stages``)."""
-    sharded = options.mesh.only("tp") if options.stages > 1 else options.mesh
+    sharded = options.mesh.stage() if options.stages > 1 else options.mesh
     if sharded.size == 1:
         return generate(gm)
     program = generate_spmd(gm)
@@ -106,17 +106,18 @@ def generate_program(gm: fx.GraphModule, options: Options) -> Program:
 
 
 def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRecord]):
-    """Stages first planned as one graph: sharded over tp inside each stage (dp is the
+    """Stages first planned as one graph: sharded over cp and tp inside each stage (dp is the
     pipeline runner's: replicas of the whole pipeline), then cut, then split into parts."""
-    inner = options.mesh.only("tp")
+    inner = options.mesh.stage()
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=inner.axes)
     sharded = inner.size > 1
     gm = run_passes(gm, [
         rng_dropout,     # dropout masks from each element's global place, per slice
+        *([causal_mask] if inner.axis("cp") > 1 else []),  # for ring attention, as above
         assign_phase,    # forward vs backward
         mixed_precision,  # each op's dtype: what the cutter, the shards and remat measure
         estimate_cost,   # what the stage cutter balances
-        *([shard_annotate, shard_propagate] if sharded else []),  # tensor parallel in a stage
+        *([shard_annotate, shard_propagate] if sharded else []),  # cp and tp in a stage
     ], dataclasses.replace(options, mesh=inner), history)
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is

@@ -132,6 +132,19 @@ def test_estimate_is_the_measured_peak_per_rank(mesh, kw):
             assert within(measured, predicted), (rank, name, measured, predicted, breakdown)
 
 
+def _llama(mesh: dict, kw: dict) -> tuple:
+    return measure("llama", mesh, **kw)[:2]
+
+
+def test_estimate_is_the_measured_peak_of_a_pipeline_with_cp():
+    """pp=2 x cp=2: each stage's ring attention inside the microbatches its schedule keeps in
+    flight."""
+    kw = {"batch": 4, "microbatches": 4, "schedule": "1f1b"}
+    for rank, (measured, predicted) in enumerate(
+            shardfx.launch(_llama, {"pp": 2, "cp": 2}, kw, nprocs=4)):
+        assert within(measured, predicted), (rank, measured, predicted)
+
+
 def test_zero_holds_less_than_plain_data_parallelism():
     """Measured on each rank: ZeRO-1 and -2 peak below plain dp (the optimizer's state, then
     the gradients, halved at dp=2); inside a pipeline too (pp=2 x dp=2), where the model

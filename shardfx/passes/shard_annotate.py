@@ -19,9 +19,9 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
   - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
     its placements, one per mesh axis; unmatched parameters are replicated.
 Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``, and those of the
-first input's (batch, sequence) shape on dim 1 over ``cp`` (context parallelism) or, with
-``megatron-sp``, over ``tp``; the tangent, buffers and constants (the same on every device)
-are replicated.
+first input's (batch, sequence) shape on dim 1 over ``cp`` (context parallelism) and, with
+``megatron-sp``, over ``tp`` (within cp's part, when both split it); the tangent, buffers and
+constants (the same on every device) are replicated.
 """
 
 from __future__ import annotations
@@ -47,18 +47,14 @@ def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = options.mesh
     axes = [a for a, _ in mesh.axes]
     params = _param_placements(gm, options)
-    tokens = sequence_shape(gm) if sequence_parallel(options) or mesh.axis("cp") > 1 else None
-    if sequence_parallel(options) and mesh.axis("cp") > 1:
-        raise ShardingError(
-            'shard="megatron-sp" splits the sequence over tp, and the cp axis splits it too: '
-            "a dimension is split over one axis at most", where="partition(..., shard=...)",
-            fix='use shard="megatron" with cp (the tokens are split over cp already)')
+    sp = sequence_parallel(options)
+    tokens = sequence_shape(gm) if sp or mesh.axis("cp") > 1 else None
     for node in gm.graph.find_nodes(op="placeholder"):
         role = node.meta[M.ROLE]
         if role.kind is M.InputKind.PARAM:
             node.meta[M.ANNOTATION] = params.get(role.name) or replicated(axes)
         elif role.kind in (M.InputKind.INPUT, M.InputKind.TARGET):
-            node.meta[M.ANNOTATION] = _batch_sharded(node, role, mesh, tokens)
+            node.meta[M.ANNOTATION] = _batch_sharded(node, role, mesh, tokens, sp)
         elif role.kind is not M.InputKind.MESH:
             node.meta[M.ANNOTATION] = replicated(axes)
     return gm
@@ -76,8 +72,10 @@ def sequence_parallel(options) -> bool:
 def sequence_split(options) -> str:
     """How the plan splits each sequence, in words ('' where it does not)."""
     if options.mesh.axis("cp") > 1:
+        then = (f", then over tp={options.mesh.axis('tp')} between the parallel matmuls "
+                "(megatron-sp)") if sequence_parallel(options) else ""
         return (f"each sequence split over cp={options.mesh.axis('cp')} (context parallelism: "
-                "every activation on its rank's tokens, attention as a ring)")
+                f"every activation on its rank's tokens, attention as a ring){then}")
     if sequence_parallel(options):
         return (f"each sequence split over tp={options.mesh.axis('tp')} between the parallel "
                 "matmuls (megatron-sp: embedding, norms, dropout and residual adds on the "
@@ -95,14 +93,16 @@ def sequence_shape(gm: fx.GraphModule) -> tuple[int, int] | None:
     return None
 
 
-def _batch_sharded(node: fx.Node, role: M.InputRole, mesh,
-                   tokens: tuple[int, int] | None) -> M.Placements:
+def _batch_sharded(node: fx.Node, role: M.InputRole, mesh, tokens: tuple[int, int] | None,
+                   sp: bool) -> M.Placements:
+    """The batch over dp; the sequence over cp, and under megatron-sp over tp (within cp's
+    part: nested in mesh order)."""
     val = node.meta[M.VAL]
     out = []
     for axis, n in mesh.axes:
-        if axis in ("tp", "cp") and tokens is not None and n > 1 and \
-                tuple(val.shape[:2]) == tokens and (axis == "cp" or mesh.axis("cp") == 1):
-            out.append(_sequence_split(role, val, axis, n, mesh.axis("dp")))
+        if (axis == "cp" or axis == "tp" and sp) and tokens is not None and n > 1 and \
+                tuple(val.shape[:2]) == tokens:
+            out.append(_sequence_split(role, val, axis, n, mesh.axis("dp"), mesh.axis("cp")))
             continue
         if axis != "dp" or n == 1 or val.dim() == 0:
             out.append(Replicate())
@@ -116,7 +116,8 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh,
     return tuple(out)
 
 
-def _sequence_split(role: M.InputRole, val, axis: str, n: int, dp: int = 1) -> Shard:
+def _sequence_split(role: M.InputRole, val, axis: str, n: int, dp: int = 1, cp: int = 1
+                    ) -> Shard:
     if axis == "cp" and val.shape[0] != dp:
         raise MeshError(
             f"{role.name} has {val.shape[0] // dp} sequences per dp replica; context "
@@ -125,9 +126,9 @@ def _sequence_split(role: M.InputRole, val, axis: str, n: int, dp: int = 1) -> S
             where=f"{role.name} (shape {list(val.shape)})",
             fix=f"give each step {dp} sequence(s), one per dp replica, and accumulate the rest "
             "(runner.step_batches), or use dp for the batch")
-    parts = 2 * n if axis == "cp" else n
+    parts = 2 * n if axis == "cp" else n * cp  # megatron-sp with cp: tp splits cp's part
     if val.shape[1] % parts:
-        what = f"{axis}={n}" if axis == "tp" else f"2*cp={parts}"
+        what = f"2*cp={parts}" if axis == "cp" else f"cp*tp={parts}" if cp > 1 else f"tp={n}"
         why = "megatron-sp splits the sequence over tp" if axis == "tp" else \
             "context parallelism gives each cp rank a front and a back chunk of the sequence, " \
             "so causal attention is the same work on every rank"

@@ -136,8 +136,8 @@ class SequenceSplit:
     def placement(self, i: int, s: DTensorSpec):
         """What a partial sum on mesh axis ``i`` of a value with spec ``s`` is reduced to."""
         if i == self.axis and tuple(s.tensor_meta.shape[:2]) == self.tokens and not any(
-                type(p) is Shard and p.dim == 1 for p in s.placements):
-            return Shard(1)
+                type(p) is Shard and p.dim == 1 for p in s.placements[self.axis:]):
+            return Shard(1)  # within an outer axis's split of it (cp's) if there is one
         return Replicate()
 
     def flattens(self, node: fx.Node) -> bool:

@@ -86,8 +86,9 @@ class PipelineRunner(PipelineState):
         self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
         self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
-        inner = plan.mesh.only("tp")  # what each stage is sharded over
-        self._tp = Shards(inner, mesh["tp"]) if inner.size > 1 else None
+        inner = plan.mesh.stage()  # what each stage is sharded over: cp and tp
+        names = tuple(a for a, _ in inner.axes)
+        self._tp = Shards(inner, mesh[names]) if inner.size > 1 else None
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up

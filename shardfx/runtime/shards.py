@@ -48,7 +48,7 @@ class Shards:
                 continue
             front = out.movedim(p.dim, 0).contiguous()
             whole = front.new_empty((n * front.shape[0], *front.shape[1:]))
-            dist.all_gather_into_tensor(whole, front, group=self.mesh.get_group(axis))
+            dist.all_gather_single(whole, front, group=self.mesh.get_group(axis))
             if axis == cp_layout.AXIS:
                 whole = cp_layout.unshuffle(cp_layout.call, whole, tuple(whole.shape), n)
             out = whole.movedim(0, p.dim)
