@@ -31,36 +31,56 @@ def call(op, *args, **kwargs):
     return op(*args, **kwargs)
 
 
-def take(emit, x, dim: int, length: int, coord, n: int):
-    """Rank ``coord``'s part of ``x`` (``length`` long along ``dim``): chunks coord and
-    2n-1-coord, concatenated (a new dense tensor)."""
+def take(emit, x, shape: tuple[int, ...], dim: int, coord, n: int, sf: int = 1):
+    """Rank ``coord``'s part of ``x`` (of ``shape``) along ``dim``: chunks coord and 2n-1-coord,
+    concatenated (a new dense tensor). ``sf`` > 1: the dim is ``sf`` sequences one after
+    another (tokens flattened from (batch, sequence): DTensor's ``_StridedShard``), each cut."""
+    length = shape[dim] // sf
+    if sf > 1:
+        x = emit(aten.view.default, x, [*shape[:dim], sf, length, *shape[dim + 1:]])
+    at = dim + 1 if sf > 1 else dim
     c = length // (2 * n)
-    front = emit(aten.narrow.default, x, dim, emit(operator.mul, coord, c), c)
+    front = emit(aten.narrow.default, x, at, emit(operator.mul, coord, c), c)
     back_start = emit(operator.mul, emit(operator.sub, 2 * n - 1, coord), c)
-    back = emit(aten.narrow.default, x, dim, back_start, c)
-    return emit(aten.cat.default, [front, back], dim)
+    back = emit(aten.narrow.default, x, at, back_start, c)
+    out = emit(aten.cat.default, [front, back], at)
+    if sf > 1:
+        out = emit(aten.view.default, out, [*shape[:dim], shape[dim] // n, *shape[dim + 1:]])
+    return out
 
 
-def unshuffle(emit, gathered, shape: tuple[int, ...], n: int):
+def unshuffle(emit, gathered, shape: tuple[int, ...], n: int, sf: int = 1):
     """The whole value, in sequence order, from every rank's part gathered along dim 0 in
-    rank order (``gathered``: dense, of ``shape``)."""
-    c = shape[0] // (2 * n)
-    parts = emit(aten.view.default, gathered, [n, 2, c, *shape[1:]])
-    front = emit(aten.select.int, parts, 1, 0)  # chunks 0 .. n-1, in rank order
-    back = emit(aten.flip.default, emit(aten.select.int, parts, 1, 1), [0])  # n .. 2n-1
-    whole = emit(aten.cat.default, [front, back], 0)
+    rank order (``gathered``: dense, of ``shape``; ``sf`` sequences along dim 0, as ``take``)."""
+    c = shape[0] // (2 * n * sf)
+    parts = emit(aten.view.default, gathered, [n, sf, 2, c, *shape[1:]])
+    front = emit(aten.select.int, parts, 2, 0)  # chunks 0 .. n-1, in rank order
+    back = emit(aten.flip.default, emit(aten.select.int, parts, 2, 1), [0])  # n .. 2n-1
+    whole = emit(aten.cat.default, [front, back], 0)  # (2n, sf, c, ...)
+    if sf > 1:  # each sequence's chunks together
+        whole = emit(aten.clone.default, emit(aten.transpose.int, whole, 0, 1),
+                     memory_format=torch.contiguous_format)
     return emit(aten.view.default, whole, list(shape))
 
 
-def shuffle(emit, x, shape: tuple[int, ...], n: int):
-    """``x`` (dense, of ``shape``, in sequence order along dim 0) reordered so that an even
-    split of dim 0 over the n ranks (a reduce-scatter's) gives each rank its two chunks."""
-    c = shape[0] // (2 * n)
-    halves = emit(aten.view.default, x, [2, n, c, *shape[1:]])
-    front = emit(aten.select.int, halves, 0, 0)
-    back = emit(aten.flip.default, emit(aten.select.int, halves, 0, 1), [0])
-    paired = emit(aten.stack.default, [front, back], 1)  # (n, 2, c, ...): rank r's chunks
+def shuffle(emit, x, shape: tuple[int, ...], n: int, sf: int = 1):
+    """``x`` (dense, of ``shape``, in sequence order along dim 0; ``sf`` sequences, as
+    ``take``) reordered so that an even split of dim 0 over the n ranks (a reduce-scatter's)
+    gives each rank its two chunks of each sequence."""
+    c = shape[0] // (2 * n * sf)
+    halves = emit(aten.view.default, x, [sf, 2, n, c, *shape[1:]])
+    front = emit(aten.select.int, halves, 1, 0)  # (sf, n, c, ...)
+    back = emit(aten.flip.default, emit(aten.select.int, halves, 1, 1), [1])
+    paired = emit(aten.stack.default, [front, back], 2)  # (sf, n, 2, c, ...)
+    if sf > 1:  # rank-major
+        paired = emit(aten.clone.default, emit(aten.transpose.int, paired, 0, 1),
+                      memory_format=torch.contiguous_format)
     return emit(aten.view.default, paired, list(shape))
+
+
+def split_factor(p) -> int:
+    """Sequences one after another in a split dim (``_StridedShard``'s), else 1."""
+    return getattr(p, "split_factor", 1)
 
 
 def chunks(coord: int, n: int) -> tuple[int, int]:

@@ -79,7 +79,7 @@ def _check(results: list[list[tuple]]) -> None:
 def test_two_ranks_train_like_one_device():
     """Causal (Llama's and GPT-2's masks, traced dense, found causal) and full attention."""
     _check(shardfx.launch(_train_and_infer, [
-        ("llama", {"cp": 2}, 1),
+        ("llama", {"cp": 2}, 2),  # two sequences: flattened tokens, each one's chunks
         ("gpt2", {"cp": 2}, 1),
         ("encoder", {"cp": 2}, 1),
     ], nprocs=2, timeout=120, deadline=600))
@@ -89,7 +89,7 @@ def test_four_ranks_train_like_one_device():
     _check(shardfx.launch(_train_and_infer, [
         ("llama", {"cp": 4}, 1),
         ("gpt2", {"cp": 4}, 1),
-        ("llama", {"dp": 2, "cp": 2}, 2),
+        ("llama", {"dp": 2, "cp": 2}, 4),
         ("llama", {"cp": 2, "tp": 2}, 1),
         ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron-sp")),
         ("llama", {"pp": 2, "cp": 2}, 2, dict(microbatches=2)),
@@ -142,13 +142,20 @@ def test_the_ring_counts_its_messages_and_blocks():
 def test_each_rank_holds_a_front_and_a_back_chunk():
     """cp=4 cuts a sequence of 16 into 8 chunks of 2, rank r holding chunks r and 7 - r; a
     gather in rank order puts them back in order, and a reduce-scatter's input is ordered so
-    that each rank receives its own two."""
+    that each rank receives its own two; tokens of several sequences flattened, each's."""
     seq = torch.arange(16 * 3).view(16, 3)
-    parts = [cp_layout.take(cp_layout.call, seq, 0, 16, r, 4) for r in range(4)]
+    parts = [cp_layout.take(cp_layout.call, seq, (16, 3), 0, r, 4) for r in range(4)]
     assert parts[0][:, 0].tolist() == [0, 3, 42, 45] and parts[3][:, 0].tolist() == [18, 21, 24, 27]
     whole = cp_layout.unshuffle(cp_layout.call, torch.cat(parts), (16, 3), 4)
     assert torch.equal(whole, seq)
     scattered = cp_layout.shuffle(cp_layout.call, seq, (16, 3), 4).chunk(4)
+    assert all(torch.equal(a, b) for a, b in zip(scattered, parts))
+    # two sequences of 8 flattened into 16 tokens (sf=2), cp=2: each sequence cut alike
+    parts = [cp_layout.take(cp_layout.call, seq, (16, 3), 0, r, 2, sf=2) for r in range(2)]
+    assert parts[0][:, 0].tolist() == [0, 3, 18, 21, 24, 27, 42, 45]
+    whole = cp_layout.unshuffle(cp_layout.call, torch.cat(parts), (16, 3), 2, sf=2)
+    assert torch.equal(whole, seq)
+    scattered = cp_layout.shuffle(cp_layout.call, seq, (16, 3), 2, sf=2).chunk(2)
     assert all(torch.equal(a, b) for a, b in zip(scattered, parts))
 
 
@@ -191,7 +198,6 @@ def test_a_mask_the_ring_cannot_split_is_refused():
 
 @pytest.mark.parametrize("kw,words", [
     (dict(seq=SEQ - 4, mesh={"cp": 4}), "sequence length 4, not divisible by 2*cp=8"),
-    (dict(batch=2, mesh={"cp": 2}), "2 sequences per dp replica"),
     (dict(seq=SEQ - 4, mesh={"cp": 2, "tp": 4}, shard="megatron-sp"),
      "sequence length 4, not divisible by cp*tp=8"),
 ])

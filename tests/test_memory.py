@@ -113,7 +113,7 @@ def _every_model(mesh: dict, kw: dict) -> list:
 @pytest.mark.parametrize("mesh,kw", [
     ({"tp": 2}, {}),
     ({"tp": 2}, {"shard": "megatron-sp"}),
-    ({"cp": 2}, {"batch": 1}),
+    ({"cp": 2}, {"batch": 2}),
     ({"dp": 2}, {}),
     ({"pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),
     ({"pp": 2}, {"microbatches": 4, "schedule": "gpipe"}),

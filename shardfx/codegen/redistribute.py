@@ -102,7 +102,8 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, w.dim)
         if axis.axis == cp_layout.AXIS:
-            x = cp_layout.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n)
+            x = cp_layout.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
+                                  cp_layout.split_factor(w))
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.reduce_scatter_tensor.default, x, "sum", n, axis.group))
         x = _dim_from_front(emit, x, w.dim)
@@ -113,10 +114,12 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.all_gather_into_tensor.default, x, n, axis.group))
         if axis.axis == cp_layout.AXIS:
-            x = cp_layout.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n)
+            x = cp_layout.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
+                                    cp_layout.split_factor(h))
         return _dim_from_front(emit, x, h.dim)
     if isinstance(h, Replicate) and isinstance(w, Shard) and axis.axis == cp_layout.AXIS:
-        return cp_layout.take(emit, x, w.dim, x.meta[M.VAL].shape[w.dim], axis.coord, n)
+        return cp_layout.take(emit, x, tuple(x.meta[M.VAL].shape), w.dim, axis.coord, n,
+                              cp_layout.split_factor(w))
     if isinstance(h, Replicate) and isinstance(w, Shard):
         size = x.meta[M.VAL].shape[w.dim] // n
         start = emit(operator.mul, axis.coord, size)

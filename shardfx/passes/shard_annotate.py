@@ -102,7 +102,7 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh, tokens: tuple[int, in
     for axis, n in mesh.axes:
         if (axis == "cp" or axis == "tp" and sp) and tokens is not None and n > 1 and \
                 tuple(val.shape[:2]) == tokens:
-            out.append(_sequence_split(role, val, axis, n, mesh.axis("dp"), mesh.axis("cp")))
+            out.append(_sequence_split(role, val, axis, n, mesh.axis("cp")))
             continue
         if axis != "dp" or n == 1 or val.dim() == 0:
             out.append(Replicate())
@@ -116,16 +116,7 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh, tokens: tuple[int, in
     return tuple(out)
 
 
-def _sequence_split(role: M.InputRole, val, axis: str, n: int, dp: int = 1, cp: int = 1
-                    ) -> Shard:
-    if axis == "cp" and val.shape[0] != dp:
-        raise MeshError(
-            f"{role.name} has {val.shape[0] // dp} sequences per dp replica; context "
-            "parallelism runs one at a time (a sequence split over cp, flattened with others, "
-            "is no longer a split the matmuls can keep)",
-            where=f"{role.name} (shape {list(val.shape)})",
-            fix=f"give each step {dp} sequence(s), one per dp replica, and accumulate the rest "
-            "(runner.step_batches), or use dp for the batch")
+def _sequence_split(role: M.InputRole, val, axis: str, n: int, cp: int = 1) -> Shard:
     parts = 2 * n if axis == "cp" else n * cp  # megatron-sp with cp: tp splits cp's part
     if val.shape[1] % parts:
         what = f"2*cp={parts}" if axis == "cp" else f"cp*tp={parts}" if cp > 1 else f"tp={n}"

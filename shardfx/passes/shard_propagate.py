@@ -368,8 +368,9 @@ def _plain_shard(p) -> bool:
 
 def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> bool:
     """Only placements codegen implements: Shard, Replicate, Partial(sum|avg) (a dim may be
-    split over several axes, nested in mesh order); even shards only (same shapes on every
-    rank)."""
+    split over several axes, nested in mesh order), and on cp the ``_StridedShard`` of tokens
+    flattened from several sequences (each one's chunks: ``cp_layout``); even shards only (same
+    shapes on every rank)."""
     outs = out_specs if isinstance(out_specs, (tuple, list)) else [out_specs]
     vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (tuple, list)) else [node.meta[M.VAL]]
     pairs = [(s, tuple(v.shape)) for s, v in zip(outs, vals)
@@ -378,7 +379,11 @@ def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> boo
     for s, shape in pairs:
         size = dict(enumerate(shape))
         for p, n, axis in zip(s.placements, s.mesh.shape, s.mesh.mesh_dim_names):
-            if _plain_shard(p):  # a dim on several axes: split in mesh order
+            if type(p) is _StridedShard and axis == cp_layout.AXIS:  # sequences flattened
+                if size[p.dim] % (2 * n * p.split_factor):
+                    return False
+                size[p.dim] //= n
+            elif _plain_shard(p):  # a dim on several axes: split in mesh order
                 if size[p.dim] % (2 * n if axis == cp_layout.AXIS else n):  # cp: 2 chunks each
                     return False
                 size[p.dim] //= n

@@ -34,8 +34,8 @@ class Shards:
         out = full
         for (axis, n), p in zip(self.spec.axes, placements):
             if isinstance(p, Shard) and axis == cp_layout.AXIS:
-                out = cp_layout.take(cp_layout.call, out, p.dim, out.shape[p.dim],
-                                     self.coord[axis], n)
+                out = cp_layout.take(cp_layout.call, out, tuple(out.shape), p.dim,
+                                     self.coord[axis], n, cp_layout.split_factor(p))
             elif isinstance(p, Shard):
                 size = out.shape[p.dim] // n
                 out = out.narrow(p.dim, self.coord[axis] * size, size)
@@ -50,7 +50,8 @@ class Shards:
             whole = front.new_empty((n * front.shape[0], *front.shape[1:]))
             dist.all_gather_single(whole, front, group=self.mesh.get_group(axis))
             if axis == cp_layout.AXIS:
-                whole = cp_layout.unshuffle(cp_layout.call, whole, tuple(whole.shape), n)
+                whole = cp_layout.unshuffle(cp_layout.call, whole, tuple(whole.shape), n,
+                                            cp_layout.split_factor(p))
             out = whole.movedim(0, p.dim)
         return out.contiguous()
 
