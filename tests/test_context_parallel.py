@@ -196,6 +196,26 @@ def test_a_mask_the_ring_cannot_split_is_refused():
     assert "dense mask" in str(e.value) and "drop the cp axis" in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "nanogpt"])
+def test_a_long_mask_is_checked_a_few_rows_at_a_time(monkeypatch, name):
+    """A mask over ``BLOCK`` elements is computed and compared with the causal one a block of
+    query rows at a time (here 2 rows of 8): the same answers as whole. Each block's copy of
+    the same mask is checked once."""
+    from shardfx.passes import causal_mask
+
+    monkeypatch.setattr(causal_mask, "BLOCK", 16)
+    checked = []
+    monkeypatch.setattr(causal_mask, "_is_causal",
+                        lambda m, check=causal_mask._is_causal: checked.append(m) or check(m))
+    plan = _partition(tiny(name), mesh={"cp": 2})
+    assert len(checked) <= 1, checked
+    flash = [n for n in plan.ir.graph.nodes if n.target in (causal_mask.FLASH,
+                                                            causal_mask.FLASH_BACKWARD)]
+    assert flash and all("attn_mask" not in n.kwargs for n in flash)
+    with pytest.raises(shardfx.ShardingError):
+        _partition(_Encoder(window=2), mesh={"cp": 2})
+
+
 @pytest.mark.parametrize("kw,words", [
     (dict(seq=SEQ - 4, mesh={"cp": 4}), "sequence length 4, not divisible by 2*cp=8"),
     (dict(seq=SEQ - 4, mesh={"cp": 2, "tp": 4}, shard="megatron-sp"),

@@ -14,9 +14,14 @@ captured attention carries a dense (T, T) mask even when it is plainly causal. R
 (``codegen.ring_attention``, the ``cp`` axis) needs to know the mask is causal, to skip the
 blocks of later ranks and mask only its own block; a dense mask it cannot split is refused.
 
-How: the mask's ops are run once, on the CPU, from the constants they read, and the value is
-compared with the causal pattern. That is (T, T) elements: masks over ``MAX_CHECKED``
-elements are left as they are (and a cp plan then says why it cannot run them).
+How: the mask's ops are run, on the CPU, from the constants they read, and the value is
+compared with the causal pattern, a block of query rows at a time (``BLOCK`` elements): the
+mask is built by broadcasting a column of query positions against a row of key positions, so
+every (T, T) value is computed per block from its operands' rows, and the (T,) or (T, 1) ones
+whole. A long context's mask is checked in O(T^2) time but O(T) memory per row. A (T, T)
+value made by an op that does not keep rows apart (a view, a reduction) is not split: such a
+mask is checked whole up to ``BLOCK`` elements and left as it is beyond (a cp plan then says
+why it cannot run it).
 """
 
 from __future__ import annotations
@@ -25,19 +30,36 @@ import torch
 import torch.fx as fx
 
 from shardfx.ir import meta as M
+from shardfx.ir.graph import hashable
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-MAX_CHECKED = 1 << 26  # elements of a mask evaluated to check it (a 8192 x 8192 one)
+BLOCK = 1 << 24  # elements of a (T, T) value computed at once
+aten = torch.ops.aten
+ROWWISE = {  # ops whose output row i reads row i of each operand (broadcasting): split by rows
+    aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor,
+    aten.gt.Tensor, aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar,
+    aten.ge.Scalar, aten.gt.Scalar, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+    aten.bitwise_not.default, aten.logical_and.default, aten.logical_or.default,
+    aten.logical_not.default, aten.where.self, aten.add.Tensor, aten.sub.Tensor,
+    aten.mul.Tensor, aten.add.Scalar, aten.mul.Scalar, aten.masked_fill.Scalar,
+    aten.expand.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+}
 
 
 def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
     """Run on plans with a ``cp`` axis (``pipeline.compile_ir``): only the ring needs it, and
     other plans keep the model's ops as traced."""
-    changed = False
+    changed, answers = False, {}
     for node in list(gm.graph.find_nodes(op="call_function", target=FLASH)):
         mask = node.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node) and _is_causal(mask):
+        if not isinstance(mask, fx.Node):
+            continue
+        key = _same_ops(mask)  # each stamped block computes the same mask again: check once
+        causal = answers[key] if key in answers else _is_causal(mask)
+        if key is not None:
+            answers[key] = causal
+        if causal:
             _drop_mask(node, mask)
             changed = True
     if changed:
@@ -63,26 +85,68 @@ def _drop_mask(forward: fx.Node, mask: fx.Node) -> None:
 
 def _is_causal(mask: fx.Node) -> bool:
     val = mask.meta.get(M.VAL)
-    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.numel() > MAX_CHECKED:
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return False
     q, k = val.shape[-2:]
     if q != k:
         return False
-    value = _evaluate(mask)
-    if value is None:
+    order = _constant_ops(mask)
+    if order is None:
         return False
+    if val.numel() <= BLOCK:
+        return _causal_rows(_run(order, {}, None)[mask], 0)
+    pairwise = [n for n in order if _rows_of(n, q) and n.meta[M.VAL].shape[-1] == k]
+    split = set(pairwise)
+    if any(n.op != "call_function" or n.target not in ROWWISE for n in pairwise) or any(
+            a in split for n in order if n not in split for a in n.all_input_nodes):
+        return False  # a value that does not keep the rows apart
+    small = _run([n for n in order if n not in split], {}, None)
+    rows = max(1, BLOCK * q // val.numel())
+    for start in range(0, q, rows):
+        block = _run(pairwise, small, (start, min(q, start + rows), q))
+        if not _causal_rows(block[mask], start):
+            return False
+    return True
+
+
+def _causal_rows(value: torch.Tensor, start: int) -> bool:
+    """Rows ``start ..`` of the causal mask: row i allows the keys 0 .. i."""
     if value.dtype == torch.bool:
         allowed = value
     else:
         allowed = value == 0
         if not bool(((value == 0) | (value == float("-inf"))).all()):
             return False
-    causal = torch.ones(q, k, dtype=torch.bool).tril()
+    rows, k = allowed.shape[-2:]
+    causal = torch.arange(k) <= torch.arange(start, start + rows).unsqueeze(1)
     return bool((allowed == causal).all())
 
 
-def _evaluate(node: fx.Node) -> torch.Tensor | None:
-    """``node``'s value, from the constants its ops read; None if it reads anything else."""
+def _same_ops(mask: fx.Node):
+    """What determines the mask's value: its ops in order, each with its arguments (operands by
+    their place in that order, the constants by name); None if it reads anything else."""
+    order = _constant_ops(mask)
+    if order is None:
+        return None
+    at = {n: i for i, n in enumerate(order)}
+    try:
+        key = tuple(n.name if n.op == "placeholder" else (n.target, hashable(
+            fx.node.map_arg((n.args, n.kwargs), at.__getitem__))) for n in order)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _rows_of(n: fx.Node, q: int) -> bool:
+    """Whether ``n``'s value has the query rows (dim -2 of length q)."""
+    val = n.meta.get(M.VAL)
+    return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-2] == q
+
+
+def _constant_ops(node: fx.Node) -> list[fx.Node] | None:
+    """The ops ``node``'s value comes from, in graph order; None if it reads anything but
+    constants."""
     order, seen, stack = [], set(), [node]
     while stack:
         n = stack.pop()
@@ -97,14 +161,29 @@ def _evaluate(node: fx.Node) -> torch.Tensor | None:
         order.append(n)
         stack.extend(n.all_input_nodes)
     position = {n: i for i, n in enumerate(node.graph.nodes)}
-    env: dict[fx.Node, object] = {}
-    for n in sorted(order, key=position.__getitem__):
+    return sorted(order, key=position.__getitem__)
+
+
+def _run(nodes: list[fx.Node], env: dict, rows: tuple[int, int, int] | None) -> dict:
+    """The values of ``nodes`` (in order) on the CPU, the others read from ``env``; with
+    ``rows`` = (start, stop, q), only those query rows of each value that has q rows (and of
+    its operands: a broadcast operand of one row is read whole)."""
+    env, made = dict(env), set(nodes)
+
+    def operand(a: fx.Node):
+        v = env[a]
+        if rows is not None and a not in made and _rows_of(a, rows[2]):
+            return v.narrow(-2, rows[0], rows[1] - rows[0])
+        return v
+
+    for n in nodes:
         if n.op == "placeholder":
             env[n] = n.meta[M.CONSTANT].value.to("cpu")
             continue
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), operand)
         if "device" in kwargs:
             kwargs = {**kwargs, "device": torch.device("cpu")}
+        if rows is not None and n.target is aten.expand.default and args[1][-2] == rows[2]:
+            args = (args[0], [*args[1][:-2], rows[1] - rows[0], args[1][-1]], *args[2:])
         env[n] = n.target(*args, **kwargs)
-    return env[node]
-
+    return env
