@@ -7,7 +7,9 @@ schedule as a grid of ranks by time slots, every action one slot wide as ``str(s
 draws it; the predicted memory per device; the
 collectives, totalled per axis and kind, then one by one with the reason for each; and every
 parameter as a row, under its layer in model order, with its full shape, its placement on each
-mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its bytes per device. A plan that
+mesh axis (``S(0)``, ``R``, ``P``), its pipeline stage and its bytes per device; with
+``shard="auto"``, what the solver chose, its predicted step next to the named plans', and where it
+departs from Megatron's; every global rank's coordinates on the mesh. A plan that
 splits sequences (``megatron-sp``, a ``cp`` axis) says how in the header; the collectives are
 also shown by the module whose op needs them.
 
@@ -55,7 +57,8 @@ def plan_html(plan) -> str:
     parts = [_header(plan)]  # the short sections first, the long table of weights last
     if plan.schedule is not None:
         parts += [_stages(plan), _schedule(plan.schedule)]
-    parts += [_memory(plan), _collectives(plan.collectives), _layers(plan)]
+    parts += [_solver(plan), _memory(plan), _collectives(plan.collectives), _ranks(plan),
+              _layers(plan)]
     return (f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{escape(title)}"
             f"</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
             + "\n</body></html>\n")
@@ -221,6 +224,39 @@ def _collectives(collectives) -> str:
                      "module")
             + _table(["collective", "axis", "bytes", "why: node, placement change"], each,
                      f"all {len(collectives)}") + "</section>")
+
+
+def _solver(plan) -> str:
+    """What ``shard="auto"`` chose and why (empty for a plan it did not make)."""
+    lines = plan._auto_notes()
+    if not lines:
+        return ""
+    items = "".join(f"<li>{escape(line.strip())}</li>" for line in lines[1:])
+    return (f'<section id="solver"><h2>Sharding solver</h2><p>{escape(lines[0])}</p>'
+            f'<ul class="mono">{items}</ul></section>')
+
+
+RANKS_SHOWN = 256
+
+
+def _ranks(plan) -> str:
+    """Every global rank's coordinates on the mesh (row-major: the last axis fastest)."""
+    axes = list(plan.options.mesh.axes)
+    if not axes:
+        return ""
+    rows, total = [], math.prod(n for _, n in axes)
+    for rank in range(min(total, RANKS_SHOWN)):
+        coords, rest = [], rank
+        for _, n in reversed(axes):
+            coords.append(rest % n)
+            rest //= n
+        rows.append(f"<tr>{_td(rank, 'num')}" + "".join(_td(c, "num") for c in reversed(coords))
+                    + "</tr>")
+    return ('<section id="ranks"><h2>Ranks</h2>'
+            + _table(["global rank", *(a for a, _ in axes)], rows,
+                     "each process's place on the mesh" + (
+                         f" (the first {RANKS_SHOWN} of {total}; the rest follow row-major)"
+                         if total > RANKS_SHOWN else "")) + "</section>")
 
 
 # --- schedule -----------------------------------------------------------------------------

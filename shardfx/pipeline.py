@@ -18,6 +18,7 @@ from shardfx.codegen.spmd import generate_spmd
 from shardfx.codegen.stages import inherit_stages
 from shardfx.ir import meta as M
 from shardfx.passes.assign_phase import assign_phase
+from shardfx.passes.auto_shard import auto_shard, solver
 from shardfx.passes.estimate_cost import estimate_cost
 from shardfx.passes.manager import (Options, PassRecord, captured_record, run_passes,
                                     run_program_passes)
@@ -57,6 +58,8 @@ def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
         mixed_precision,  # bf16/fp16 matmuls, fp32 where it matters: before costs and shards
         estimate_cost,    # FLOPs and bytes per op: the summary now, the stage cutter and solver later
         *([shard_annotate,   # the user's request -> placements of parameters and batch inputs
+           *([auto_shard]    # shard="auto": the solver places the rest, every op priced
+             if solver(options) else []),
            shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
            ] if sharded else []),
     ], options, history)
@@ -117,7 +120,8 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
         assign_phase,    # forward vs backward
         mixed_precision,  # each op's dtype: what the cutter, the shards and remat measure
         estimate_cost,   # what the stage cutter balances
-        *([shard_annotate, shard_propagate] if sharded else []),  # cp and tp in a stage
+        *([shard_annotate, *([auto_shard] if solver(options) else []),  # cp and tp in a stage
+           shard_propagate] if sharded else []),
     ], dataclasses.replace(options, mesh=inner), history)
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is

@@ -307,10 +307,22 @@ class Plan:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self.memory_rows(),
-                      notes=self._memory_notes() + self._sequence_notes(),
+                      notes=self._auto_notes() + self._memory_notes() + self._sequence_notes(),
                       compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1,
                       predicted=str(self.predicted_step))
+
+    def _auto_notes(self) -> list[str]:
+        """What ``shard="auto"`` chose and why (``auto.explain``)."""
+        from shardfx.auto.explain import notes
+        from shardfx.passes.auto_shard import AUTO
+        from shardfx.passes.shard_annotate import megatron_placements
+
+        report = self.ir.meta.get(AUTO)
+        if report is None:
+            return []
+        megatron = megatron_placements(self.ir, self.options) if "tp" in report.axes else None
+        return notes(report, megatron)
 
     def _sequence_notes(self) -> list[str]:
         split = sequence_split(self.options)

@@ -35,7 +35,8 @@ class MLP(torch.nn.Module):
 def mlp_plan(batch: int, mesh=None, model="h100"):
     torch.manual_seed(0)
     x, y = torch.randn(batch, 64), torch.randn(batch, 64)
-    return shardfx.partition(MLP(), (x,), F.mse_loss, (y,), mesh=mesh, device_model=model)
+    return shardfx.partition(MLP(), (x,), F.mse_loss, (y,), mesh=mesh, device_model=model,
+                             shard="megatron")
 
 
 # --- presets and the roofline -------------------------------------------------------------------

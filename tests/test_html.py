@@ -33,7 +33,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 @pytest.fixture(scope="module")
 def plans() -> dict[str, shardfx.Plan]:
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
-    return {"tp": shardfx.partition(tiny("llama"), (ids,), lm_loss, (ids,), mesh="dp=2,tp=2"),
+    return {"tp": shardfx.partition(tiny("llama"), (ids,), lm_loss, (ids,), mesh="dp=2,tp=2",
+                                    shard="megatron"),
             "pp": shardfx.partition(tiny("llama"), (ids,), lm_loss, (ids,), mesh="pp=2",
                                     microbatches=4, schedule="zero-bubble")}
 
@@ -93,7 +94,7 @@ def check_page(plan, page: Page) -> None:
     """What both the parsed source and Chromium's DOM must show for ``plan``."""
     pipeline = plan.schedule is not None
     assert page.sections == [*(["stages", "schedule"] * pipeline), "memory", "collectives",
-                             "layers"]
+                             "ranks", "layers"]
     rows = {r["data-fqn"]: r for r in page.rows_of("param")}
     assert list(rows) == [n.meta[M.ROLE].name for n in params(plan)]  # all, in model order
     assert len(page.rows_of("collective")) == len(plan.collectives)

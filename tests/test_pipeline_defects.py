@@ -137,7 +137,7 @@ def test_gradients_redistributed_before_return_are_placed_where_made(name):
     pytest.importorskip("transformers")
     (x,), (y,) = token_batches(1)[0]
     plan = shardfx.partition(hf(name), (x,), lm_loss, (y,), mesh={"pp": 2, "tp": 2},
-                             microbatches=2)
+                             microbatches=2, shard="megatron")
     split = plan.stage_program
     stage_of = {n.meta[M.ROLE].name: n.meta[M.STAGE]
                 for n in plan.ir.graph.find_nodes(op="placeholder") if M.STAGE in n.meta}

@@ -17,6 +17,8 @@ reader can find in one place what a key means and which pass produces it.
     STAGE             ops, inputs        int            passes.stage_cut
     REMAT             recomputed copies  str (original) passes.remat
     ZERO              parameter inputs   ZeroShard      passes.zero (ZeRO-3: a dp shard)
+    BLOCK             ops of a repeat    BlockPlace     partitioner.stamp
+    CHOICE            call_function      Placements...  passes.auto_shard (operand placements)
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``; what
 ``passes.mixed_precision`` did in ``gm.meta[PRECISION]`` as its ``PrecisionReport``.
@@ -41,6 +43,8 @@ STAGE = "shardfx.stage"
 REMAT = "shardfx.remat"
 ZERO = "shardfx.zero"
 GRAPH = "shardfx.graph"
+BLOCK = "shardfx.block"
+CHOICE = "shardfx.choice"
 PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 
 
@@ -145,6 +149,18 @@ class Phase(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class BlockPlace:
+    """Where an op of a stamped list sits: the list (``model.layers``), forward or backward, and
+    its place in the block's ops. Every block's op at the same place is the same op on values of
+    the same shapes (``partitioner.stamp`` proved it), so what is decided for one holds for all
+    (``passes.auto_shard`` gives them one set of variables)."""
+
+    path: str
+    unit: str  # "f" (forward) or "b" (backward)
+    index: int
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ def stamp(gm: fx.GraphModule, repeat: Repeat) -> None:
     relation = _relate(units, where, repeat)
     outside = _outside_uses(graph, where)
     _check_outputs(graph, repeat, where)
+    for node, (unit, q) in where.items():  # block 1's copies take it with the rest of its meta
+        node.meta[M.BLOCK] = M.BlockPlace(repeat.path, unit[0], q)
     _stamp(graph, repeat, units, where, relation, outside)
 
 

@@ -14,10 +14,11 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
     over ``tp``, so the embedding, norms, dropout and residual adds run on each rank's part
     of the sequence; ``shard_propagate`` turns a row-parallel output's all-reduce into a
     reduce-scatter onto that split, and a column-parallel input is all-gathered;
-  - ``"auto"``: ``"megatron"`` when the mesh has a ``tp`` axis, else ``"replicate"`` (the ILP
-    solver replaces this in a later version);
+  - ``"auto"``: every parameter replicated here; ``auto_shard`` (the solver) then decides
+    them, with every op's placement;
   - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
-    its placements, one per mesh axis; unmatched parameters are replicated.
+    its placements, one per mesh axis; unmatched parameters are replicated. A glob whose value
+    is ``"auto"`` (``{"*.wq.weight": [...], "*": "auto"}``) leaves its parameters to the solver.
 Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``, and those of the
 first input's (batch, sequence) shape on dim 1 over ``cp`` (context parallelism) and, with
 ``megatron-sp``, over ``tp`` (within cp's part, when both split it); the tangent, buffers and
@@ -52,7 +53,8 @@ def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
     for node in gm.graph.find_nodes(op="placeholder"):
         role = node.meta[M.ROLE]
         if role.kind is M.InputKind.PARAM:
-            node.meta[M.ANNOTATION] = params.get(role.name) or replicated(axes)
+            placements = params.get(role.name, AUTO)  # "auto": replicated until auto_shard
+            node.meta[M.ANNOTATION] = replicated(axes) if placements == AUTO else placements
         elif role.kind in (M.InputKind.INPUT, M.InputKind.TARGET):
             node.meta[M.ANNOTATION] = _batch_sharded(node, role, mesh, tokens, sp)
         elif role.kind is not M.InputKind.MESH:
@@ -132,15 +134,12 @@ def _sequence_split(role: M.InputRole, val, axis: str, n: int, cp: int = 1) -> S
 
 
 def _param_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
-    """FQN -> placements for the parameters the request shards; the rest are replicated."""
+    """FQN -> placements for the parameters the request shards; the rest are replicated (under
+    "auto", until ``auto_shard`` decides them)."""
     shard, mesh = options.shard, options.mesh
     axes = [a for a, _ in mesh.axes]
-    shapes = {n.meta[M.ROLE].name: (tuple(n.meta[M.VAL].shape), n.meta[M.ROLE].aliases)
-              for n in gm.graph.find_nodes(op="placeholder")
-              if n.meta[M.ROLE].kind is M.InputKind.PARAM}
-    if shard == "auto":
-        shard = "megatron" if "tp" in axes else "replicate"
-    if shard == "replicate":
+    shapes = _param_shapes(gm)
+    if shard in ("auto", "replicate"):
         return {}
     if shard in ("megatron", "megatron-sp"):
         request = _megatron(shapes, options.module_types, axes)
@@ -151,14 +150,36 @@ def _param_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
                             fix='use "auto", "megatron", "megatron-sp", "replicate" or '
                             "{param glob: placements}")
     for fqn, placements in request.items():
-        _check_divisible(fqn, shapes[fqn][0], placements, mesh)
+        if placements != AUTO:
+            _check_divisible(fqn, shapes[fqn][0], placements, mesh)
     return request
+
+
+def _param_shapes(gm: fx.GraphModule) -> dict[str, tuple]:
+    return {n.meta[M.ROLE].name: (tuple(n.meta[M.VAL].shape), n.meta[M.ROLE].aliases)
+            for n in gm.graph.find_nodes(op="placeholder")
+            if n.meta[M.ROLE].kind is M.InputKind.PARAM}
+
+
+def megatron_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
+    """FQN -> placements of Megatron's plan by module name (``shard="megatron"``)."""
+    return _megatron(_param_shapes(gm), options.module_types, [a for a, _ in options.mesh.axes])
+
+
+def user_placed(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
+    """FQN -> placements the user gave in a ``shard={glob: placements}`` that also has "auto"
+    values: the parameters ``auto_shard`` keeps as they are."""
+    return {fqn: p for fqn, p in _param_placements(gm, options).items() if p != AUTO}
+
+
+AUTO = "auto"  # a glob's value in ``shard={...}``: the parameters it matches are the solver's
 
 
 def _from_globs(spec: dict, shapes: dict, axes: list[str]) -> dict[str, M.Placements]:
     out: dict[str, M.Placements] = {}
     for glob, placements in spec.items():
-        placements = _check_placements(glob, placements, axes)
+        if placements != AUTO:
+            placements = _check_placements(glob, placements, axes)
         hits = [fqn for fqn, (_, aliases) in shapes.items()
                 if any(fnmatch.fnmatchcase(name, glob) for name in (fqn, *aliases))]
         if not hits:

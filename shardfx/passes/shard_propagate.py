@@ -68,11 +68,20 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
                                                    inputs=(None,))
             spec[node] = out
             continue
-        sharding, out = _remembered(node, spec, mesh, memo, split)
+        given = node.meta.get(M.CHOICE)  # the solver's (passes.auto_shard)
+        sharding, out = _remembered(node, spec if given is None else _chosen(node, given, mesh),
+                                    mesh, memo, split)
         node.meta[M.SHARDING] = sharding
         spec[node] = out
     _require_outputs(gm, mesh)
     return gm
+
+
+def _chosen(node: fx.Node, given: tuple, mesh: DeviceMesh) -> dict:
+    """The operands' specs with the placements the solver chose to ask the rule with: the
+    answer is then the strategy it priced (``auto.candidates`` asked the same question)."""
+    return {u: _spec(mesh, p, u.meta[M.VAL]) if p is not None else None
+            for u, p in zip(operands(node), given)}
 
 
 aten = torch.ops.aten

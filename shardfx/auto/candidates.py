@@ -1,0 +1,225 @@
+"""Every op's candidate strategies: how it may run on the mesh, by the rules shard_propagate uses.
+
+A strategy of an op is what ``shard_propagate`` answers for one choice of its operands'
+placements (``given``): the placements its operands must then have (``inputs``, where the
+rule redistributes) and its result's (``out``). The candidates of an operand are the results
+of its producer's strategies, so the walk goes in program order, asking the propagator (with
+its policy on partial sums, and its memo) once per distinct choice. A placeholder's candidates
+are seeded: a parameter replicated or split on any dimension its size divides, on each axis the
+solver decides (``free``); an input also split on its batch dimension there (that axis used as
+data parallel); the rest as ``shard_annotate`` placed them.
+
+Ops of a stamped list at the same place in their block (``BLOCK``) are one *class*, with one
+set of strategies: the union of what any of them was given. A class is asked again only for
+operand choices it has not seen, so past the first blocks the walk does almost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from shardfx.hints import HINT, PIPE_SPLIT
+from shardfx.ir import meta as M
+from shardfx.ir.graph import op_nodes, operands
+from shardfx.passes import shard_propagate as SP
+
+MAX_CHOICES = 32  # operand choices asked per op (``_combinations``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    out: M.Placements | tuple  # a tuple of them (None for a non-tensor) for a multi-output op
+    inputs: tuple  # placements each tensor operand must have, in operand order
+    replicated: bool = False  # no rule took them: the op runs on whole tensors
+
+
+@dataclasses.dataclass
+class Candidates:
+    """The classes, their strategies, and which class each node of the graph belongs to."""
+
+    classes: dict[object, list[Strategy]]
+    given: dict[object, list[tuple | None]]  # class -> per strategy, operand placements giving it
+    answers: dict[object, dict[tuple, int]]  # class -> operand placements -> strategy index
+    of: dict[fx.Node, object]  # node -> its class key (a getitem: its producer's)
+    members: dict[object, list[fx.Node]]
+    mesh: object
+    memo: dict
+
+    def outs(self, node: fx.Node) -> list:
+        """The result placements of ``node`` under each strategy of its class, in order."""
+        return _outs(node, self.of, self.classes)
+
+    def answer(self, node: fx.Node, given: tuple) -> Strategy:
+        """The strategy ``shard_propagate`` takes for ``node`` given its operands' placements."""
+        key = self.of[node]
+        j = self.answers[key].get(given)
+        if j is not None:
+            return self.classes[key][j]
+        return _ask(node, operands(node), given, self.mesh, self.memo)
+
+
+def class_key(node: fx.Node, lists: set[str] = frozenset()):
+    """Ops: their place in a stamped block, else themselves. Parameters: the same parameter of
+    every block of a stamped list (``layers.{i}.mlp.up_proj.weight``, by name and shape)."""
+    place = node.meta.get(M.BLOCK)
+    if place is not None:
+        return place
+    if node.op == "placeholder" and node.meta[M.ROLE].kind is M.InputKind.PARAM:
+        name = node.meta[M.ROLE].name
+        for path in lists:
+            head, _, rest = name.partition(path + ".")
+            index, _, rel = rest.partition(".")
+            if not head and index.isdigit() and rel:
+                return ("param", path, rel, tuple(node.meta[M.VAL].shape))
+    return node
+
+
+def enumerate_candidates(gm: fx.GraphModule, mesh, free: set[int], fixed: dict[str, M.Placements]
+                         ) -> Candidates:
+    """``mesh``: the planning DeviceMesh; ``free``: indices of the axes the solver decides;
+    ``fixed``: parameter FQN -> placements the user asked (a partial plan)."""
+    classes: dict[object, list[Strategy]] = {}
+    givens: dict[object, list] = {}
+    answers: dict[object, dict[tuple, int]] = {}
+    of: dict[fx.Node, object] = {}
+    members: dict[object, list[fx.Node]] = {}
+    memo: dict = {}
+    lists = {n.meta[M.BLOCK].path for n in op_nodes(gm.graph) if M.BLOCK in n.meta}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if M.ANNOTATION not in node.meta:
+            continue
+        key = class_key(node, lists)
+        of[node] = key
+        members.setdefault(key, []).append(node)
+        seeds = [Strategy(p, ()) for p in _seeds(node, mesh, free, fixed)]
+        if classes.setdefault(key, seeds) != seeds:  # a block's parameter fixed unlike another's
+            of[node] = key = node
+            members[key].pop()
+            members[node], classes[node] = [node], seeds
+        givens[key], answers[key] = [None] * len(seeds), {}
+    for node in op_nodes(gm.graph):
+        if node.target is operator.getitem:
+            of[node] = of[node.args[0]]
+            continue
+        key = class_key(node)
+        of[node] = key
+        members.setdefault(key, []).append(node)
+        strategies = classes.setdefault(key, [])
+        tried = answers.setdefault(key, {})
+        first = givens.setdefault(key, [])
+        ops = operands(node)
+        choices = [_distinct(_outs(u, of, classes)) for u in ops]
+        for given in _combinations(choices):
+            if given in tried:
+                continue
+            strategy = _ask(node, ops, given, mesh, memo)
+            if strategy not in strategies:
+                strategies.append(strategy)
+                first.append(given)
+            tried[given] = strategies.index(strategy)
+    return Candidates(classes, givens, answers, of, members, mesh, memo)
+
+
+def _outs(u: fx.Node, of: dict, classes: dict) -> list:
+    strategies = classes[of[u]]
+    if u.op == "call_function" and u.target is operator.getitem:
+        return [element(s.out, u.args[1]) for s in strategies]
+    return [s.out for s in strategies]
+
+
+def element(out, i: int):
+    """The placements of element ``i`` of a multi-output op's result (None: not a tensor)."""
+    return out[i] if out and not isinstance(out[0], Placement) else None
+
+
+def _distinct(values: list) -> list:
+    out = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _combinations(choices: list[list]) -> list[tuple]:
+    """Every choice of one placement per operand, at most MAX_CHOICES of them: past that, the
+    all-first choice, then the uniform ones (every operand that can takes the same placement:
+    attention's q, k, v and output all split on heads), then those that differ from the
+    all-first in fewer operands."""
+    total = 1
+    for c in choices:
+        total *= max(1, len(c))
+    if total <= MAX_CHOICES:
+        return list(itertools.product(*choices))
+    first = tuple(c[0] for c in choices)
+    out = {first: None}
+    for c in choices:
+        for p in c:
+            out.setdefault(tuple(p if p in d else d[0] for d in choices), None)
+    for changed in range(1, len(choices) + 1):
+        for which in itertools.combinations(range(len(choices)), changed):
+            pools = [c[1:] if i in which else c[:1] for i, c in enumerate(choices)]
+            for combo in itertools.product(*pools):
+                out.setdefault(combo, None)
+                if len(out) >= MAX_CHOICES:
+                    return list(out)
+    return list(out)
+
+
+def _ask(node: fx.Node, ops: list[fx.Node], given: tuple, mesh, memo: dict) -> Strategy:
+    if node.target in (HINT, PIPE_SPLIT):
+        sharding, _ = SP._hint(node, {ops[0]: SP._spec(mesh, given[0], ops[0].meta[M.VAL])}, mesh) \
+            if node.target is HINT else (M.NodeSharding(out=given[0], inputs=(given[0],)), None)
+        return Strategy(sharding.out, tuple(sharding.inputs))
+    spec = {u: spec_of(mesh, p, u) for u, p in zip(ops, given)}
+    sharding, _ = SP._remembered(node, spec, mesh, memo)
+    return Strategy(sharding.out, tuple(sharding.inputs), sharding.replicated)
+
+
+def spec_of(mesh, placements, node: fx.Node):
+    val = node.meta[M.VAL]
+    if placements is None or not isinstance(val, torch.Tensor):
+        return None
+    return SP._spec(mesh, placements, val)
+
+
+def _seeds(node: fx.Node, mesh, free: set[int], fixed: dict) -> list[M.Placements]:
+    """A placeholder's candidate placements (see the module docstring)."""
+    base = node.meta[M.ANNOTATION]
+    role = node.meta[M.ROLE]
+    val = node.meta[M.VAL]
+    if role.kind is M.InputKind.PARAM and role.name in fixed:
+        return [fixed[role.name]]
+    if role.kind is M.InputKind.PARAM:
+        dims = range(val.dim())
+    elif role.kind in (M.InputKind.INPUT, M.InputKind.TARGET) and val.dim() >= 1:
+        dims = range(1)  # the batch: the axis used as data parallel
+    else:
+        return [base]
+    per_axis = []
+    for i, p in enumerate(base):
+        if i not in free:
+            per_axis.append([p])
+            continue
+        n = mesh.shape[i]
+        options = [Replicate()]
+        for d in dims:
+            left = val.shape[d] // _split(base, d, mesh.shape)
+            if left % n == 0 and left >= n:
+                options.append(Shard(d))
+        per_axis.append(options)
+    return [tuple(c) for c in itertools.product(*per_axis)]
+
+
+def _split(placements, dim: int, sizes) -> int:
+    """How many parts the fixed axes already cut ``dim`` into."""
+    out = 1
+    for p, n in zip(placements, sizes):
+        if isinstance(p, Shard) and p.dim == dim:
+            out *= n
+    return out

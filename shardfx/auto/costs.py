@@ -1,0 +1,100 @@
+"""What a strategy costs: an op's time on its local shapes, a redistribution's collectives, and
+the bytes a value holds on one device, all from the plan's ``DeviceModel``.
+
+An op runs its global work divided by the ranks of every axis on which any of its operands or
+results is split or partial (an axis on which everything is replicated repeats the whole op on
+each rank). A redistribution is priced axis by axis as the collective codegen emits for it
+(``codegen.redistribute``): partial -> replicated an all-reduce, partial -> split a
+reduce-scatter, split -> replicated an all-gather, split -> split on another dimension an
+all-to-all (priced as an all-gather of the same bytes), replicated -> split a local slice (free).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from shardfx.device_model import DeviceModel, node_work
+from shardfx.ir import meta as M
+
+
+def is_split(p) -> bool:
+    return isinstance(p, Shard)  # _StridedShard is a Shard
+
+
+def parts(placements, sizes) -> int:
+    """Into how many pieces ``placements`` cut a tensor (partial shares are whole tensors)."""
+    return math.prod(n for p, n in zip(placements, sizes) if is_split(p))
+
+
+def flat(out) -> list:
+    """The placements tuples of a strategy's result (one, or one per tensor output)."""
+    if out is None:
+        return []
+    if out and not isinstance(out[0], Placement):
+        return [o for o in out if o is not None]
+    return [out]
+
+
+def work_parts(out, inputs, sizes) -> int:
+    """The ranks an op's work is divided among (the module docstring)."""
+    touched = set()
+    for placements in [*flat(out), *(p for p in inputs if p is not None)]:
+        touched |= {i for i, p in enumerate(placements) if not isinstance(p, Replicate)}
+    return math.prod(sizes[i] for i in touched)
+
+
+def op_seconds(node: fx.Node, out, inputs, sizes, model: DeviceModel) -> float:
+    flops, moved, dtype = node_work(node)
+    if not flops and not moved:
+        return 0.0
+    k = work_parts(out, inputs, sizes)
+    return model.op_seconds(flops / k, moved / k, dtype)
+
+
+def tensor_bytes(val) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def local_bytes(val, placements, sizes) -> float:
+    return tensor_bytes(val) / parts(placements, sizes)
+
+
+def redistribute_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> float:
+    """Seconds to take a value of global ``val`` from placements ``src`` to ``dst``."""
+    if src is None or dst is None or src == dst or not isinstance(val, torch.Tensor):
+        return 0.0
+    sizes = [n for _, n in axes]
+    total = 0.0
+    now = list(src)
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if a == b or sizes[i] == 1:
+            now[i] = b
+            continue
+        nbytes = local_bytes(val, now, sizes)
+        kind = _collective(a, b)
+        if kind is not None:
+            if kind == "all_gather":
+                nbytes *= sizes[i]
+            link = model.link_of(axes, axes[i][0])
+            total += model.collective_seconds(kind, nbytes, sizes[i], link)
+        now[i] = b
+    return total
+
+
+def _collective(a, b) -> str | None:
+    if isinstance(a, Partial):
+        return "reduce_scatter" if is_split(b) else "all_reduce" if isinstance(b, Replicate) else None
+    if is_split(a):
+        return "all_gather"  # to replicated, or (as an all-to-all) to another split
+    return None  # replicated -> split: a local slice; -> partial: a zero-filled share
+
+
+def saved(node: fx.Node) -> bool:
+    """A forward value a backward op reads: held from the forward to the backward."""
+    if node.meta.get(M.PHASE) is not M.Phase.FORWARD:
+        return False
+    return any(u.meta.get(M.PHASE) is M.Phase.BACKWARD for u in node.users)
