@@ -90,7 +90,7 @@ def test_four_ranks_train_like_one_device():
         ("llama", {"cp": 4}, 1),
         ("gpt2", {"cp": 4}, 1),
         ("llama", {"dp": 2, "cp": 2}, 4),
-        ("llama", {"cp": 2, "tp": 2}, 1),
+        ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron")),
         ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron-sp")),
         ("llama", {"pp": 2, "cp": 2}, 2, dict(microbatches=2)),
     ], nprocs=4, timeout=120, deadline=900))

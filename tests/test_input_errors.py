@@ -229,7 +229,8 @@ class OddHinted(torch.nn.Module):
 
 def test_hint_on_a_dimension_the_axis_does_not_divide_names_the_line():
     with pytest.raises(ShardingError) as info:
-        shardfx.partition(OddHinted(), (X,), F.mse_loss, (Y,), mesh={"tp": 2})
+        shardfx.partition(OddHinted(), (X,), F.mse_loss, (Y,), mesh={"tp": 2},
+                          shard="megatron")
     assert_explained(info.value, cause=("S(1)", "15"), where=f"{__file__}:")
     assert "h = shardfx.shard_hint(" in info.value.where
 

@@ -111,7 +111,7 @@ def _every_model(mesh: dict, kw: dict) -> list:
 
 
 @pytest.mark.parametrize("mesh,kw", [
-    ({"tp": 2}, {}),
+    ({"tp": 2}, {"shard": "megatron"}),
     ({"tp": 2}, {"shard": "megatron-sp"}),
     ({"cp": 2}, {"batch": 2}),
     ({"dp": 2}, {}),

@@ -41,8 +41,10 @@ def test_meta_traces_the_cpu_training_graph(name):
 def test_meta_model_with_cpu_inputs_plans_like_cpu():
     (x,), (y,) = token_batches(1)[0]
     model = on_meta("llama")
-    plan = shardfx.partition(model, (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2})
-    want = shardfx.partition(tiny("llama", 3), (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2})
+    plan = shardfx.partition(model, (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2},
+                             shard="megatron")
+    want = shardfx.partition(tiny("llama", 3), (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2},
+                             shard="megatron")
     assert ir_to_text(plan.program.module) == ir_to_text(want.program.module)
     assert all(p.is_meta for p in model.parameters())  # the user's model is left as it was
 

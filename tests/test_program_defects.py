@@ -186,7 +186,8 @@ def test_tensor_constant_is_a_replicated_input():
     name = "indexed_rows"
     compare_training(build(name), batches(name), F.mse_loss)
     (x,), (y,) = batches(name, 1)[0]
-    plan = shardfx.partition(build(name), (x,), F.mse_loss, (y,), mesh={"dp": 2, "tp": 2})
+    plan = shardfx.partition(build(name), (x,), F.mse_loss, (y,), mesh={"dp": 2, "tp": 2},
+                             shard="megatron")
     (const,) = [n for n in plan.ir.graph.find_nodes(op="placeholder")
                 if n.meta[M.ROLE].kind is M.InputKind.CONSTANT]
     assert torch.equal(const.meta[M.CONSTANT].value, torch.tensor([0, 1]))
@@ -215,9 +216,10 @@ def test_constant_text_form_parses_back():
 def test_falcon_plans_on_every_mesh():
     """Falcon's rotary embedding indexes with constants (``tensor([-2])``)."""
     (x,), (y,) = token_batches(1, 4)[0]
-    shardfx.partition(falcon(), (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2})
+    shardfx.partition(falcon(), (x,), lm_loss, (y,), mesh={"dp": 2, "tp": 2}, shard="megatron")
     for mesh in ({"pp": 2}, {"pp": 2, "tp": 2}):
-        shardfx.partition(falcon(), (x,), lm_loss, (y,), mesh=mesh, microbatches=2)
+        shardfx.partition(falcon(), (x,), lm_loss, (y,), mesh=mesh, microbatches=2,
+                          shard="megatron")
     compare_training(falcon(), token_batches(3, 4), lm_loss)
 
 
@@ -231,9 +233,9 @@ def test_on_two_processes():
         ("transposed_norm", {"pp": 2}, {"microbatches": 2}),
         ("relaid", {"dp": 2}, {}),
         ("indexed_rows", {"dp": 2}, {}),
-        ("indexed_rows", {"tp": 2}, {}),
+        ("indexed_rows", {"tp": 2}, {"shard": "megatron"}),
         ("indexed_rows", {"pp": 2}, {"microbatches": 2}),
-        ("falcon", {"tp": 2}, {}),
+        ("falcon", {"tp": 2}, {"shard": "megatron"}),
     ], nprocs=2, timeout=120, deadline=600)
     assert len(results[0]) == 8
 
@@ -242,6 +244,6 @@ def test_pipeline_by_tensor_parallel_on_four_processes():
     results = shardfx.launch(train, [
         # a pipeline's stages are planned over tp alone: one placement per glob
         ("transposed_norm", {"pp": 2, "tp": 2}, {"shard": NORM_TP, "microbatches": 2}),
-        ("indexed_rows", {"pp": 2, "tp": 2}, {"microbatches": 2}),
+        ("indexed_rows", {"pp": 2, "tp": 2}, {"microbatches": 2, "shard": "megatron"}),
     ], nprocs=4, timeout=120, deadline=600)
     assert len(results[0]) == 2

@@ -54,7 +54,7 @@ def test_one_device_under_budget_and_equal_to_eager():
     assert "recomputed, by module: model.layers.*." in " ".join(str(plan).split())
 
 
-@pytest.mark.parametrize("kw", [dict(mesh={"tp": 2}),
+@pytest.mark.parametrize("kw", [dict(mesh={"tp": 2}, shard="megatron"),
                                 dict(mesh={"pp": 2}, microbatches=4, schedule="1f1b"),
                                 # 35% of the fused plan's peak, where the schedules below
                                 # were chosen between

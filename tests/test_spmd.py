@@ -178,7 +178,8 @@ def test_batch_not_divisible_by_dp():
 
 
 def _wrong_world():
-    plan = shardfx.partition(mlp(), (X,), F.mse_loss, (Y,), mesh={"dp": 2, "tp": 2})
+    plan = shardfx.partition(mlp(), (X,), F.mse_loss, (Y,), mesh={"dp": 2, "tp": 2},
+                             shard="megatron")
     plan.runner()
 
 
