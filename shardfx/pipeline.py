@@ -122,7 +122,7 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
         estimate_cost,   # what the stage cutter balances
         *([shard_annotate, *([auto_shard] if solver(options) else []),  # cp and tp in a stage
            shard_propagate] if sharded else []),
-    ], dataclasses.replace(options, mesh=inner), history)
+    ], dataclasses.replace(options, mesh=inner, held_by=options.stages), history)
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is
     ], options, history)

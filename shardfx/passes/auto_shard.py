@@ -95,12 +95,13 @@ def auto_shard(gm: fx.GraphModule, options) -> fx.GraphModule:
 
 def _state_factor(options) -> float:
     """Bytes per parameter byte on one device: itself, its gradient, the optimizer's state,
-    divided over dp as the ZeRO stage asks."""
+    divided over dp as the ZeRO stage asks, and over a pipeline's stages (each device holds
+    its stage's parameters)."""
     dp = options.mesh.axis("dp")
     states = optimizer_model(options.optimizer).states
     zero = options.zero
-    return (1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1) + \
-        states * (1 / dp if zero >= 1 else 1)
+    return ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1) +
+            states * (1 / dp if zero >= 1 else 1)) / options.held_by
 
 
 def _fixed(gm: fx.GraphModule, options) -> dict[str, M.Placements]:

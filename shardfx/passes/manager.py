@@ -62,6 +62,8 @@ class Options:
     # final, in the backward (codegen.step_in_backward)
     device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
     device_model: Any = None  # a shardfx.device_model.DeviceModel: the speeds time is traded at
+    held_by: int = 1  # the stages a pipeline's IR, planned over its stage mesh, is cut into:
+    # each device holds about 1/held_by of its parameters (passes.auto_shard's memory)
 
     @property
     def slices(self) -> int:
