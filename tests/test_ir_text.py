@@ -229,7 +229,8 @@ def test_dump_says_where_each_op_comes_from_and_what_each_pass_did(tmp_path):
     from models import SEQ, VOCAB, lm_loss, tiny
 
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    plan = shardfx.partition(tiny("llama", layers=4), (ids,), lm_loss, (ids,), mesh="tp=2")
+    plan = shardfx.partition(tiny("llama", layers=4), (ids,), lm_loss, (ids,), mesh="tp=2",
+                             shard="megatron")
     assert "stamped" in plan.capture_path  # layers 1..3 are copies of a traced block
     out = plan.dump(tmp_path)
     text = (out / "06-shard_propagate.txt").read_text()
