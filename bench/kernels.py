@@ -162,8 +162,9 @@ def with_backward(fn: Callable, n_in: int) -> Callable:
         outs = fn(*inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)
         wrt = [i for i in inputs if i.requires_grad]
-        grads = torch.autograd.grad(outs, wrt, args[n_in:])
-        return (*(o.detach() for o in outs), *grads)
+        # allow_unused: Liger's rms_norm takes the residual and does not add it
+        grads = torch.autograd.grad(outs, wrt, args[n_in:], allow_unused=True)
+        return (*(o.detach() for o in outs), *(g for g in grads if g is not None))
     return joint
 
 
@@ -220,7 +221,11 @@ def kernel_rows(size: str, s: dict, dtype: torch.dtype, device: str) -> list[dic
                 except Exception as e:  # noqa: BLE001 - reported, not fatal
                     row["compile_error"] = f"{type(e).__name__}"
                 if liger is not None and device == "cuda":
-                    row["liger"] = bench_ms(lambda: liger(*run_args), device)
+                    try:
+                        row["liger"] = bench_ms(lambda: liger(*run_args), device)
+                    except Exception as e:  # noqa: BLE001 - reported, not fatal
+                        traceback.print_exc()
+                        row["liger_error"] = f"{type(e).__name__}"
             except Exception as e:  # noqa: BLE001 - a row that cannot run is reported
                 traceback.print_exc()
                 row["failed"] = _failure(e)
@@ -240,7 +245,7 @@ def kernel_table(rows: list[dict]) -> str:
                if k in r}
 
         def col(k):
-            return f"{gbs[k]:.0f}" if k in gbs else "-"
+            return f"{gbs[k]:.0f}" if k in gbs else r.get(f"{k}_error", "-")
 
         def ratio(k):
             return f"{gbs['shardfx'] / gbs[k]:.2f}" if k in gbs else "-"
@@ -375,7 +380,8 @@ def step_rows(a, device: str) -> list[dict]:
     def shardfx_step(model, kernels):
         plan = shardfx.partition(model, (ids,), lm_loss, (targets,), precision="bf16",
                                  kernels=kernels)
-        runner = plan.runner(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+        runner = plan.runner(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                             keep_grads=True)
         return (lambda: runner.step((ids,), (targets,))), runner
 
     rows = []
