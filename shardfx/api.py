@@ -63,8 +63,8 @@ def parse_bytes(size: int | float | str | None) -> int | None:
 def _kernels(kernels: str) -> str:
     if kernels not in ("auto", "triton", "aten"):
         raise InputError(f"unknown kernels {kernels!r}", where="partition(..., kernels=...)",
-                         fix='"auto" (Triton on CUDA, ATen ops on CPU), "triton" (on CPU through '
-                             "Triton's interpreter) or \"aten\"")
+                         fix='"auto" (ATen ops until the fused kernels are faster), "triton" '
+                             "(on CPU through Triton's interpreter) or \"aten\"")
     return kernels
 
 
@@ -171,7 +171,8 @@ def partition(
     parameters, gradients and optimizer state stay fp32; fp16 plans scale the loss in the
     runner. ``kernels``: "triton" runs the memory-bound ops between matmuls as fused Triton
     kernels (``passes.fusion``; on CPU through Triton's interpreter, slowly), "aten" as ATen
-    ops, "auto" Triton on CUDA and ATen on CPU. ``fused_loss``: an LM head whose logits only
+    ops, "auto" ATen ops everywhere until the fused kernels measure faster on a GPU (they do not
+    yet: ``passes.program.uses_triton``). ``fused_loss``: an LM head whose logits only
     feed a cross-entropy runs as one op over chunks of rows, forward and backward, so the
     (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
     ops; "auto" fuses only where the memory it saves matters: when the plan without it is over

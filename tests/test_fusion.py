@@ -251,6 +251,18 @@ def test_unknown_kernels_is_a_named_error():
         shardfx.partition(tiny("llama", 2), args, lm_loss, targets, kernels="cuda")
 
 
+def test_auto_runs_aten_ops_on_every_device():
+    """The fused kernels are opt-in: measured on a GPU they are not faster yet
+    (``passes.program.uses_triton``)."""
+    from types import SimpleNamespace
+
+    from shardfx.passes.program import uses_triton
+
+    for device in ("cpu", "cuda"):
+        assert not uses_triton(SimpleNamespace(kernels="auto", device=torch.device(device)))
+        assert uses_triton(SimpleNamespace(kernels="triton", device=torch.device(device)))
+
+
 GOLDEN = Path(__file__).with_name("golden")
 
 

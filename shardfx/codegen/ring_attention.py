@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
 from shardfx.errors import PassError, ShardingError, user_line
+from shardfx.runtime.attention import attention, attention_backward  # the plan's device's kernel
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -146,7 +147,7 @@ class RingAttention:
             if i + 1 < self.size:
                 passing = _Passing(pg, ranks, coord, [k, v])
             (q_b, out_r, lse_r), (k_b, v_b) = _pieces(part, (q, out, lse), (k, v))
-            out_b, lse_b = FLASH(q_b, k_b, v_b, 0.0, part == OWN, scale=self.scale)
+            out_b, lse_b = attention(q_b, k_b, v_b, 0.0, part == OWN, scale=self.scale)
             _merge(out_r, lse_r, out_b, lse_b)
             if i + 1 < self.size:
                 k, v = passing.wait()
@@ -201,8 +202,8 @@ class RingAttentionBackward:
                 passing = _Passing(pg, ranks, coord, [k, v])
             (go_b, q_b, out_b, lse_b, dq_r), (k_b, v_b) = _pieces(
                 part, (grad_out, q, out, lse, dq), (k, v))
-            dq_b, dk_b, dv_b = FLASH_BACKWARD(go_b, q_b, k_b, v_b, out_b, lse_b.contiguous(),
-                                              0.0, part == OWN, scale=self.scale)
+            dq_b, dk_b, dv_b = attention_backward(go_b, q_b, k_b, v_b, out_b, lse_b.contiguous(),
+                                                  0.0, part == OWN, scale=self.scale)
             dq_r.add_(dq_b)
             if incoming is None:
                 dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)

@@ -173,7 +173,7 @@ def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode
     its first blocks (and the attributes they read)."""
     cut = cut_to_traced(model, repeats)
     with cut as reads:
-        device = run_device(model, example)  # on meta: trace as on the device it will run on
+        device = run_device(model, example)  # on meta or a GPU: trace as on the CPU
         fakes = traced_as(model, example, device) if device else contextlib.nullcontext(example)
         with _hf_cache_off(model), fakes as fake_example, no_silent_backward(model):
             ep = _export(traced, fake_example, model)

@@ -1,4 +1,4 @@
-"""Tracing a model that lives on the meta device as if it lived on the device it will run on.
+"""Tracing a model that lives on the meta device or a GPU as if it lived on the CPU.
 
 Users plan big models without memory: ``with torch.device("meta"): model = Llama(config)``.
 Tracing meta tensors as they are goes wrong in two ways on torch 2.13:
@@ -12,11 +12,12 @@ Tracing meta tensors as they are goes wrong in two ways on torch 2.13:
   causal mask) are recorded with ``device=meta``, and the plan could not run once the model is
   materialized.
 
-So when any parameter, buffer or example input is on meta, every one of them is swapped for a
-``FakeTensor`` that reports the run device (the first non-meta device among them; else CPU),
-all in one ``FakeTensorMode`` that ``torch.export`` and aot_autograd then trace with. The trace
-is the run device's own, the very graph a materialized model gives, and no memory is touched.
-The model is restored on exit: the user's module keeps its meta tensors.
+So when any parameter, buffer or example input is on meta (or on a GPU), every one of them is
+swapped for a ``FakeTensor`` that reports the CPU, all in one ``FakeTensorMode`` that
+``torch.export`` and aot_autograd then trace with. The trace is the very graph a model on the
+CPU gives, and no memory is touched: one IR whatever device the model sits on, its
+device-specific kernels (fused attention) the CPU's, which ``runtime.device.place`` turns into
+the plan's device's. The model is restored on exit: the user's module keeps its tensors.
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ log = logging.getLogger("shardfx.capture")
 
 
 def run_device(model: torch.nn.Module, example: tuple) -> torch.device | None:
-    """The device a trace of ``model`` on ``example`` stands for when something is on meta:
-    the first non-meta device of the model's tensors and the example's; CPU when all are meta.
-    None when nothing is on meta (trace the tensors as they are)."""
+    """The device a trace of ``model`` on ``example`` is made on: the CPU, whatever device the
+    tensors are on, so every model has one IR (the CPU's spelling of device-specific kernels,
+    fused attention's above all, which ``runtime.device.place`` turns into the plan's
+    device's). None when every tensor is on the CPU already (trace them as they are)."""
     tensors = [*model.parameters(), *model.buffers(),
                *(t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor))]
-    if not any(t.is_meta for t in tensors):
+    if all(t.device.type == "cpu" for t in tensors):
         return None
-    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+    return torch.device("cpu")
 
 
 def traced_as(model: torch.nn.Module, example: tuple, device: torch.device):
@@ -48,7 +50,7 @@ def traced_as(model: torch.nn.Module, example: tuple, device: torch.device):
     dtypes and ``requires_grad`` kept; one fake per distinct tensor, so tied weights stay tied);
     yields ``example`` made of fakes of the same mode. Restores the model's tensors on exit."""
     mode = FakeTensorMode()
-    log.info("%s: tracing the meta model as on %s", type(model).__name__, device)
+    log.info("%s: tracing the model as on %s", type(model).__name__, device)
     return swapped(model, example, lambda t: mode.fake_tensor_converter.from_meta_and_device(
         mode, t.detach() if t.is_meta else torch.empty_like(t, device="meta"), device))
 

@@ -50,9 +50,10 @@ def program_passes(options) -> list:
 
 
 def uses_triton(options) -> bool:
-    """Fused Triton kernels: asked for, or "auto" on a plan that runs on CUDA."""
-    if options.kernels == "auto":
-        return options.device.type == "cuda"
+    """Fused Triton kernels: when asked for (``kernels="triton"``). ``"auto"`` runs ATen ops on
+    every device: measured on an H200 (bench/RESULTS.md, bench/gpu.py), the fused kernels made
+    nanoGPT's step no faster in fp32 (161-162 ms either way) and slower in bf16 (34.6-48.5 ms
+    against 34.0-35.0), so they are not a default until they win."""
     return options.kernels == "triton"
 
 

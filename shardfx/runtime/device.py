@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.errors import InputError
+from shardfx.runtime import attention
 
 
 def local_device() -> torch.device | None:
@@ -80,12 +81,17 @@ def place(module: fx.GraphModule, device: torch.device) -> int:
     """Make every tensor ``module``'s graph (and its submodules': pipeline parts) creates on
     ``device``: each ``device=`` keyword of an op set to it. Returns how many changed.
 
+    The CPU's attention kernels, which every trace has (``runtime.attention``), become ones
+    that run on ``device``.
+
     Ensures: no node's ``device`` keyword names another device; the ``VAL`` metadata keeps the
     traced device (the memory model and the IR text do not depend on it).
     """
     changed = 0
     for gm in [module, *(m for m in module.modules() if isinstance(m, fx.GraphModule))]:
-        edited = False
+        lowered = attention.lower(gm, device)
+        changed += lowered
+        edited = lowered > 0
         for node in gm.graph.nodes:
             dev = node.kwargs.get("device")
             if isinstance(dev, torch.device) and dev != device:
