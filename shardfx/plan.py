@@ -244,13 +244,16 @@ class Plan:
         if not reason:
             return
         unfused = self.options
+        emitted = [self.program, self.stage_program, self.collectives, self._memory,
+                   self.program_records]
         self.options = dataclasses.replace(unfused, fused_loss=True)
         _evaluate(self)
         if self.fused_losses() and max(self.memory_estimate().values()) < peak:
             self.fused_loss_reason = reason
             return
-        self.options = unfused
-        _evaluate(self)
+        self.options = unfused  # the unfused emission back, as it was: not emitted again
+        self.program, self.stage_program, self.collectives, self._memory, \
+            self.program_records = emitted
 
     def _fit_budget(self, budget: int) -> None:
         """Recompute activations (and in a pipeline, keep fewer microbatches in flight) until
