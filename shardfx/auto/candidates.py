@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardfx.hints import HINT, PIPE_SPLIT
 from shardfx.ir import meta as M
-from shardfx.ir.graph import op_nodes, operands
+from shardfx.ir.graph import is_getitem, op_nodes, operands
 from shardfx.passes import shard_propagate as SP
 
 MAX_CHOICES = 32  # operand choices asked per op (``_combinations``)
@@ -104,7 +102,7 @@ def enumerate_candidates(gm: fx.GraphModule, mesh, free: set[int], fixed: dict[s
             members[node], classes[node] = [node], seeds
         givens[key], answers[key] = [None] * len(seeds), {}
     for node in op_nodes(gm.graph):
-        if node.target is operator.getitem:
+        if is_getitem(node):
             of[node] = of[node.args[0]]
             continue
         key = class_key(node)
@@ -128,7 +126,7 @@ def enumerate_candidates(gm: fx.GraphModule, mesh, free: set[int], fixed: dict[s
 
 def _outs(u: fx.Node, of: dict, classes: dict) -> list:
     strategies = classes[of[u]]
-    if u.op == "call_function" and u.target is operator.getitem:
+    if is_getitem(u):
         return [element(s.out, u.args[1]) for s in strategies]
     return [s.out for s in strategies]
 
@@ -176,16 +174,8 @@ def _ask(node: fx.Node, ops: list[fx.Node], given: tuple, mesh, memo: dict) -> S
         sharding, _ = SP._hint(node, {ops[0]: SP._spec(mesh, given[0], ops[0].meta[M.VAL])}, mesh) \
             if node.target is HINT else (M.NodeSharding(out=given[0], inputs=(given[0],)), None)
         return Strategy(sharding.out, tuple(sharding.inputs))
-    spec = {u: spec_of(mesh, p, u) for u, p in zip(ops, given)}
-    sharding, _ = SP._remembered(node, spec, mesh, memo)
+    sharding, _ = SP._remembered(node, SP.chosen(node, given, mesh), mesh, memo)
     return Strategy(sharding.out, tuple(sharding.inputs), sharding.replicated)
-
-
-def spec_of(mesh, placements, node: fx.Node):
-    val = node.meta[M.VAL]
-    if placements is None or not isinstance(val, torch.Tensor):
-        return None
-    return SP._spec(mesh, placements, val)
 
 
 def _seeds(node: fx.Node, mesh, free: set[int], fixed: dict) -> list[M.Placements]:

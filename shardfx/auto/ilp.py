@@ -34,7 +34,7 @@ from shardfx.auto import costs
 from shardfx.auto.candidates import Candidates
 from shardfx.device_model import DeviceModel
 from shardfx.ir import meta as M
-from shardfx.ir.graph import op_nodes, operands
+from shardfx.ir.graph import is_getitem, op_nodes, operands
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel
         if costs.saved(node):
             outs = cands.outs(node)
             for i, out in zip(index[cands.of[node]], outs):
-                if node.target.__name__ != "getitem":
+                if not is_getitem(node):
                     held[i] += sum(costs.local_bytes(v, p, sizes) for v, p in
                                      zip(_vals(node), costs.flat(out)))
                 elif out is not None:
@@ -127,7 +127,7 @@ def _edges(gm: fx.GraphModule, cands: Candidates) -> dict:
     out: dict = {}
     rep: dict = {}
     for node in op_nodes(gm.graph):
-        if node.target.__name__ == "getitem":
+        if is_getitem(node):
             continue
         for k, u in enumerate(operands(node)):
             if u not in cands.of:
@@ -152,7 +152,7 @@ def _edges(gm: fx.GraphModule, cands: Candidates) -> dict:
 
 
 def _producer_key(cands: Candidates, u: fx.Node):
-    item = u.args[1] if u.op == "call_function" and u.target.__name__ == "getitem" else None
+    item = u.args[1] if is_getitem(u) else None
     return cands.of[u], item
 
 
@@ -320,15 +320,21 @@ def follow(gm: fx.GraphModule, cands: Candidates, seeds: dict, axes: tuple,
         if M.ANNOTATION in node.meta:
             place[node] = seeds.get(node, node.meta[M.ANNOTATION])
     compute = moved = 0.0
+    priced: dict[tuple, tuple] = {}  # (class, operand placements) -> its answer and seconds
     for node in op_nodes(gm.graph):
-        if node.target.__name__ == "getitem":
+        if is_getitem(node):
             place[node] = element(place[node.args[0]], node.args[1])
             continue
         ops = operands(node)
-        s = cands.answer(node, tuple(place.get(u) for u in ops))
-        compute += costs.op_seconds(node, s.out, s.inputs, sizes, model)
-        moved += sum(costs.redistribute_seconds(place.get(u), q, u.meta[M.VAL], axes, model)
-                     for u, q in zip(ops, s.inputs))
+        given = tuple(place.get(u) for u in ops)
+        key = (cands.of[node], given)
+        if key not in priced:  # a stamped block's ops are priced once
+            s = cands.answer(node, given)
+            priced[key] = s, costs.op_seconds(node, s.out, s.inputs, sizes, model), sum(
+                costs.redistribute_seconds(p, q, u.meta[M.VAL], axes, model)
+                for u, p, q in zip(ops, given, s.inputs))
+        s, op_s, moved_s = priced[key]
+        compute, moved = compute + op_s, moved + moved_s
         place[node] = s.out
     output = gm.graph.output_node()
     params = {n.meta[M.ROLE].name: n for n in gm.graph.find_nodes(op="placeholder")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 import weakref
 from typing import Any
@@ -96,6 +97,11 @@ def arg_values(node: fx.Node) -> list:
     """``node``'s positional arguments, each node as its value (VAL), others as they are: what
     a program op's ``workspace``, ``flops`` or ``sends`` take."""
     return [a.meta.get(M.VAL) if isinstance(a, fx.Node) else a for a in node.args]
+
+
+def is_getitem(node: fx.Node) -> bool:
+    """``node`` takes one element of a multi-output op's result."""
+    return node.op == "call_function" and node.target is operator.getitem
 
 
 def operands(node: fx.Node) -> list[fx.Node]:

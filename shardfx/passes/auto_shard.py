@@ -28,7 +28,8 @@ from shardfx.auto.candidates import enumerate_candidates
 from shardfx.device_model import GRAPH_KEY, default_model
 from shardfx.errors import ShardingError
 from shardfx.ir import meta as M
-from shardfx.ir.graph import op_nodes
+from shardfx.hints import HINT, PIPE_SPLIT
+from shardfx.ir.graph import is_getitem, op_nodes
 from shardfx.memory import optimizer_model
 from shardfx.passes.shard_propagate import planning_mesh
 from shardfx.report import nbytes
@@ -119,8 +120,8 @@ def _write(gm: fx.GraphModule, cands, solution) -> None:
             node.meta[M.ANNOTATION] = cands.classes[cands.of[node]][solution.choice[cands.of[node]]].out
     for node in op_nodes(gm.graph):
         key = cands.of.get(node)
-        if key is None or node.target.__name__ == "getitem":
-            continue
+        if key is None or is_getitem(node) or node.target in (HINT, PIPE_SPLIT):
+            continue  # a hint or a cut is propagated by its own rule, not by a choice
         node.meta[M.CHOICE] = cands.given[key][solution.choice[key]]
 
 

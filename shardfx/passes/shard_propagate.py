@@ -69,7 +69,7 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
             spec[node] = out
             continue
         given = node.meta.get(M.CHOICE)  # the solver's (passes.auto_shard)
-        sharding, out = _remembered(node, spec if given is None else _chosen(node, given, mesh),
+        sharding, out = _remembered(node, spec if given is None else chosen(node, given, mesh),
                                     mesh, memo, split)
         node.meta[M.SHARDING] = sharding
         spec[node] = out
@@ -77,10 +77,12 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
     return gm
 
 
-def _chosen(node: fx.Node, given: tuple, mesh: DeviceMesh) -> dict:
-    """The operands' specs with the placements the solver chose to ask the rule with: the
-    answer is then the strategy it priced (``auto.candidates`` asked the same question)."""
-    return {u: _spec(mesh, p, u.meta[M.VAL]) if p is not None else None
+def chosen(node: fx.Node, given: tuple, mesh: DeviceMesh) -> dict:
+    """The operands' specs with placements ``given`` (one per operand, None for a non-tensor):
+    the question ``auto.candidates`` asks the rule for each strategy it prices, and the one
+    asked again here with the solver's choice, so the answer is the strategy it priced."""
+    return {u: _spec(mesh, p, u.meta[M.VAL])
+            if p is not None and isinstance(u.meta[M.VAL], torch.Tensor) else None
             for u, p in zip(operands(node), given)}
 
 
