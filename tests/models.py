@@ -45,7 +45,7 @@ def tiny(name: str, layers: int = 2) -> torch.nn.Module:
 def hf(name: str, layers: int = 2) -> torch.nn.Module:
     """A seeded tiny Hugging Face model: hidden 32, ``layers`` layers, 4 heads (2 kv heads where
     the architecture has them), vocabulary 64, few experts: ``qwen3_moe`` | ``gemma3`` |
-    ``olmo2`` | ``deepseek_v3`` | ``gpt_neox`` | ``bert``."""
+    ``olmo2`` | ``deepseek_v3`` | ``qwen2`` | ``gpt_neox`` | ``bert``."""
     import transformers as T
 
     torch.manual_seed(0)
@@ -65,6 +65,8 @@ def hf(name: str, layers: int = 2) -> torch.nn.Module:
             **common, **experts, num_key_value_heads=4, n_routed_experts=4, n_group=1,
             topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
+    if name == "qwen2":  # biases on q, k and v
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**common, num_key_value_heads=2))
     if name == "gpt_neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common, max_position_embeddings=64))
     if name == "bert":

@@ -70,20 +70,23 @@ def test_solver_plans_train_like_one_device():
     assert rows[0][3][3]["args[0]"][0] == Shard(0)  # by bytes: the batch split over tp
 
 
-def test_four_ranks_dp_by_tp():
+def test_four_ranks_dp_by_tp_and_tp4():
+    """dp=2 x tp=2, and Qwen2 on tp=4 (its 2 key/value heads cannot split over 4 ranks)."""
     rows = shardfx.launch(_train, [
         ("llama", {"dp": 2, "tp": 2}, {"device_model": FAST_LINKS, "fused_loss": False}, 4),
+        ("qwen2", {"tp": 4}, {"device_model": FAST_LINKS, "fused_loss": False}, 4),
     ], nprocs=4, timeout=180, deadline=600)
-    (label, error, split, inputs), = rows[0]
+    (label, error, split, inputs), (label4, error4, split4, _) = rows[0]
     assert error < 1e-5 and split, (label, error)
     assert inputs["args[0]"][0] == Shard(0)  # dp still splits the batch
+    assert error4 < 1e-5 and split4, (label4, error4)
 
 
 # --- what it chooses, planned in one process --------------------------------------------------
 
 def test_the_mlp_is_megatrons_whatever_its_names():
     """Column-parallel up and gate, row-parallel down, found from the ops: HF Llama's names,
-    BERT's (whose ``intermediate.dense`` Megatron-by-name takes for a row-parallel layer), and
+    Qwen2's (q, k, v with biases, split on heads with them), BERT's (whose ``intermediate.dense`` Megatron-by-name takes for a row-parallel layer), and
     a model named ``wq/wk/wv/wo``, ``w1/w2/w3``, which Megatron-by-name does not shard at all."""
     llama = _plan(tiny("llama"), {"tp": 2}, device_model=FAST_LINKS, fused_loss=False)
     assert _placed(llama, r"(gate|up)_proj") == {"S(0)"}
@@ -91,6 +94,10 @@ def test_the_mlp_is_megatrons_whatever_its_names():
     bert = _plan(hf("bert"), {"tp": 2}, device_model=FAST_LINKS)
     assert _placed(bert, r"intermediate\.dense\.weight") == {"S(0)"}
     assert _placed(bert, r"layer\.\d+\.output\.dense\.weight") == {"S(1)"}
+    qwen2 = _plan(hf("qwen2"), {"tp": 2}, device_model=FAST_LINKS, fused_loss=False)
+    assert _placed(qwen2, r"(gate|up)_proj") == {"S(0)"} and _placed(qwen2, r"down_proj") == {"S(1)"}
+    assert _placed(qwen2, r"[qkv]_proj\.(weight|bias)") == {"S(0)"}  # heads, biases with them
+    assert _placed(qwen2, r"o_proj") == {"S(1)"}
     named = _plan(_Renamed(), {"tp": 2}, device_model=FAST_LINKS)
     assert _placed(named, r"\.w[13]\.") == {"S(0)"} and _placed(named, r"\.w2\.") == {"S(1)"}
     assert _placed(named, r"\.w[qkv]\.") == {"S(0)"} and _placed(named, r"\.wo\.") == {"S(1)"}
