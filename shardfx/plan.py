@@ -31,7 +31,7 @@ from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
-from shardfx.passes.fused_loss import FusedLoss, fusing_reason
+from shardfx.passes.fused_loss import FusedLoss, fusable, fusing_reason
 from shardfx.ir.frozen import freeze
 from shardfx.passes.manager import Options, PassRecord, record
 from shardfx.passes.remat import Choice, by_module, group_name
@@ -241,7 +241,7 @@ class Plan:
         peak = max(self.memory_estimate().values())
         reason = fusing_reason(peak, self.options.memory_budget,
                                default_model(self.options).memory)
-        if not reason:
+        if not reason or not fusable(self.ir.graph):
             return
         unfused = self.options
         emitted = [self.program, self.stage_program, self.collectives, self._memory,

@@ -229,3 +229,25 @@ def test_auto_fuses_only_where_the_memory_matters():
     roomy = shardfx.partition(big_vocab_llama(), *batches[0][:1], lm_loss, batches[0][1],
                               device_model="h100")  # 80 GB: no reason to
     assert not roomy.fused_losses()
+
+
+def test_a_head_split_on_the_vocabulary_is_not_tried():
+    """A head whose logits are split on the vocabulary (or partial) has collectives between
+    its ops, so fuse_loss cannot fuse it: "auto" does not emit a fused program to find that
+    out, even where memory would ask for it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardfx.passes.fused_loss import fusable
+
+    batches = token_batches(1, batch=8)
+    args, targets = batches[0]
+
+    def plan(head, **kw):
+        return shardfx.partition(big_vocab_llama(), args, lm_loss, targets, mesh={"tp": 2},
+                                 shard={"lm_head.weight": head, "*": "auto"}, **kw)
+
+    assert fusable(plan([Replicate()]).ir.graph)
+    vocab = plan([Shard(0)])
+    assert not fusable(vocab.ir.graph)
+    assert not plan([Shard(0)], fused_loss=True).fused_losses()  # as the program finds
+    assert plan([Replicate()], fused_loss=True).fused_losses()

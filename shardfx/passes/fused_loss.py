@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Shard
 
 from shardfx.codegen.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
                                        LinearCrossEntropyGrads, chunk_rows)
@@ -69,6 +70,28 @@ def fusing_reason(peak: int, budget: int | None, memory: float) -> str:
         return (f"without it the peak, {nbytes(peak)}, is over {NEAR:.0%} of the device's "
                 f"{nbytes(int(memory))}")
     return ""
+
+
+def fusable(ir: fx.Graph) -> bool:
+    """Whether the planned IR has an LM head ``fuse_loss`` could fuse in its program: the
+    pattern (``_match``), its logits and their log-softmax placed alike and neither split on
+    the vocabulary nor partial (else collectives sit between its ops in the program, as with a
+    vocabulary-parallel head). Checked before ``fused_loss="auto"`` emits a fused program to
+    compare: on a 70B-shaped Llama over dp=8 x tp=8 that emission took 2.7 s and fused nothing."""
+    for nll in ir.find_nodes(op="call_function", target=aten.nll_loss_forward.default):
+        head = _match(nll)
+        if head is None:
+            continue
+        placed = {_placements(n) for n in (head.mm, head.lsm)}
+        if len(placed) == 1 and not any(isinstance(p, Partial) or isinstance(p, Shard) and
+                                        p.dim != 0 for p in placed.pop()):
+            return True
+    return False
+
+
+def _placements(node: fx.Node) -> tuple:
+    sharding = node.meta.get(M.SHARDING)
+    return tuple(sharding.out) if sharding is not None else ()
 
 
 @dataclass(frozen=True)
