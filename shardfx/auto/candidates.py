@@ -21,6 +21,7 @@ import itertools
 
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.hints import HINT, PIPE_SPLIT
 from shardfx.ir import meta as M
@@ -174,8 +175,59 @@ def _ask(node: fx.Node, ops: list[fx.Node], given: tuple, mesh, memo: dict) -> S
         sharding, _ = SP._hint(node, {ops[0]: SP._spec(mesh, given[0], ops[0].meta[M.VAL])}, mesh) \
             if node.target is HINT else (M.NodeSharding(out=given[0], inputs=(given[0],)), None)
         return Strategy(sharding.out, tuple(sharding.inputs))
+    by_axis = _ask_by_axis(node, given, mesh, memo) if mesh.ndim > 1 else None
+    if by_axis is not None:
+        return by_axis
     sharding, _ = SP._remembered(node, SP.chosen(node, given, mesh), mesh, memo)
     return Strategy(sharding.out, tuple(sharding.inputs), sharding.replicated)
+
+
+def _ask_by_axis(node: fx.Node, given: tuple, mesh, memo: dict) -> Strategy | None:
+    """The strategy asked one mesh axis at a time, each on a mesh of that axis alone, and put
+    together; None where that is not the question on the whole mesh (a rule missing on an
+    axis, a strided split anywhere: how it nests depends on the other axes).
+
+    DTensor expands an op's strategies over every combination of the mesh's dimensions and
+    prices each: on dp x tp, ten times the work of one axis (candidates of a 70B-shaped Llama:
+    5.5 s against 0.6 s on a pipeline stage's tp). Its choice costs the sum of each axis's
+    redistributions, so the per-axis choices are the combination it picks; shard_propagate
+    asks the whole mesh again with the chosen operand placements, so a plan never depends on
+    this being exact, only its price does."""
+    names, sizes = mesh.mesh_dim_names, mesh.shape
+    if _strided(given) or any(g is not None and len(g) != len(sizes) for g in given):
+        return None
+    answers = []
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        axis = SP.planning_mesh(((name, size),))
+        one = tuple(None if g is None else (g[i],) for g in given)
+        sharding, _ = SP._remembered(node, SP.chosen(node, one, axis), axis, memo)
+        if sharding.replicated:
+            return None
+        answers.append(sharding)
+    out = _joined([a.out for a in answers])
+    inputs = tuple(_joined([a.inputs[j] for a in answers]) for j in range(len(answers[0].inputs)))
+    if _strided((out,) + inputs):
+        return None
+    return Strategy(out, inputs)
+
+
+def _joined(per_axis: list):
+    """One axis's placements each (a 1-tuple, a tuple of them for a multi-output op, None),
+    as one value over all axes."""
+    first = per_axis[0]
+    if first is None:
+        return None
+    if first and not isinstance(first[0], Placement):  # several outputs
+        return tuple(_joined([p[k] for p in per_axis]) for k in range(len(first)))
+    return tuple(p[0] for p in per_axis)
+
+
+def _strided(values) -> bool:
+    """Whether a strided split (``_StridedShard``) is among ``values`` (placements, nested)."""
+    for v in values:
+        if isinstance(v, tuple) and _strided(v) or isinstance(v, _StridedShard):
+            return True
+    return False
 
 
 def _seeds(node: fx.Node, mesh, free: set[int], fixed: dict) -> list[M.Placements]:
