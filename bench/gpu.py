@@ -406,10 +406,14 @@ def main() -> None:
                     mine.append(Row(precision, row_name, error=make))
                     continue
                 free(device)
-                mine.append(run_row(w, precision, row_name, make, a, device))
+                row = run_row(w, precision, row_name, make, a, device)
+                mine.append(row)
                 free(device)
-                print(f"{name} {row_name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                      flush=True)
+                # as it goes, so a run cut short still says what it measured
+                said = row.error or (f"step {row.step_s * 1e3:.1f} ms, plan "
+                                     f"{row.plan_s or 0:.1f} s, first step {row.first_s:.1f} s")
+                print(f"{name} {row_name}: {said} ({time.perf_counter() - t0:.1f} s)",
+                      file=sys.stderr, flush=True)
             check_losses(mine)
             rows += mine
         text = table(w, rows, a)
