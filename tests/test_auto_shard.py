@@ -86,8 +86,9 @@ def test_four_ranks_dp_by_tp_and_tp4():
 
 def test_the_mlp_is_megatrons_whatever_its_names():
     """Column-parallel up and gate, row-parallel down, found from the ops: HF Llama's names,
-    Qwen2's (q, k, v with biases, split on heads with them), BERT's (whose ``intermediate.dense`` Megatron-by-name takes for a row-parallel layer), and
-    a model named ``wq/wk/wv/wo``, ``w1/w2/w3``, which Megatron-by-name does not shard at all."""
+    Qwen2's (q, k, v with biases, split on heads with them), BERT's (whose
+    ``intermediate.dense`` Megatron-by-name takes for a row-parallel layer), and a model named
+    ``wq/wk/wv/wo``, ``w1/w2/w3``, which Megatron-by-name does not shard at all."""
     llama = _plan(tiny("llama"), {"tp": 2}, device_model=FAST_LINKS, fused_loss=False)
     assert _placed(llama, r"(gate|up)_proj") == {"S(0)"}
     assert _placed(llama, r"down_proj") == {"S(1)"}
@@ -95,7 +96,8 @@ def test_the_mlp_is_megatrons_whatever_its_names():
     assert _placed(bert, r"intermediate\.dense\.weight") == {"S(0)"}
     assert _placed(bert, r"layer\.\d+\.output\.dense\.weight") == {"S(1)"}
     qwen2 = _plan(hf("qwen2"), {"tp": 2}, device_model=FAST_LINKS, fused_loss=False)
-    assert _placed(qwen2, r"(gate|up)_proj") == {"S(0)"} and _placed(qwen2, r"down_proj") == {"S(1)"}
+    assert _placed(qwen2, r"(gate|up)_proj") == {"S(0)"}
+    assert _placed(qwen2, r"down_proj") == {"S(1)"}
     assert _placed(qwen2, r"[qkv]_proj\.(weight|bias)") == {"S(0)"}  # heads, biases with them
     assert _placed(qwen2, r"o_proj") == {"S(1)"}
     named = _plan(_Renamed(), {"tp": 2}, device_model=FAST_LINKS)

@@ -8,10 +8,10 @@ attention and the cost model know that op. A plan that runs on a GPU has ``place
 two for ``attention`` and ``attention_backward`` here, which keep the op's contract and pick
 the kernel PyTorch's own dispatch would:
 
-    q dtype      mask   kernel (forward and backward)
-    fp16, bf16   none   flash (``_scaled_dot_product_flash_attention``), head dim <= 256, % 8
-    any          any    memory-efficient (``_scaled_dot_product_efficient_attention``)
-    else                the math below (fp32 arithmetic, the whole score matrix)
+    q dtype            mask   head dim        kernel (forward and backward)
+    fp16, bf16         none   <= 256, % 8     flash (``_scaled_dot_product_flash_attention``)
+    fp16, bf16, fp32   any    % 4             memory-efficient (``..._efficient_attention``)
+    else                                      the math below (fp32, the whole score matrix)
 
 Every kernel's ``logsumexp`` is the same quantity, the natural log of each query row's sum of
 exp(scaled scores), (B, H, L) in fp32; the memory-efficient kernel's is padded to a multiple
@@ -115,8 +115,8 @@ def _scores(q, k, is_causal, attn_mask, scale):
             else s + attn_mask.float()
     if is_causal:
         rows, cols = s.shape[-2:]
-        s = s.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=s.device).tril().logical_not(),
-                          float("-inf"))
+        above = torch.ones(rows, cols, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
     return s, scale
 
 
