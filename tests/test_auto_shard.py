@@ -161,6 +161,25 @@ def test_blocks_share_their_variables():
     assert sizes[0] == sizes[1]
 
 
+@pytest.mark.parametrize("model", [FAST_LINKS, BY_BYTES], ids=lambda m: m.name)
+def test_asking_axis_by_axis_finds_what_asking_the_whole_mesh_does(model, monkeypatch):
+    """On dp x tp the candidates are asked one axis at a time and put together: the optimum
+    and the named plans' prices are those of asking DTensor on the whole mesh."""
+    import shardfx.auto.candidates as candidates
+
+    def report():
+        plan = _plan(tiny("llama"), {"dp": 2, "tp": 2}, batch=4, device_model=model,
+                     fused_loss=False)
+        return plan.ir.meta[AUTO]
+
+    by_axis = report()
+    monkeypatch.setattr(candidates, "_ask_by_axis", lambda *args: None)
+    whole = report()
+    assert by_axis.seconds == pytest.approx(whole.seconds, rel=1e-9)
+    for name, (seconds, _) in whole.named.items():
+        assert by_axis.named[name][0] == pytest.approx(seconds, rel=1e-9), name
+
+
 def test_print_plan_says_what_it_chose_and_why():
     text = str(_plan(hf("bert"), {"tp": 2}, device_model=FAST_LINKS))
     assert 'Sharding chosen by the solver (shard="auto") on tp' in text
