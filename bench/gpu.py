@@ -209,7 +209,7 @@ def with_shardfx(kernels: str):
     return make
 
 
-def contestants(precision: str, compile_: bool, device: str) -> dict[str, Callable | str]:
+def contestants(precision: str, compile_: bool) -> dict[str, Callable | str]:
     """Row name -> maker, or the reason it is skipped."""
     label = "bf16 autocast" if precision == "bf16" else "fp32"
     return {
@@ -400,7 +400,7 @@ def main() -> None:
         rows = []
         for precision in precisions:
             mine = []
-            for row_name, make in contestants(precision, a.compile, device).items():
+            for row_name, make in contestants(precision, a.compile).items():
                 t0 = time.perf_counter()
                 if isinstance(make, str):
                     mine.append(Row(precision, row_name, error=make))

@@ -77,7 +77,8 @@ def fusable(ir: fx.Graph) -> bool:
     pattern (``_match``), its logits and their log-softmax placed alike and neither split on
     the vocabulary nor partial (else collectives sit between its ops in the program, as with a
     vocabulary-parallel head). Checked before ``fused_loss="auto"`` emits a fused program to
-    compare: on a 70B-shaped Llama over dp=8 x tp=8 that emission took 2.7 s and fused nothing."""
+    compare: on a 70B-shaped Llama over dp=8 x tp=8 (80 layers) that emission fused nothing,
+    and skipping it took the choice from 2.76 to 0.46 s (the unfused peak's walk)."""
     for nll in ir.find_nodes(op="call_function", target=aten.nll_loss_forward.default):
         head = _match(nll)
         if head is None:

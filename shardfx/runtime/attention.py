@@ -62,14 +62,13 @@ def attention_backward(grad_out, q, k, v, out, lse, dropout_p: float = 0.0,
         return CPU_BACKWARD(grad_out, q, k, v, out, lse, dropout_p, is_causal,
                             attn_mask=attn_mask, scale=scale)
     kernel = _kernel(q, attn_mask)
+    unused = torch.empty(0, dtype=torch.long, device=q.device)  # random state: no dropout
     if kernel == "flash":
-        unused = torch.empty(0, dtype=torch.long, device=q.device)  # random state: no dropout
         grads = aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
             is_causal, unused, unused, scale=scale)
         return tuple(grads[:3])
     if kernel == "efficient":
-        unused = torch.empty(0, dtype=torch.long, device=q.device)
         rows = lse.shape[-1]
         padded = F.pad(lse, (0, -rows % LSE_ALIGN)).contiguous()
         grads = aten._scaled_dot_product_efficient_attention_backward(
