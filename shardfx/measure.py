@@ -3,7 +3,8 @@ plan's own estimate (``Plan.memory_estimate``), which it is there to check.
 
 ``measured_peak`` runs a function under a ``TorchDispatchMode`` that sees every op's outputs:
 each tensor storage it has not seen is counted from then until Python frees it (a weak
-reference's callback). The tensors that exist before the run (the runner's weights, their
+reference's callback, on whatever thread frees it, queues it; the measuring thread takes it
+off before its next count). The tensors that exist before the run (the runner's weights, their
 gradients, the optimizer's state, the batch) are counted from the start, so the peak is what a
 device holds at the fullest moment of the step. Any code that runs ops counts: a plan's program,
 the pipeline runner's receive buffers and gradient accumulation, the optimizer's step. Storages
@@ -23,6 +24,7 @@ kernels allocate outside the dispatcher, so their buffers are missed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from dataclasses import dataclass, field
@@ -57,36 +59,47 @@ class _Storages(TorchDispatchMode):
         self._seen: dict[int, weakref.ref] = {}
         self._bytes: dict[int, int] = {}  # storage -> the bytes it is counted at now
         self._existing: set[int] = set()
+        self._dead: collections.deque[int] = collections.deque()  # freed, not yet counted
         self.marks: dict[str, int] = {}
 
     def add(self, t: torch.Tensor, existing: bool = False) -> None:
         t = getattr(t, "_local_tensor", t) if type(t).__name__ == "DTensor" else t
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
+        self.settle()  # a freed storage's address may be this one's
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self._seen:
             return
         self._bytes[key] = storage.nbytes()
-        self._seen[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
+        self._seen[key] = weakref.ref(storage, lambda _, k=key: self._dead.append(k))
         if existing:
             self._existing.add(key)
         self.live += self._bytes[key]
         self.peak = max(self.peak, self.live)
 
     def resized(self, storage) -> None:
+        self.settle()
         key = storage._cdata
         if key in self._bytes:
             self.live += storage.nbytes() - self._bytes[key]
             self._bytes[key] = storage.nbytes()
             self.peak = max(self.peak, self.live)
 
-    def _free(self, key: int) -> None:
-        self._seen.pop(key, None)
-        self._existing.discard(key)
-        self.live -= self._bytes.pop(key, 0)
+    def settle(self) -> None:
+        """Count the storages freed since: before every count that can raise the peak, so
+        ``live`` is exact where it is compared. A storage can be freed on any thread (gloo's
+        worker drops a collective's buffers when it lets go of the work), so its weak
+        reference's callback only queues it (a deque's append is atomic); an update of
+        ``live`` there could interleave with this thread's and be lost, and the peak with it."""
+        while self._dead:
+            key = self._dead.popleft()
+            self._seen.pop(key, None)
+            self._existing.discard(key)
+            self.live -= self._bytes.pop(key, 0)
 
     def existing_bytes(self) -> int:
+        self.settle()
         return sum(self._seen[k]().nbytes() for k in self._existing if self._seen[k]() is not None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -135,6 +148,7 @@ def measured_peak(run: Callable[[], Any], *existing: Any, through_compile: bool 
     start = tracker.existing_bytes()
     with tracker, _following(tracker):
         run()
+    tracker.settle()
     return Peak(total=tracker.peak, existing=start, after=tracker.live, marks=tracker.marks)
 
 

@@ -3,11 +3,13 @@ step runs (``shardfx.measure``), on one device, tp, dp and per rank of a pipelin
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import shardfx
-from shardfx.measure import mark, measured_peak
+from shardfx.measure import _Storages, mark, measured_peak
 from shardfx.testing import adamw
 
 from models import VOCAB, lm_loss, tiny, token_batches
@@ -48,6 +50,21 @@ def test_measured_peak_follows_resized_and_written_storages():
 
     peak = measured_peak(run, held)  # 3 MiB without either rule
     assert peak.total == 4 * MIB, peak
+
+
+def test_a_storage_freed_on_another_thread_is_counted_by_the_measuring_one():
+    """gloo's worker thread frees a collective's buffers when it lets go of the work: the
+    count of live bytes stays the measuring thread's (an update there could interleave with
+    this thread's and be lost, and with it a free: a peak above the truth)."""
+    tracker = _Storages()
+    held = [torch.ones(MIB // 4)]
+    tracker.add(held[0])
+    worker = threading.Thread(target=held.clear)
+    worker.start()
+    worker.join()
+    assert tracker.live == MIB  # freed, not yet counted: only this thread changes the count
+    tracker.settle()
+    assert tracker.live == 0 and tracker.peak == MIB
 
 
 def test_marks_and_compiled_code():
