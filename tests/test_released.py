@@ -1,9 +1,15 @@
-"""On CPU a collective's wait returns once gloo's worker has let go of its buffer
-(``runtime.released``), so the buffer is freed where the program drops it, as the memory model
-counts. With a plain ``wait_tensor`` the worker still holds the result after about one wait in
-six, and the buffer then outlives its last reader by a moment thread scheduling decides."""
+"""On CPU a collective's wait returns once gloo's worker has let go of its buffers
+(``runtime.released``): the result (or views of it: gloo's all-gather holds one per rank) and
+the inputs the program dropped when it issued the collective, so each is freed where the
+program drops it, as the memory model counts. With a plain ``wait_tensor`` the worker still
+holds the result after about one wait in six, and the buffer then outlives its last reader by
+a moment thread scheduling decides."""
 
 from __future__ import annotations
+
+import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -11,7 +17,7 @@ import torch.fx as fx
 
 import shardfx
 from shardfx.measure import measured_peak
-from shardfx.runtime.released import released, wait_released
+from shardfx.runtime.released import dropped_input, released, wait_released
 
 c10d = torch.ops._c10d_functional
 ROWS = 4096  # floats: 16 KiB per value
@@ -52,3 +58,40 @@ def test_only_cpu_programs_are_copied():
     assert copy is not program and released(program, torch.device("cpu")) is copy
     assert copy.graph.find_nodes(op="call_function", target=wait_released)
     assert program.graph.find_nodes(op="call_function", target=c10d.wait_tensor.default)
+
+
+def _let_go_later(*held: list) -> threading.Thread:
+    """A thread standing for gloo's worker: it lets go of what ``held`` holds in 5 ms."""
+    def run():
+        time.sleep(0.005)
+        for h in held:
+            h.clear()
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_wait_waits_for_views_of_the_result_and_for_the_dropped_inputs():
+    """The released copy's wait holds a weak reference to the all-gather's input made in the
+    program (``x * 2``), dropped where the gather is issued; not to the placeholder, which the
+    caller holds. A wait returns only once the last view of its result held elsewhere, and
+    each dropped input, is gone."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    gathers = [graph.call_function(c10d.all_gather_into_tensor.default, (v, 2, "g"))
+               for v in (doubled, x)]
+    graph.output(tuple(graph.call_function(c10d.wait_tensor.default, (g,)) for g in gathers))
+    copy = released(fx.GraphModule(torch.nn.Module(), graph), torch.device("cpu"))
+    waits = copy.graph.find_nodes(op="call_function", target=wait_released)
+    assert [[a.args[0].name for a in w.args[1:]] for w in waits] == [[doubled.name], []]
+    assert all(a.target is dropped_input for w in waits for a in w.args[1:])
+
+    result = torch.zeros(4)
+    views, dropped = list(result.chunk(2)), [torch.ones(4)]
+    gone = weakref.ref(dropped[0])
+    worker = _let_go_later(views, dropped)
+    out = wait_released(result, gone)
+    assert not views and gone() is None  # returned after the worker let go, not before
+    assert out is result
+    worker.join()

@@ -10,11 +10,19 @@ last reader — and above a ``memory_budget`` the plan was fitted to (measured: 
 all-reduce of a tp=2 Llama's activations alive through the next layer's attention, or through
 the optimizer's step, in one step of three).
 
+The worker does not always hold the result itself: gloo's all-gather holds views of it (one
+chunk per rank), so "let go" is read off the result's storage, not its tensor. And it holds
+the collective's input (an all-gather's or a reduce-scatter's flat bucket, which the program
+drops when it issues the collective) until it lets go of the work; that input's last owner is
+then the worker, which needs the GIL to free it, and may hold the result's views meanwhile
+(measured: a ZeRO-3 bucket's input and gathered buffer, 73 KiB, alive a few dozen ops past
+the wait, in two full runs of the test suite: exactly their sum above the model's peak).
+
 ``released(module)`` is the module the runners run on a CPU device: a copy whose waits return
-once the worker has let go (the tensor's only owner is then the program; about one yield of the
-GIL per wait at most, measured: 0 yields in 83% of 2000 all-reduces, at most 4), so a
-collective's buffer is freed where the program drops it, as the memory model counts, on every
-run. On CUDA the module runs as it is: NCCL's wait is ordered on the stream, and the host must
+once the worker has let go of the result's storage and of each input the program dropped at
+the collective (the program is then their only owner; about one yield of the GIL per wait at
+most, measured: 0 yields in 83% of 2000 all-reduces, at most 4), so a collective's buffers are
+freed where the program drops them, as the memory model counts, on every run. On CUDA the module runs as it is: NCCL's wait is ordered on the stream, and the host must
 not wait for the device.
 """
 
@@ -31,15 +39,31 @@ _YIELDS = 10_000  # a bound, not a timeout that is ever expected: a few suffice 
 _copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def wait_released(tensor: torch.Tensor) -> torch.Tensor:
+def wait_released(tensor: torch.Tensor, *inputs: weakref.ref | None) -> torch.Tensor:
     """``wait_tensor``, then the GIL yielded until no other owner (gloo's worker) holds the
-    tensor. A Python object holds its tensor once, however many names it has."""
+    result or a view of it, and until each of ``inputs`` (weak references to the inputs the
+    program dropped when it issued the collective, ``dropped_input``) is gone. A Python object
+    holds its tensor once, however many names it has; a tensor only C++ holds keeps its Python
+    object, and with it the weak reference, until C++ lets go."""
     out = _WAIT(tensor)
     for _ in range(_YIELDS):
-        if out._use_count() <= 1:
+        if not _held_elsewhere(out) and all(r is None or r() is None for r in inputs):
             break
         time.sleep(0)
     return out
+
+
+def _held_elsewhere(out: torch.Tensor) -> bool:
+    """Whether anything but the program's tensor holds ``out`` or its storage (the storage's
+    count includes the tensor and the storage object asked for here)."""
+    storage = out.untyped_storage()
+    return out._use_count() > 1 or torch._C._storage_Use_Count(storage._cdata) > 2
+
+
+def dropped_input(value) -> weakref.ref | None:
+    """A weak reference to ``value`` if it is a tensor (a collective's input the program holds
+    no longer), for ``wait_released`` to wait on."""
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else None
 
 
 def released(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
@@ -58,7 +82,22 @@ def _with_released_waits(module: fx.GraphModule) -> fx.GraphModule | None:
     graph = fx.Graph()
     graph._codegen = module.graph._codegen
     graph.output(graph.graph_copy(module.graph, {}))
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.target is _WAIT:
             node.target = wait_released
+            node.args = (*node.args, *_dropped_inputs(graph, node.args[0]))
     return fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+
+def _dropped_inputs(graph: fx.Graph, collective) -> list[fx.Node]:
+    """Weak references, made just after ``collective``, to the inputs it is the only reader
+    of: the program drops them there, the worker holds them until it lets go of the work.
+    (The program's inputs are held by its caller.)"""
+    if not isinstance(collective, fx.Node):
+        return []
+    refs = []
+    for node in collective.all_input_nodes:
+        if set(node.users) == {collective} and node.op != "placeholder":
+            with graph.inserting_after(collective):
+                refs.append(graph.call_function(dropped_input, (node,)))
+    return refs
