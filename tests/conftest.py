@@ -18,6 +18,10 @@ os.environ["SHARDFX_DEBUG"] = "1"
 # Plans are made on the "cpu" device model, not on a `shardfx calibrate` file this machine may
 # have: a calibration must not move the stage cuts and recomputation tests expect.
 os.environ["SHARDFX_CACHE"] = os.path.join(os.path.dirname(__file__), "no-calibration")
+# The ranks shardfx.launch forks get the models' code from the fork server, imported once,
+# instead of importing it again each (1-2 s a rank).
+os.environ.setdefault("SHARDFX_PRELOAD", ",".join(
+    f"transformers.models.{m}.modeling_{m}" for m in ("llama", "gpt2", "mixtral")))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

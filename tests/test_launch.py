@@ -365,3 +365,14 @@ def test_ranks_start_from_the_same_rng_state_and_shardfx_loaded():
     is the same on every rank (the README's checkpoint example relies on it)."""
     first, second = launch(draw, nprocs=2)
     assert first == second
+
+
+def _preloaded() -> bool:
+    return "transformers.models.llama.modeling_llama" in sys.modules
+
+
+def test_ranks_start_with_the_modules_the_fork_server_preloaded():
+    """``SHARDFX_PRELOAD`` (tests/conftest.py names Hugging Face's model files): each rank
+    forks with them imported, this module imports none of them."""
+    assert "transformers.models.llama.modeling_llama" in os.environ["SHARDFX_PRELOAD"]
+    assert shardfx.launch(_preloaded, nprocs=2) == [True, True]

@@ -390,10 +390,13 @@ def _context():
     loads its parts on first use: the server imports ``shardfx.api``, which brings them). Ranks
     get the caller's os.environ as of the launch; modules read theirs when the server started.
     Every rank starts from the server's torch RNG state, so ranks that draw a batch with
-    ``torch.randint`` before seeding draw the same one.
+    ``torch.randint`` before seeding draw the same one. ``SHARDFX_PRELOAD`` (module names,
+    comma-separated), read when the server starts, names more modules it imports once: the
+    code every rank would import again (Hugging Face's model files take 1-2 s a rank).
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["shardfx", "shardfx.api"])
+    extra = [m.strip() for m in os.environ.get("SHARDFX_PRELOAD", "").split(",") if m.strip()]
+    ctx.set_forkserver_preload(["shardfx", "shardfx.api", *extra])
     return ctx
 
 
