@@ -63,6 +63,7 @@ from shardfx.runtime.buckets import GradBuckets, final_gradients
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.device import check_weights, place
+from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.shards import Shards
@@ -97,6 +98,8 @@ class PipelineRunner(PipelineState):
         self.device = plan.device
         model = plan.model
         check_weights(model, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # runtime.heap
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         reads = self._program.reads(self.rank).values()
         # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors

@@ -35,6 +35,7 @@ from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer
 from shardfx.runtime.compiled import Output
 from shardfx.runtime.device import check_weights, move
+from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import saving
@@ -67,6 +68,8 @@ class Runner:
         self._buffers = dict(model.named_buffers())
         self.device = plan.device
         check_weights(model, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # runtime.heap
         self._shards = Shards(plan.mesh) if plan.mesh.size > 1 else None
         self._placements = _placements(plan.program)
         self._zero = None if not plan.options.zero else ZeroRows(
