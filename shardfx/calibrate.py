@@ -8,8 +8,10 @@ counts less):
   bf16/fp16 matmuls stop small); CUDA timed between synchronizations.
 - **memory bandwidth**: a copy of a large buffer (bytes read plus bytes written per second).
 - **the link between two ranks** (unless ``links=False``): two processes spawned by
-  ``shardfx.launch`` (gloo on CPU, NCCL on two GPUs): the latency from many 4-byte
-  all-reduces, the bandwidth from a large one (``DeviceModel.collective_seconds``' ring model
+  ``shardfx.launch`` (gloo on CPU, NCCL on two GPUs): the latency from many 4 KiB
+  all-reduces (``SMALL_BYTES``: gloo takes a faster path for a few bytes, 0.44 ms a 4-byte
+  all-reduce against 1.75 ms for 4 KiB or 256 KiB on 2 ranks of the CI machine, and the
+  collectives a plan adds carry activations, never that few bytes), the bandwidth from a large one (``DeviceModel.collective_seconds``' ring model
   solved for it). This is the ``intra`` link; the ``inter`` link (between machines) cannot be
   measured from one machine and keeps the preset's numbers.
 
@@ -36,6 +38,7 @@ QUICK = dict(seconds=0.02, copy_bytes=32 << 20, max_n=512, tiny_reps=20, big_byt
 FULL = dict(seconds=0.2, copy_bytes=256 << 20, max_n=2048, tiny_reps=200, big_bytes=64 << 20,
             big_reps=5)
 TRIES = 3  # timed runs of each measurement; the fastest counts
+SMALL_BYTES = 4096  # the all-reduce the link's latency is read from (module docstring)
 
 
 def calibrate(device: torch.device | str = "cpu", quick: bool = False, links: bool = True,
@@ -161,7 +164,7 @@ def link_worker(device_type: str, tiny_reps: int, big_bytes: int, big_reps: int
                 ) -> tuple[float, float]:
     """On each of 2 ranks: (latency, bandwidth) of the link, from all-reduces timed between
     barriers. A 2-rank ring all-reduce takes 2 steps and sends the whole buffer once
-    (``DeviceModel.collective_seconds``): latency = tiny time / 2, bandwidth = bytes / (big
+    (``DeviceModel.collective_seconds``): latency = small time / 2, bandwidth = bytes / (big
     time - 2 latency)."""
     import torch.distributed as dist
 
@@ -183,7 +186,7 @@ def link_worker(device_type: str, tiny_reps: int, big_bytes: int, big_reps: int
             best = min(best, (time.perf_counter() - start) / reps)
         return best
 
-    latency = timed(torch.zeros(1, device=device), tiny_reps) / steps
+    latency = timed(torch.zeros(SMALL_BYTES // 4, device=device), tiny_reps) / steps
     big = timed(torch.zeros(big_bytes // 4, device=device), big_reps)
     bandwidth = share * big_bytes / max(big - steps * latency, 1e-9)
     return latency, bandwidth
