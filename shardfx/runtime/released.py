@@ -20,10 +20,11 @@ the wait, in two full runs of the test suite: exactly their sum above the model'
 
 ``released(module)`` is the module the runners run on a CPU device: a copy whose waits return
 once the worker has let go of the result's storage and of each input the program dropped at
-the collective (the program is then their only owner; about one yield of the GIL per wait at
-most, measured: 0 yields in 83% of 2000 all-reduces, at most 4), so a collective's buffers are
-freed where the program drops them, as the memory model counts, on every run. On CUDA the module runs as it is: NCCL's wait is ordered on the stream, and the host must
-not wait for the device.
+the collective (the program is then their only owner; a few yields of the GIL per wait at
+most: 0 in 83% of 2000 all-reduces, at most 4, measured when only the result tensor was
+looked at), so a collective's buffers are freed where the program drops them, as the memory
+model counts, on every run. On CUDA the module runs as it is: NCCL's wait is ordered on the
+stream, and the host must not wait for the device.
 """
 
 from __future__ import annotations
