@@ -12,7 +12,7 @@ one: no more adjusting) and the trim threshold beyond it, so large tensors come 
 and stay there. The process then holds its peak of memory between steps, as a GPU run does.
 
 It is called by the runners when their device is a CPU, once per process. Measured on HF Llama
-(hidden 256, vocabulary 8000, tp=4 over 4 gloo processes): a rank's step 408 -> 308 ms of CPU.
+(hidden 256, vocabulary 8000, tp=4 over 4 gloo processes): a rank's step 408 -> 304 ms of CPU.
 ``SHARDFX_KEEP_HEAP=0`` leaves malloc as it is. Elsewhere (no glibc: macOS, musl, Windows)
 it does nothing.
 """
