@@ -164,8 +164,8 @@ def link_worker(device_type: str, tiny_reps: int, big_bytes: int, big_reps: int
                 ) -> tuple[float, float]:
     """On each of 2 ranks: (latency, bandwidth) of the link, from all-reduces timed between
     barriers. A 2-rank ring all-reduce takes 2 steps and sends the whole buffer once
-    (``DeviceModel.collective_seconds``): latency = small time / 2, bandwidth = bytes / (big
-    time - 2 latency)."""
+    (``DeviceModel.collective_seconds``): time = 2 latency + bytes / bandwidth, fitted through
+    the small and the big all-reduce's times."""
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
@@ -186,7 +186,10 @@ def link_worker(device_type: str, tiny_reps: int, big_bytes: int, big_reps: int
             best = min(best, (time.perf_counter() - start) / reps)
         return best
 
-    latency = timed(torch.zeros(SMALL_BYTES // 4, device=device), tiny_reps) / steps
+    small = timed(torch.zeros(SMALL_BYTES // 4, device=device), tiny_reps)
     big = timed(torch.zeros(big_bytes // 4, device=device), big_reps)
-    bandwidth = share * big_bytes / max(big - steps * latency, 1e-9)
-    return latency, bandwidth
+    bandwidth = share * big_bytes / big  # a bound, where no slope shows (a busy moment)
+    if big > small:  # the line through both: its slope the bandwidth, the rest latency
+        bandwidth = share * (big_bytes - SMALL_BYTES) / (big - small)
+    rest = small - share * SMALL_BYTES / bandwidth
+    return (rest if rest > 0 else small) / steps, bandwidth
