@@ -11,9 +11,10 @@ counts less):
   ``shardfx.launch`` (gloo on CPU, NCCL on two GPUs): the latency from many 4 KiB
   all-reduces (``SMALL_BYTES``: gloo takes a faster path for a few bytes, 0.44 ms a 4-byte
   all-reduce against 1.75 ms for 4 KiB or 256 KiB on 2 ranks of the CI machine, and the
-  collectives a plan adds carry activations, never that few bytes), the bandwidth from a
-  large one (``DeviceModel.collective_seconds``' ring model solved for it). This is the ``intra`` link; the ``inter`` link (between machines) cannot be
-  measured from one machine and keeps the preset's numbers.
+  collectives a plan adds carry activations, never that few bytes) and a large one: the ring
+  model's line (``DeviceModel.collective_seconds``) through both. This is the ``intra`` link;
+  the ``inter`` link (between machines) cannot be measured from one machine and keeps the
+  preset's numbers.
 
 The rest (the ``inter`` link, ``devices_per_node``) comes from the preset the device would get
 without calibration (``device_model``); ``DeviceModel.measured`` names what was measured.
