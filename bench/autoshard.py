@@ -4,13 +4,13 @@ Part 1, planning (``--layers``, default 8 and 80: pp=8 needs 8 layers to cut): `
 device_model="h100")`` of a Hugging Face Llama of Llama-3-70B's shape on the meta device
 (``bench.plan.build``: hidden 8192, intermediate 28672, 64 heads, 8 KV heads, vocabulary 128256;
 a global batch of 16 x 4096 tokens), on each mesh of ``--meshes`` (dp=8×tp=8; pp=8×tp=8 with 8
-microbatches; dp=8×tp=8 with ``zero=3``: without it the parameters, gradients and Adam state of
-70 B parameters split 8 ways are 131 GiB a device, more than the H100's 80 GB, and the solver
-says so). Next to it ``torch.export`` of the same model and loss (the first step of
+microbatches), with ``zero="auto"``: the solver chooses the ZeRO stage with the placements
+(without one the parameters, gradients and Adam state of 70 B parameters split 8 ways are
+131 GiB a device, more than the H100's 80 GB). Next to it ``torch.export`` of the same model and loss (the first step of
 shardfx's own capture, forward only). Each variant runs once ("first", timed) and then
 ``--repeats`` times, interleaved. Per row: layers, mesh, shardfx's first and minimum seconds,
 torch.export's, the integer program's size, the seconds spent enumerating candidates and
-solving, and the predicted step of the auto plan next to megatron's. Below: the ratio of the
+solving (every ZeRO stage's programs), the stage chosen, and the predicted step of the auto plan next to megatron's. Below: the ratio of the
 most layers' plan to the fewest's (goal <= 1.3x) and the goal of <= 10 s at 80 layers.
 
 Part 2, predicted against measured (``--measure``; 4 gloo processes by ``shardfx.launch``, one
@@ -63,15 +63,15 @@ def plan_rows(a) -> tuple[str, list[str]]:
     sizes = argparse.Namespace(hidden=8192, inter=28672, heads=64, kv=8, vocab=128256,
                                batch=16, seq=4096)
     head = ("| layers | mesh | shardfx first s | shardfx min s | torch.export s | ILP "
-            "| candidates s | solve s | predicted: auto / megatron |\n"
-            "|---:|---|---:|---:|---:|---|---:|---:|---|")
+            "| candidates s | solve s | ZeRO | predicted: auto / megatron |\n"
+            "|---:|---|---:|---:|---:|---|---:|---:|---:|---|")
     rows, seconds = [], {}
     for layers in a.layers:
         model, args, targets = build(sizes, layers)
         variants = {EXPORT: lambda: torch.export.export(_LossOf(model, loss_fn), (args, targets),
                                                         strict=False)}
         for mesh in a.meshes:
-            extra = {"microbatches": 8} if mesh.get("pp", 1) > 1 else {"zero": 3}
+            extra = {"microbatches": 8} if mesh.get("pp", 1) > 1 else {}
             variants[mesh_label(mesh)] = (lambda m=mesh, e=extra: shardfx.partition(
                 model, args, loss_fn, targets, mesh=m, shard="auto", device_model="h100", **e))
         first, times, plans = {}, {k: [] for k in variants}, {}
@@ -90,9 +90,9 @@ def plan_rows(a) -> tuple[str, list[str]]:
             name = mesh_label(mesh)
             best = min(times[name] or [first[name]])
             seconds[(layers, name)] = best
-            size, cand, solve, auto, megatron = plans[name]
+            size, cand, solve, zero, auto, megatron = plans[name]
             rows.append(f"| {layers} | {name} | {first[name]:.1f} | {best:.1f} | {export:.1f} | "
-                        f"{size} | {cand:.2f} | {solve:.2f} | {auto} / {megatron} |")
+                        f"{size} | {cand:.2f} | {solve:.2f} | {zero} | {auto} / {megatron} |")
             print(rows[-1], flush=True)
     notes = []
     lo, hi = min(a.layers), max(a.layers)
@@ -110,9 +110,10 @@ def _facts(plan) -> tuple:
     report = plan.ir.meta.get(AUTO)
     step = lambda s: f"{s * 1e3:.0f} ms"  # noqa: E731
     if report is None:
-        return "-", 0.0, 0.0, "-", "-"
+        return "-", 0.0, 0.0, plan.options.zero, "-", "-"
     size = report.size.split(",")[0] + ", " + report.size.split(",")[2].strip()
-    return (size, report.enumerate_seconds, report.solve_seconds, step(report.seconds),
+    return (size, report.enumerate_seconds, report.solve_seconds, plan.options.zero,
+            step(report.seconds),
             step(report.named["megatron"][0]) if "megatron" in report.named else "-")
 
 

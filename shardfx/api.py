@@ -85,13 +85,17 @@ def _fused_loss(value: object) -> bool | str:
     return value
 
 
-def _zero(zero: object, spec: MeshSpec) -> int:
-    """``zero`` is a ZeRO stage this mesh can run (``passes.zero``)."""
+def _zero(zero: object, spec: MeshSpec) -> int | str:
+    """``zero`` is a ZeRO stage this mesh can run (``passes.zero``), or "auto": the plan
+    chooses the cheapest that fits the memory (``auto.zero_stage``)."""
     where = f"partition(..., zero={zero!r}) on mesh {spec}"
+    if zero == "auto":
+        return "auto"
     if not isinstance(zero, int) or isinstance(zero, bool) or zero not in (0, 1, 2, 3):
-        raise InputError(f"zero must be 0, 1, 2 or 3, got {zero!r}", where=where,
+        raise InputError(f"zero must be 0, 1, 2, 3 or \"auto\", got {zero!r}", where=where,
                          fix="0: replicas keep everything; 1: shard the optimizer state over "
-                             "dp; 2: and the gradients; 3: and the parameters")
+                             "dp; 2: and the gradients; 3: and the parameters; \"auto\": the "
+                             "cheapest stage that fits the memory")
     if zero and spec.axis("dp") == 1:
         raise InputError(f"zero={zero} shards over the dp axis, and the mesh has none",
                          where=where, fix="add a dp axis to the mesh (mesh={'dp': 2, ...}), "
@@ -143,7 +147,7 @@ def partition(
     precision: str | Precision = "fp32",
     kernels: str = "auto",
     fused_loss: bool | str = "auto",
-    zero: int = 0,
+    zero: int | str = "auto",
     *,
     optimizer_in_backward: bool = False,
     device: str | torch.device | None = None,
@@ -177,7 +181,12 @@ def partition(
     (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
     ops; "auto" fuses only where the memory it saves matters: when the plan without it is over
     ``memory_budget`` or near the device's memory (``passes.fused_loss.fusing_reason``; in
-    chunks it never saves time). ``optimizer_in_backward=True`` steps the optimizer on each
+    chunks it never saves time). ``zero`` (0-3) splits the training state over dp: 1 the
+    optimizer's state, 2 and the gradients, 3 and the parameters (``passes.zero``); "auto" (the
+    default) takes the cheapest stage by the device model that fits ``memory_budget`` or the
+    device's memory: plain dp where everything fits, since each stage only adds collectives
+    (``auto.zero_stage``; chosen with the placements under ``shard="auto"``);
+    ``plan.options.zero`` is the stage chosen. ``optimizer_in_backward=True`` steps the optimizer on each
     block's parameters in the backward, as soon as their gradients are final, and frees those
     gradients there (``codegen.step_in_backward``): a step never holds the whole model's
     gradients; it cannot clip by the global norm, accumulate batches or scale an fp16 loss,

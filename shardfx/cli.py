@@ -41,6 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from shardfx.config import zero_stage
 from shardfx.errors import MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
 
@@ -115,9 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="what matmuls and attention compute in; softmax, norms and the loss "
                    "stay fp32 (default: fp32)")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+    p.add_argument("--zero", type=zero_stage, choices=[0, 1, 2, 3, "auto"], default="auto",
                    help="shard the training state over dp (ZeRO): 1 the optimizer state, 2 "
-                   "and the gradients, 3 and the parameters (default 0)")
+                   "and the gradients, 3 and the parameters; auto: the cheapest stage that "
+                   "fits the memory (default auto)")
     p.add_argument("--budget", metavar="SIZE",
                    help="memory per device, e.g. 8GiB: recompute activations until it fits")
     p.add_argument("--dump", metavar="DIR",
@@ -174,7 +176,7 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         default = "" if f.default in (None, "") else f" (default {f.default})"
         parser.add_argument(
             f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
-            type=_mesh_text if f.name == "mesh" else kind, choices=choices or None,
+            type=_mesh_text if f.name == "mesh" else f.metadata["parse"], choices=choices or None,
             metavar=None if choices else f.name.upper().replace("_", "-"),
             help=f"[{section}] {f.metadata['help']}{default}")
 

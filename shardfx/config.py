@@ -32,10 +32,17 @@ from typing import Any
 from shardfx.errors import InputError
 
 
-def _f(default: Any, help: str, kind: type = None, choices: tuple = ()) -> Any:
-    """A config field: its default, its help, the type its flag and TOML value take."""
+def _f(default: Any, help: str, kind: type = None, choices: tuple = (),
+       parse: Any = None) -> Any:
+    """A config field: its default, its help, the type its flag and TOML value take (``parse``:
+    how a flag's text becomes one, where not ``kind(text)``)."""
     return field(default=default, metadata={"help": help, "kind": kind or type(default),
-                                            "choices": choices})
+                                            "choices": choices, "parse": parse or kind or type(default)})
+
+
+def zero_stage(text: str) -> int | str:
+    """A ``--zero`` flag's value: a stage 0-3, or "auto"."""
+    return text if text == "auto" else int(text)
 
 
 @dataclass
@@ -47,8 +54,9 @@ class Run:
 @dataclass
 class Parallel:
     mesh: str = _f("", "device mesh, e.g. dp=2,tp=2 (default: one device)")
-    zero: int = _f(0, "ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and "
-                      "parameters", choices=(0, 1, 2, 3))
+    zero: int | str = _f("auto", "ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and "
+                                 "parameters; auto: the cheapest that fits the memory",
+                         object, (0, 1, 2, 3, "auto"), zero_stage)
     precision: str = _f("fp32", "what matmuls and attention compute in",
                         choices=("fp32", "bf16", "fp16"))
     microbatches: int | None = _f(None, "with a pp axis: slices of the batch", int)
@@ -217,7 +225,7 @@ def _checked(f: dataclasses.Field, value: Any, where: str) -> Any:
     return value
 
 
-def check_axes(pipeline: list[str], zero: int, mesh, mesh_text: str) -> None:
+def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> None:
     """Options the mesh has no axis for: ``pipeline`` options given (field names) without a
     pp axis, a ZeRO stage without dp."""
     where = f"--mesh {mesh_text or '(one device)'}"
@@ -226,7 +234,7 @@ def check_axes(pipeline: list[str], zero: int, mesh, mesh_text: str) -> None:
         raise InputError(f"{flags} given, but the mesh {mesh} has no pp axis: only a pipeline "
                          "runs a schedule over microbatches", where=where,
                          fix=f"add a pp axis (--mesh pp=2,...) or drop {flags}")
-    if zero and mesh.axis("dp") <= 1:
+    if zero and zero != "auto" and mesh.axis("dp") <= 1:
         raise InputError(f"--zero {zero} shards the training state over dp, and the mesh {mesh} "
                          "has no dp axis", where=where,
                          fix="add a dp axis (--mesh dp=2,...) or drop --zero")

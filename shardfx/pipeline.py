@@ -12,6 +12,7 @@ import dataclasses
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
+from shardfx.auto import zero_stage
 from shardfx.codegen.program import Program, generate
 from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.spmd import generate_spmd
@@ -63,6 +64,7 @@ def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
            shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
            ] if sharded else []),
     ], options, history)
+    options = zero_stage.resolve(gm, options)
     program, collectives = emit(gm, options, history)
     return gm, program, history or [], collectives
 
@@ -114,6 +116,7 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     inner = options.mesh.stage()
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=inner.axes)
     sharded = inner.size > 1
+    staged = dataclasses.replace(options, mesh=inner, held_by=options.stages, whole_mesh=options.mesh)
     gm = run_passes(gm, [
         rng_dropout,     # dropout masks from each element's global place, per slice
         *([causal_mask] if inner.axis("cp") > 1 else []),  # for ring attention, as above
@@ -122,7 +125,8 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
         estimate_cost,   # what the stage cutter balances
         *([shard_annotate, *([auto_shard] if solver(options) else []),  # cp and tp in a stage
            shard_propagate] if sharded else []),
-    ], dataclasses.replace(options, mesh=inner, held_by=options.stages), history)
+    ], staged, history)
+    options = dataclasses.replace(options, zero=zero_stage.resolve(gm, staged).zero)
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is
     ], options, history)

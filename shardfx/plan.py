@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.analysis import Summary, device_flops, summarize
+from shardfx.auto import zero_stage
 from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen import zero as zero_codegen
@@ -62,6 +63,8 @@ class Plan:
             options = self.options = dataclasses.replace(options, fused_loss=False)
         self.fused_loss_reason = ""  # why "auto" fused the LM head ("" if it did not)
         self.ir, program, self.history, self.collectives = compile_ir(captured.gm, options)
+        self.zero_chosen = options.zero == "auto"  # the stage below chosen by the plan
+        options = self.options = zero_stage.resolve(self.ir, options)
         self.program: Program | None = program
         self.stage_program = self.schedule = None
         self.mode: M.Mode = self.ir.meta[M.GRAPH].mode
@@ -267,6 +270,8 @@ class Plan:
                     where="partition(..., memory_budget=...)",
                     fix="a larger budget, or shard the model over a tp or pp axis")
             return
+        if self.zero_chosen:
+            zero_stage.fit(self, budget)  # the stage against the memory model, before remat
         before = freeze(self.ir)
         fit_budget(self, budget)
         if self.remat is not None:  # the IR recomputes: its program passes ran again
@@ -412,6 +417,8 @@ class Plan:
                          "optimizer state): " + "; ".join(
                              f"{label}: {nbytes(p)} / {nbytes(g)} / {nbytes(o)}"
                              for label, (p, g, o) in self.state_rows().items()))
+        if self.zero_chosen and self.mesh.axis("dp") > 1:
+            notes.append(zero_stage.why(self.options.zero, self.mesh.axis("dp")))
         if self.options.zero:
             k, dp = self.options.zero, self.mesh.axis("dp")
             held = {1: "the optimizer state", 2: "the optimizer state and gradients",

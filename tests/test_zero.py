@@ -125,8 +125,9 @@ def test_each_rank_keeps_the_state_zero_says():
 
 
 @pytest.mark.parametrize("zero, mesh, fix", [
-    (4, {"dp": 2}, "0, 1, 2 or 3"),
-    (True, {"dp": 2}, "0, 1, 2 or 3"),
+    (4, {"dp": 2}, '0, 1, 2, 3 or "auto"'),
+    (True, {"dp": 2}, '0, 1, 2, 3 or "auto"'),
+    ("two", {"dp": 2}, '0, 1, 2, 3 or "auto"'),
     (1, {"tp": 2}, "add a dp axis"),
     (3, {"dp": 2, "pp": 2}, "zero=1 or zero=2 with pp"),
 ])

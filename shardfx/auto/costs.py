@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardfx.device_model import DeviceModel, node_work
 from shardfx.ir import meta as M
+from shardfx.passes.estimate_cost import is_view
 
 
 def is_split(p) -> bool:
@@ -94,7 +95,20 @@ def _collective(a, b) -> str | None:
 
 
 def saved(node: fx.Node) -> bool:
-    """A forward value a backward op reads: held from the forward to the backward."""
+    """A forward value a backward op reads, holding memory of its own from the forward to the
+    backward. A view holds its base's: counted where the base is not counted already (a
+    parameter's transpose is the parameter; a saved view of a saved value is that value)."""
+    if not _read_in_backward(node):
+        return False
+    if not is_view(node):
+        return True
+    root = node
+    while root.op == "call_function" and is_view(root) and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    return root.op != "placeholder" and not _read_in_backward(root)
+
+
+def _read_in_backward(node: fx.Node) -> bool:
     if node.meta.get(M.PHASE) is not M.Phase.FORWARD:
         return False
     return any(u.meta.get(M.PHASE) is M.Phase.BACKWARD for u in node.users)

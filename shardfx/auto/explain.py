@@ -37,6 +37,9 @@ def notes(report, megatron: dict[str, M.Placements] | None = None) -> list[str]:
     lines.append(f"  integer program: {report.size}; candidates in "
                  f"{report.enumerate_seconds:.2f} s, solved in {report.solve_seconds:.2f} s "
                  f"(within {report.gap:.1%} of the cheapest, proved)")
+    if report.zero_chosen and "dp" in report.mesh_axes:
+        lines.append(f"  ZeRO stage {report.zero} over dp priced with the placements "
+                     f'(zero="auto": the cheapest stage whose state fits)')
     used = _batch_axes(report)
     if used:
         lines.append(f"  the batch is split over {used} as well: that axis serves as data "

@@ -16,7 +16,9 @@ whose two ends both choose is priced through continuous ``z[p, q]`` (producer's 
 
 Memory, where a budget is given, is a constraint: parameters with their gradients and optimizer
 state, and the forward values the backward reads, each at its local size under the strategy
-chosen (``Problem.memory``), must fit.
+chosen (``Problem.memory``), must fit. The ZeRO stage (``auto.zero_stage``) sets what a
+parameter's byte keeps on a device and costs over dp (``Problem.at``): the problem is built once
+and priced at each stage asked.
 """
 
 from __future__ import annotations
@@ -46,10 +48,19 @@ class Problem:
     cost: np.ndarray  # seconds per column
     compute: np.ndarray  # of them, the ops' own (x only); the rest is communication
     memory: np.ndarray  # bytes per column (x only): parameters, gradients, optimizer state
+    weights: np.ndarray  # bytes per column (x only): the parameters alone, on one device
     activations: np.ndarray  # bytes per column (x only): forward values the backward reads
     rows: list  # (coefficients {column: value}, low, high)
     edges: int  # distinct edges
     priced: int  # edges priced through z
+    synced: np.ndarray  # of ``cost``, the gradients' and parameters' traffic over dp (``at``)
+
+    def at(self, stage) -> "Problem":
+        """The problem under ZeRO ``stage`` (an ``auto.zero_stage.Stage``): each parameter byte
+        keeps ``stage.state`` bytes and costs ``stage.per_byte`` seconds over dp."""
+        cost = self.cost - self.synced + self.weights * stage.per_byte
+        return dataclasses.replace(self, memory=self.weights * stage.state, cost=cost,
+                                   synced=self.weights * stage.per_byte)
 
     def size(self) -> str:
         return f"{self.binary} binary and {self.columns - self.binary} continuous variables, " \
@@ -67,10 +78,8 @@ class Solution:
     gap: float  # proved: the cheapest possible is at least (1 - gap) x seconds
 
 
-def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel,
-          state_factor: float) -> Problem:
-    """``state_factor``: bytes kept per parameter byte (the parameter, its gradient and the
-    optimizer's state, as ZeRO leaves them on one device)."""
+def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel) -> Problem:
+    """The problem with no state but the parameters, nothing over dp: price it with ``at``."""
     sizes = [n for _, n in axes]
     index, col = {}, 0
     for key, strategies in cands.classes.items():
@@ -89,7 +98,7 @@ def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel
             if rep.op == "call_function":
                 compute[i] += count * costs.op_seconds(rep, s.out, s.inputs, sizes, model)
             elif rep.meta[M.ROLE].kind is M.InputKind.PARAM:
-                memory[i] += count * state_factor * costs.local_bytes(rep.meta[M.VAL], s.out, sizes)
+                memory[i] += count * costs.local_bytes(rep.meta[M.VAL], s.out, sizes)
     for node in op_nodes(gm.graph):
         if costs.saved(node):
             outs = cands.outs(node)
@@ -111,8 +120,9 @@ def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel
     pad = [0.0] * len(extra_cost)  # the z: no work, no memory of their own
     compute = np.array(compute + pad)
     cost = np.array(cost + extra_cost) + compute
-    return Problem(cands, index, len(cost), binary, cost, compute, np.array(memory + pad), np.array(held + pad), rows,
-                   len(edges), priced)
+    weights = np.array(memory + pad)
+    return Problem(cands, index, len(cost), binary, cost, compute, weights, weights, np.array(held + pad),
+                   rows, len(edges), priced, np.zeros(len(cost)))
 
 
 def _vals(node: fx.Node) -> list:
@@ -225,10 +235,11 @@ ROUNDS = 12  # prices of memory tried under a budget
 
 
 def solve(problem: Problem, budget: float | None = None, fixed: dict | None = None,
-          activations: bool = True) -> Solution | None:
+          activations: bool = True, above: float = np.inf) -> Solution | None:
     """The cheapest choice (None where none fits ``budget``); ``fixed``: class -> strategy
     indices allowed (a partial plan); ``activations``: whether the saved activations count
-    against the budget (not where remat will cut them).
+    against the budget (not where remat will cut them); ``above``: seconds a choice must beat
+    (None where even the cheapest ignoring the budget does not: no search).
 
     Under a budget the memory is a constraint every answer is checked against; the search for
     the cheapest answer that meets it prices memory (a Lagrange multiplier, ``ROUNDS``
@@ -238,10 +249,13 @@ def solve(problem: Problem, budget: float | None = None, fixed: dict | None = No
     gap reported is against the best of them."""
     memory = problem.memory + problem.activations if activations else problem.memory
     start = time.perf_counter()
+    if budget is not None and sum(min(memory[c] for c in cols)
+                                  for cols in problem.index.values()) > budget:
+        return None  # even each op's least is over: no program to solve
     program = _Program(problem, fixed)
     cost = problem.cost * 1e6  # microseconds: HiGHS's tolerances fit them
     x, bound = program.run(cost)
-    if x is None:
+    if x is None or bound / 1e6 >= above:
         return None
     if budget is not None and memory @ x > budget:
         share = memory / budget

@@ -11,7 +11,8 @@ and the sequence, as named) — in practice ``tp``. On them a parameter may be r
 on any dimension, an input replicated or split on its batch (the axis then used as data
 parallel), and every op takes any strategy DTensor's rules give for its operands' candidates
 (``auto.candidates``). ``auto.ilp`` picks the cheapest by the device model, under the memory
-budget when one is given. A parameter the user placed (``shard={glob: placements, "*": "auto"}``)
+budget when one is given, with each parameter's traffic over dp as the ZeRO stage moves it; under
+``zero="auto"`` the stage too (one program per stage, ``auto.zero_stage``; the report's ``zero``). A parameter the user placed (``shard={glob: placements, "*": "auto"}``)
 keeps its placement: the solver completes the plan around it.
 """
 
@@ -23,14 +24,15 @@ import time
 
 import torch.fx as fx
 
-from shardfx.auto import ilp
+import numpy as np
+
+from shardfx.auto import ilp, zero_stage
 from shardfx.auto.candidates import enumerate_candidates
 from shardfx.device_model import GRAPH_KEY, default_model
 from shardfx.errors import ShardingError
 from shardfx.ir import meta as M
 from shardfx.hints import HINT, PIPE_SPLIT
 from shardfx.ir.graph import is_getitem, op_nodes
-from shardfx.memory import optimizer_model
 from shardfx.passes.shard_propagate import planning_mesh
 from shardfx.report import nbytes
 
@@ -57,6 +59,8 @@ class AutoReport:
     budget: float | None  # the bytes the memory term had to fit (None: no budget, or remat's)
     params: dict[str, M.Placements]  # parameter FQN -> the placements chosen
     inputs: dict[str, M.Placements]
+    zero: int = 0  # the ZeRO stage priced (chosen where ``zero="auto"``)
+    zero_chosen: bool = False  # whether the solver chose it
 
 
 def solver(options) -> bool:
@@ -79,30 +83,93 @@ def auto_shard(gm: fx.GraphModule, options) -> fx.GraphModule:
     cands = enumerate_candidates(gm, mesh, free_axes(options.mesh), _fixed(gm, options))
     enumerated = time.perf_counter() - start
     model = gm.meta.get(GRAPH_KEY) or default_model(options)
-    problem = ilp.build(gm, cands, options.mesh.axes, model, _state_factor(options))
+    problem = ilp.build(gm, cands, options.mesh.axes, model)
     budget = options.memory_budget or model.memory or None  # the device's, where known
-    named = {name: ilp.follow(gm, cands, seeds, options.mesh.axes, model)  # before _write
-             for name, seeds in _named(gm, options).items()}
-    solution, activations = ilp.solve(problem, budget), True
-    if solution is None and budget is not None:  # remat may still fit the activations
-        solution, activations = ilp.solve(problem, budget, activations=False), False
-    if solution is None:
-        raise _no_fit(problem, budget)
+    start = time.perf_counter()
+    stage, problem, solution, activations = _cheapest_stage(
+        problem, zero_stage.stages(options, model), budget,
+        (options.whole_mesh or options.mesh).axis("dp"))
+    solution = dataclasses.replace(solution, solve_seconds=time.perf_counter() - start)  # all
+    named = {name: _with_stage(ilp.follow(gm, cands, seeds, options.mesh.axes, model),
+                               _held(gm, seeds, options.mesh.axes), stage)
+             for name, seeds in _named(gm, options).items()}  # before _write
     _write(gm, cands, solution)
     gm.meta[AUTO] = _report(gm, cands, problem, solution, options, enumerated, named,
-                            budget if activations else None)
+                            budget if activations else None, stage.k)
     return gm
 
 
-def _state_factor(options) -> float:
-    """Bytes per parameter byte on one device: itself, its gradient, the optimizer's state,
-    divided over dp as the ZeRO stage asks, and over a pipeline's stages (each device holds
-    its stage's parameters)."""
-    dp = options.mesh.axis("dp")
-    states = optimizer_model(options.optimizer).states
-    zero = options.zero
-    return ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1) +
-            states * (1 / dp if zero >= 1 else 1)) / options.held_by
+def _cheapest_stage(problem, stages, budget, dp: int):
+    """(stage, the problem priced at it, its solution, whether the saved activations fit too)
+    of the cheapest stage and placements that fit ``budget`` with the activations; else of
+    those that fit without them (remat will cut them); a ``ShardingError`` where none fits.
+    One stage unless ``zero="auto"`` (``auto.zero_stage``)."""
+    for activations in (True, False):
+        best = None
+        for stage in sorted(stages, key=lambda s: (s.per_byte, s.k)):  # the cheaper first
+            priced = problem.at(stage)
+            above = best[2].seconds if best is not None else np.inf
+            solution = _finish(ilp.solve(priced, budget, activations=activations, above=above),
+                               priced, stage, budget)
+            if solution is None:
+                continue
+            if best is None or solution.seconds < best[2].seconds * (1 - TIE):
+                best = stage, priced, solution, activations
+        if best is not None:
+            return best
+        if budget is None:
+            break
+    least = min(stages, key=lambda s: s.state)
+    raise _no_fit(problem.at(least), budget, least, len(stages) > 1, dp)
+
+
+TIE = 1e-9  # a stage replaces one solved before it (cheaper per byte) only if cheaper by more
+# than this fraction: plain dp and ZeRO-2 cost the same, and rounding must not choose between them
+
+
+def _finish(solution, problem, stage, budget):
+    """The solution with its stage's terms the integer program leaves out: the latency of the
+    collectives over dp, a bucket at a time, in its seconds, ZeRO-3's gathered buckets in its
+    memory (None where they take it over ``budget``)."""
+    if solution is None:
+        return None
+    x = np.zeros(problem.columns)
+    for key, cols in problem.index.items():
+        x[cols[solution.choice[key]]] = 1.0
+    held = float(problem.weights @ x)
+    gathered = stage.gathered(held, _largest(problem, solution))
+    if budget is not None and solution.memory + gathered > budget:
+        return None
+    return dataclasses.replace(solution, seconds=solution.seconds + stage.seconds(held)
+                               - held * stage.per_byte, memory=solution.memory + gathered)
+
+
+def _largest(problem, solution) -> float:
+    """The bytes of the largest parameter one device holds under ``solution``."""
+    largest = 0.0
+    for key, cols in problem.index.items():
+        rep = problem.cands.members[key][0]
+        if rep.op == "placeholder" and rep.meta[M.ROLE].kind is M.InputKind.PARAM:
+            members = len(problem.cands.members[key])
+            largest = max(largest, problem.weights[cols[solution.choice[key]]] / members)
+    return largest
+
+
+def _held(gm, seeds: dict, axes) -> float:
+    """Bytes of parameters one device holds when they are placed as ``seeds`` (the others as
+    annotated)."""
+    from shardfx.auto.costs import local_bytes
+
+    sizes = [n for _, n in axes]
+    return sum(local_bytes(n.meta[M.VAL], seeds.get(n, n.meta.get(M.ANNOTATION)) or (), sizes)
+               for n in gm.graph.find_nodes(op="placeholder")
+               if n.meta[M.ROLE].kind is M.InputKind.PARAM)
+
+
+def _with_stage(priced: tuple[float, float], held: float, stage) -> tuple[float, float]:
+    """A named plan's (seconds, compute) with its traffic over dp at ``stage``."""
+    seconds, compute = priced
+    return seconds + stage.seconds(held), compute
 
 
 def _fixed(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
@@ -137,7 +204,8 @@ def _named(gm, options) -> dict[str, dict]:
     return {name: {nodes[fqn]: p for fqn, p in params.items()} for name, params in plans.items()}
 
 
-def _report(gm, cands, problem, solution, options, enumerated, named, budget) -> AutoReport:
+def _report(gm, cands, problem, solution, options, enumerated, named, budget,
+            zero: int) -> AutoReport:
     params, inputs = {}, {}
     for node in gm.graph.find_nodes(op="placeholder"):
         role = node.meta[M.ROLE]
@@ -149,15 +217,21 @@ def _report(gm, cands, problem, solution, options, enumerated, named, budget) ->
     return AutoReport(axes=axes, mesh_axes=tuple(a for a, _ in options.mesh.axes), seconds=solution.seconds, compute=solution.compute,
                       memory=solution.memory, size=problem.size(), enumerate_seconds=enumerated,
                       solve_seconds=solution.solve_seconds, gap=solution.gap, named=named, budget=budget,
-                      params=params, inputs=inputs)
+                      params=params, inputs=inputs, zero=zero,
+                      zero_chosen=options.zero == "auto")
 
 
-def _no_fit(problem, budget) -> ShardingError:
+def _no_fit(problem, budget, stage, chose: bool, dp: int) -> ShardingError:
+    """``chose``: zero="auto" tried every stage, ``stage`` the one holding least."""
     least = ilp.least_memory(problem)
+    zero = f"even under ZeRO-{stage.k}" if chose else \
+        (f"under ZeRO-{stage.k}" if stage.k else "without ZeRO")
+    split = "zero=\"auto\" or zero=3" if dp > 1 else "a dp axis with zero=\"auto\" or zero=3"
+    fix = "a larger tp axis (more ways to split the weights)" + \
+        ("" if chose or stage.k == 3 else f", {split} (parameters, gradients and optimizer "
+         "state split over dp)") + ", or a larger memory_budget"
     return ShardingError(
         f"no placement of the parameters, their gradients and optimizer state fits the memory "
-        f"budget of {nbytes(budget)} per device: the plan that holds the least needs "
+        f"budget of {nbytes(budget)} per device {zero}: the plan that holds the least needs "
         f"{nbytes(least)} for them",
-        where="partition(..., shard=\"auto\", memory_budget=...)",
-        fix="a larger tp axis (more ways to split the weights), zero=3 (parameters, gradients "
-            "and optimizer state split over dp), or a larger memory_budget")
+        where="partition(..., shard=\"auto\", memory_budget=...)", fix=fix)

@@ -1,0 +1,187 @@
+"""The ZeRO stage as a choice: what each stage keeps on a device and moves over dp per step.
+
+``partition(..., zero="auto")`` leaves the stage to the plan. With the solver (``shard="auto"``
+on a mesh with tp) it is priced with the placements: one integer program per stage the mesh can
+run, the cheapest that fits the memory taken (``passes.auto_shard``); without it, from the
+propagated placements (``choose``). Both price a stage by these terms, per byte of a parameter
+as one device holds it (after tp), over a dp axis of ``n`` ranks (ring collectives: each rank
+moves ``(n-1)/n`` of a buffer per pass over it):
+
+    stage  keeps per parameter byte                 moves over dp (passes of (n-1)/n)
+    0      parameter + gradient + state             all-reduce of the gradient         2
+    1      parameter + gradient + state / n         that all-reduce, then an all-gather
+                                                    of the updated rows                 3
+    2      parameter + (gradient + state) / n       reduce-scatter, all-gather          2
+    3      (parameter + gradient + state) / n       reduce-scatter, and the parameter
+                                                    gathered in forward and backward    3
+
+(ZeRO's own formulas; ``passes.zero`` is what runs them.) Each collective also pays its
+latency once per bucket of ``BUCKET_BYTES``: stage 0 one all-reduce a bucket, stages 1 and 2
+two collectives, stage 3 three. The cheapest stage is the fewest bytes moved, then the fewest
+collectives: ZeRO-1/2/3 only pay where the memory needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.memory import optimizer_model
+
+
+CHOSEN = "shardfx.zero_stage"  # gm.meta: the stage ``resolve`` chose for zero="auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    k: int
+    state: float  # bytes one device keeps per byte of a parameter it holds
+    per_byte: float  # seconds over dp per byte of a parameter it holds
+    latency: float  # seconds of latency per bucket
+
+    def gathered(self, held: float, largest: float) -> float:
+        """Bytes ZeRO-3 holds gathered at once (``passes.zero``: a bucket of a block's
+        parameters, at most ``BUCKET_BYTES`` unless one parameter is larger, and the next one
+        coming in), for ``held`` bytes of parameters whose largest is ``largest``; 0 below 3."""
+        return 2 * min(held, max(BUCKET_BYTES, largest)) if self.k == 3 else 0.0
+
+    def seconds(self, held: float) -> float:
+        """Seconds over dp of a step for ``held`` bytes of parameters on one device."""
+        return held * self.per_byte + max(1, math.ceil(held / BUCKET_BYTES)) * self.latency \
+            if held and self.per_byte else 0.0
+
+
+# stage -> (kinds of the collectives over dp, one each a bucket)
+_COLLECTIVES = {0: ("all_reduce",), 1: ("all_reduce", "all_gather"),
+                2: ("reduce_scatter", "all_gather"),
+                3: ("reduce_scatter", "all_gather", "all_gather")}
+
+
+def allowed(zero, mesh) -> tuple[int, ...]:
+    """The stages ``zero`` leaves to choose on ``mesh`` (the whole mesh, dp and pp with it):
+    one where it names one; every stage the mesh runs where it is "auto" (none over dp=1, not
+    3 inside a pipeline: ``api._zero``)."""
+    if zero != "auto":
+        return (zero,)
+    if mesh.axis("dp") == 1:
+        return (0,)
+    return (0, 1, 2) if mesh.axis("pp") > 1 else (0, 1, 2, 3)
+
+
+def stages(options, model) -> list[Stage]:
+    """The stages ``options`` leave to choose, each priced on the device model's dp link."""
+    mesh = options.whole_mesh or options.mesh
+    n = mesh.axis("dp")
+    states = optimizer_model(options.optimizer).states
+    out = []
+    for k in allowed(options.zero, mesh):
+        keep = ((1 / n if k >= 3 else 1) + (1 / n if k >= 2 else 1) +
+                states * (1 / n if k >= 1 else 1)) / options.held_by
+        if n == 1:
+            out.append(Stage(k, keep, 0.0, 0.0))
+            continue
+        link = model.link_of(mesh.axes, "dp")
+        kinds = _COLLECTIVES[k]
+        per_byte = sum(model.collective_seconds(kind, 1.0, n, link)
+                       - model.collective_seconds(kind, 0.0, n, link) for kind in kinds)
+        latency = sum(model.collective_seconds(kind, 0.0, n, link) for kind in kinds)
+        out.append(Stage(k, keep, per_byte, latency))
+    return out
+
+
+def choose(held: float, largest: float, saved: float, budget: float | None,
+           candidates: list[Stage]) -> Stage:
+    """The cheapest stage whose state (``held`` bytes of parameters, the largest ``largest``),
+    ZeRO-3's gathered buckets and ``saved`` activations fit ``budget``; else the cheapest
+    whose state alone fits (remat then cuts the activations); else the one that keeps least
+    (the budget's own error then says what is missing)."""
+    by_cost = sorted(candidates, key=lambda s: (float(f"{s.seconds(held):.9g}"), s.k))
+    if budget is None:
+        return by_cost[0]
+    for extra in (saved, 0.0):
+        for stage in by_cost:
+            if held * stage.state + stage.gathered(held, largest) + extra <= budget:
+                return stage
+    return min(candidates, key=lambda s: s.state)
+
+
+def why(k: int, dp: int) -> str:
+    """``print(plan)``'s line for a stage ``zero="auto"`` chose."""
+    if k == 0:
+        return (f'ZeRO: none (zero="auto"): the state fits replicated over dp={dp}, and each '
+                "stage would only add collectives")
+    return (f'ZeRO-{k} chosen (zero="auto"): the cheapest stage by the device model whose '
+            "state fits the memory" + ("" if k == 3 else f"; ZeRO-{k - 1} does not"))
+
+
+def resolve(gm, options):
+    """``options`` with ``zero="auto"`` made a stage, after the IR's placements are planned:
+    the solver's choice (``passes.auto_shard``'s report), else ``choose`` on the parameters and
+    saved activations as ``shard_propagate`` placed them; the stage is kept in ``gm.meta[CHOSEN]``,
+    so the plan reads the same one later. Other options come back as they are."""
+    if options.zero != "auto":
+        return options
+    if CHOSEN not in gm.meta:
+        gm.meta[CHOSEN] = _choose(gm, options)
+    return dataclasses.replace(options, zero=gm.meta[CHOSEN])
+
+
+def _choose(gm, options) -> int:
+    from shardfx.auto.costs import flat, local_bytes, saved
+    from shardfx.device_model import GRAPH_KEY, default_model
+    from shardfx.ir import meta as M
+    from shardfx.passes.auto_shard import AUTO
+
+    report = gm.meta.get(AUTO)
+    if report is not None:
+        return report.zero
+    model = gm.meta.get(GRAPH_KEY) or default_model(options)
+    sizes = [n for _, n in options.mesh.axes]
+    params = [local_bytes(n.meta[M.VAL], n.meta.get(M.ANNOTATION) or (), sizes)
+              for n in gm.graph.find_nodes(op="placeholder")
+              if n.meta[M.ROLE].kind is M.InputKind.PARAM]
+    kept = 0.0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and saved(node):
+            sharding = node.meta.get(M.SHARDING)
+            vals = node.meta.get(M.VAL)
+            vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+            outs = flat(sharding.out) if sharding is not None else [()] * len(vals)
+            kept += sum(local_bytes(v, p or (), sizes) for v, p in zip(vals, outs))
+    budget = options.memory_budget or model.memory or None
+    stage = choose(sum(params), max(params, default=0.0), kept, budget, stages(options, model))
+    return stage.k
+
+
+def fit(plan, budget: int) -> None:
+    """Under ``memory_budget`` with ``zero="auto"``: the stage checked against the memory model
+    (``plan.memory_estimate``) rather than the formulas above, which leave out the program's
+    temporaries. The stages in order of cost, each emitted as the plan's program: the first
+    whose predicted peak fits ``budget`` as it is; where none does, the one that holds least
+    (remat then recomputes the rest: its budget search starts from the lowest peak). Sets
+    ``plan.options`` and the plan's program to the stage's."""
+    from shardfx.budget import _evaluate
+    from shardfx.device_model import model_of
+
+    model = model_of(plan.ir)
+    asked = dataclasses.replace(plan.options, zero="auto")
+    order = sorted(stages(asked, model), key=lambda s: (float(f"{s.per_byte:.9g}"), s.k))
+    if len(order) < 2:
+        return
+    def emit(k: int) -> None:
+        if k != plan.options.zero:
+            plan.options = dataclasses.replace(plan.options, zero=k)
+            for cached in ("zero_layouts", "zero_gather_programs"):  # the stage's own
+                plan.__dict__.pop(cached, None)
+            _evaluate(plan)
+
+    peaks = {}
+    for stage in order:
+        emit(stage.k)
+        peaks[stage.k] = max(plan.memory_estimate().values())
+        if peaks[stage.k] <= budget:
+            break
+    else:
+        emit(min(order, key=lambda s: (peaks[s.k], order.index(s))).k)
+    plan.ir.meta[CHOSEN] = plan.options.zero

@@ -1,0 +1,131 @@
+"""``zero="auto"`` (the default): the ZeRO stage is the plan's choice, the cheapest by the device
+model that fits the memory. Plain dp where everything fits; under a budget plain dp cannot meet,
+the stage that meets it; chosen with the placements by the solver on a mesh with tp; and the
+chosen plans train like one device on real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardfx
+from shardfx.auto import zero_stage
+from shardfx.config import RunConfig, zero_stage as zero_flag
+from shardfx.device_model import DeviceModel, Link
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+from shardfx.mesh import MeshSpec
+from shardfx.passes.auto_shard import AUTO
+from shardfx.passes.manager import Options
+from shardfx.testing import compare_training
+
+from models import lm_loss, tiny, token_batches
+
+_SLOW = {"float64": 1e9, "float32": 1e9, "bfloat16": 1e9, "float16": 1e9}
+LINKS = DeviceModel("links", _SLOW, 1e12, {"intra": Link(1e8, 1e-5), "inter": Link(1e8, 1e-5)})
+
+
+def _plan(mesh, **kw):
+    (x,), (y,) = token_batches(1, 4)[0]
+    return shardfx.partition(tiny("llama"), (x,), lm_loss, (y,), mesh=mesh, fused_loss=False,
+                             **kw)
+
+
+def _peaks(mesh, stages=(0, 1, 2, 3)) -> dict[int, int]:
+    return {k: max(_plan(mesh, zero=k, shard="replicate").memory_estimate().values())
+            for k in stages}
+
+
+def test_each_stage_is_priced_by_what_it_moves_over_dp():
+    """Per parameter byte over dp=4: stage 0's all-reduce and stage 2's reduce-scatter +
+    all-gather move the same bytes, stages 1 and 3 half as much again; each collective pays
+    its latency a bucket. Without a budget the cheapest is plain dp."""
+    options = Options(mesh=MeshSpec.parse({"dp": 4}), zero="auto")
+    stages = {s.k: s for s in zero_stage.stages(options, LINKS)}
+    assert set(stages) == {0, 1, 2, 3}
+    one = 2 * 3 / 4 / 1e8  # an all-reduce's bytes on the ring, per byte
+    assert stages[0].per_byte == pytest.approx(one)
+    assert stages[2].per_byte == pytest.approx(one)
+    assert stages[1].per_byte == pytest.approx(1.5 * one)
+    assert stages[3].per_byte == pytest.approx(1.5 * one)
+    assert stages[0].state == 4 and stages[1].state == 2.5 and stages[3].state == 1.0
+    assert zero_stage.choose(1e6, 1e3, 0, None, list(stages.values())).k == 0
+    # 1 MB of parameters under AdamW: 4 MB plain, 2.5 MB under ZeRO-1, 1.75 MB under ZeRO-2
+    assert zero_stage.choose(1e6, 1e3, 0, 3e6, list(stages.values())).k == 2
+    assert zero_stage.choose(1e6, 1e3, 0, 1.2e6, list(stages.values())).k == 3
+    assert zero_stage.allowed("auto", MeshSpec.parse({"dp": 2, "pp": 2})) == (0, 1, 2)
+    assert zero_stage.allowed("auto", MeshSpec.parse({"tp": 2})) == (0,)
+
+
+def test_plain_dp_where_everything_fits():
+    plan = _plan({"dp": 2})
+    assert plan.options.zero == 0 and plan.zero_chosen
+    assert 'ZeRO: none (zero="auto")' in str(plan)
+
+
+def test_a_budget_plain_dp_cannot_meet_takes_the_cheapest_stage_that_does():
+    """Stage 2 moves what plain dp moves: chosen before stage 1 or 3 where it fits; where only
+    stage 3 fits, stage 3; the plan as planned with that stage by hand."""
+    peaks = _peaks({"dp": 2})
+    assert peaks[0] > peaks[2] > peaks[3]  # tiny Llama: each stage holds less
+    budget = (peaks[0] + peaks[2]) // 2
+    plan = _plan({"dp": 2}, memory_budget=budget, shard="replicate")
+    assert plan.options.zero == 2 and plan.remat is None
+    assert max(plan.memory_estimate().values()) == peaks[2] <= budget
+    assert "ZeRO-2 chosen" in str(plan)
+    only_three = (peaks[2] + peaks[3]) // 2
+    plan = _plan({"dp": 2}, memory_budget=only_three, shard="replicate")
+    assert plan.options.zero == 3 and max(plan.memory_estimate().values()) == peaks[3]
+
+
+def test_the_solver_chooses_the_stage_with_the_placements():
+    """dp=2 x tp=2 under a budget replication cannot meet: the integer program weighs ZeRO over
+    dp against splitting weights over tp by what each moves, then the memory model checks the
+    stage. With tp on a slow link it keeps more weights whole than with tp on a fast one; every
+    plan fits its budget. (ZeRO-2 moves what plain dp moves: where it saves memory, it is
+    free.)"""
+    free = _plan({"dp": 2, "tp": 2}, device_model=LINKS)
+    assert free.ir.meta[AUTO].zero == 0 and free.ir.meta[AUTO].zero_chosen
+    budget = int(0.55 * _peaks({"dp": 2, "tp": 2}, (0,))[0])
+    whole = {}
+    for name, dp_link, tp_link in (("slow tp", 1e12, 1e6), ("fast tp", 1e6, 1e12)):
+        model = DeviceModel(name, _SLOW, 1e12, {"intra": Link(tp_link, 0.0),
+                                                "inter": Link(dp_link, 0.0)}, devices_per_node=2)
+        plan = _plan({"dp": 2, "tp": 2}, device_model=model, memory_budget=budget)
+        report = plan.ir.meta[AUTO]
+        assert report.zero > 0 and plan.options.zero > 0, name
+        assert max(plan.memory_estimate().values()) <= budget, name
+        whole[name] = sum(M.placements_str(p) == "RR" for p in report.params.values())
+    assert whole["slow tp"] > whole["fast tp"], whole
+
+
+def test_a_stage_given_is_kept():
+    plan = _plan({"dp": 2}, zero=1)
+    assert plan.options.zero == 1 and not plan.zero_chosen
+    assert "zero=\"auto\"" not in str(plan)
+
+
+def test_the_flag_and_the_config_take_auto():
+    assert zero_flag("auto") == "auto" and zero_flag("2") == 2
+    assert RunConfig.of("m:f", "dp=2", zero="auto").parallel.zero == "auto"
+    assert RunConfig().parallel.zero == "auto"
+    with pytest.raises(InputError, match="zero"):
+        RunConfig.of("m:f", "dp=2", zero="two")
+
+
+def _train(cases):
+    out = []
+    for mesh, budget in cases:
+        report = compare_training(tiny("llama"), token_batches(3, 4), lm_loss, mesh=mesh,
+                                  memory_budget=budget, fused_loss=False)
+        out.append((mesh, report.max(), report.plan.options.zero))
+    return out
+
+
+def test_the_chosen_stage_trains_like_one_device():
+    peaks = _peaks({"dp": 2})
+    rows = shardfx.launch(_train, [({"dp": 2}, None), ({"dp": 2}, (peaks[0] + peaks[2]) // 2),
+                                   ({"dp": 2}, (peaks[2] + peaks[3]) // 2)],
+                          nprocs=2, timeout=180, deadline=600)
+    (_, e0, z0), (_, e2, z2), (_, e3, z3) = rows[0]
+    assert (z0, z2, z3) == (0, 2, 3)
+    assert max(e0, e2, e3) < 1e-5, (e0, e2, e3)
