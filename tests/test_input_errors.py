@@ -322,8 +322,9 @@ def _error(fn) -> str | None:
 
 
 def _runtime_checks() -> dict[str, str | None]:
-    """On each of 2 ranks: state dicts checked against full shapes (tp=2, pp=2) and the batch
-    every rank passes compared (dp=2, pp=2). Every check raises on both ranks alike."""
+    """On each of 2 ranks: state dicts checked against full shapes (tp=2, pp=2), the batch
+    every rank passes compared (dp=2, pp=2), and the ranks' plans (dp=2). Every check raises on
+    both ranks alike."""
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
@@ -353,6 +354,9 @@ def _runtime_checks() -> dict[str, str | None]:
     every.step((x,), (y,))
     out["dp debug later step"] = _error(lambda: every.step(*other))
 
+    apart = shardfx.partition(mlp(), (x,), F.mse_loss, (y,), mesh={"dp": 2}, zero=rank)
+    out["ranks planned apart"] = _error(lambda: apart.runner())
+
     pp_plan = shardfx.partition(mlp(), (x,), F.mse_loss, (y,), mesh={"pp": 2}, microbatches=2)
     out["pp optimizer None"] = _error(lambda: pp_plan.runner(lambda ps: None))
     pp = pp_plan.runner()
@@ -373,4 +377,7 @@ def test_runtime_checks_on_two_processes():
             assert msg and "different global batches" in msg and "args[0] on rank 1" in msg \
                 and "where: runner.step, args[0]" in msg, (rank, key, msg)
         assert out["dp later step unchecked"] is None, out  # cheap: the first step only
+        apart = out["ranks planned apart"]  # rank 1 planned with ZeRO-1, rank 0 without
+        assert apart and "the ranks planned different programs: rank 1" in apart and \
+            "zero=0" in apart and "zero=1" in apart, (rank, apart)
         assert "returned None" in out["pp optimizer None"], out

@@ -10,10 +10,16 @@
   device ever saw. Each rank sums each input three ways (plainly, weighted by row and by
   column, so reordered rows count too) and the ranks gather those few float64s: on the first
   step, and on every step in debug mode (``SHARDFX_DEBUG=1``).
+- ``same_plan``: every rank made the same plan. Each rank plans on its own; a plan that
+  depended on something only some ranks see would issue collectives of other kinds or sizes
+  than its peers', which gloo meets with a crash or a hang, not an error. The ranks gather a
+  fingerprint of the plan's collectives (kind, axis, bytes, in order) and its ZeRO stage once,
+  when the runner is made.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -65,6 +71,31 @@ def make_optimizer(factory: Callable | None, params: list[torch.nn.Parameter]) -
             "trains its own shards, so the tensors it steps would never be read",
             where=WHERE, fix=f"build the optimizer from the factory's argument, e.g. {EXAMPLE}")
     return optimizer
+
+
+def same_plan(plan: "Plan") -> None:
+    """Raise the same ``ShardfxError`` on every rank when the ranks' plans differ (see the
+    module docstring). Collective: call it on every rank of the plan's mesh."""
+    if plan.mesh.size == 1 or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    collectives = [(c.kind, c.axis, c.nbytes) for c in plan.collectives]
+    digest = hashlib.sha256(repr((collectives, plan.options.zero)).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:7], "little"), len(collectives),
+                         int(plan.options.zero)], dtype=torch.int64, device=collective_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    every = [t.cpu().tolist() for t in every]
+    others = [r for r, facts in enumerate(every) if facts != every[0]]
+    if others:
+        said = "; ".join(f"rank {r}: {n} collectives, zero={z}"
+                         for r, (_, n, z) in enumerate(every) if r in [0, *others])
+        raise ShardfxError(
+            f"the ranks planned different programs: rank{'s' * (len(others) > 1)} "
+            f"{', '.join(map(str, others))} would issue other collectives than rank 0 ({said})",
+            where="plan.runner()",
+            fix="plan the same model, example batch and options on every rank; a choice that "
+                "depends on the rank's machine (a device model file present on some hosts) "
+                "must be the same everywhere: pass device_model= explicitly")
 
 
 class SameBatch:

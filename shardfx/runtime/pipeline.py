@@ -60,7 +60,7 @@ from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_ste
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.runtime.buckets import GradBuckets, final_gradients
-from shardfx.runtime.checks import SameBatch, make_optimizer
+from shardfx.runtime.checks import SameBatch, make_optimizer, same_plan
 from shardfx.runtime.compiled import StageProgram, Step
 from shardfx.runtime.device import check_weights, place
 from shardfx.runtime.heap import keep_freed_memory
@@ -120,6 +120,7 @@ class PipelineRunner(PipelineState):
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
         self._reduce_dtype = plan.options.precision.narrower_reduce
         self._same_batch = SameBatch(plan)
+        same_plan(plan)  # runtime.checks: every rank would issue the same collectives
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
         self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming

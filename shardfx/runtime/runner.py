@@ -32,7 +32,7 @@ from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counte
                                             release)
 from shardfx.memory import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
-from shardfx.runtime.checks import SameBatch, make_optimizer
+from shardfx.runtime.checks import SameBatch, make_optimizer, same_plan
 from shardfx.runtime.compiled import Output
 from shardfx.runtime.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
@@ -71,6 +71,7 @@ class Runner:
         if self.device.type == "cpu":
             keep_freed_memory()  # runtime.heap
         self._shards = Shards(plan.mesh) if plan.mesh.size > 1 else None
+        same_plan(plan)  # runtime.checks: every rank would issue the same collectives
         self._placements = _placements(plan.program)
         self._zero = None if not plan.options.zero else ZeroRows(
             plan.zero_layouts, plan.options.zero, self._shards.coord["dp"],
