@@ -58,24 +58,24 @@ _COLLECTIVES = {0: ("all_reduce",), 1: ("all_reduce", "all_gather"),
                 3: ("reduce_scatter", "all_gather", "all_gather")}
 
 
-def allowed(zero, mesh) -> tuple[int, ...]:
+def allowed(zero, mesh, train: bool = True) -> tuple[int, ...]:
     """The stages ``zero`` leaves to choose on ``mesh`` (the whole mesh, dp and pp with it):
-    one where it names one; every stage the mesh runs where it is "auto" (none over dp=1, not
-    3 inside a pipeline: ``api._zero``)."""
+    one where it names one; every stage the mesh runs where it is "auto" (none over dp=1 or
+    for inference, which keeps no training state; not 3 inside a pipeline: ``api._zero``)."""
     if zero != "auto":
         return (zero,)
-    if mesh.axis("dp") == 1:
+    if mesh.axis("dp") == 1 or not train:
         return (0,)
     return (0, 1, 2) if mesh.axis("pp") > 1 else (0, 1, 2, 3)
 
 
-def stages(options, model) -> list[Stage]:
+def stages(options, model, train: bool = True) -> list[Stage]:
     """The stages ``options`` leave to choose, each priced on the device model's dp link."""
     mesh = options.whole_mesh or options.mesh
     n = mesh.axis("dp")
     states = optimizer_model(options.optimizer).states
     out = []
-    for k in allowed(options.zero, mesh):
+    for k in allowed(options.zero, mesh, train):
         keep = ((1 / n if k >= 3 else 1) + (1 / n if k >= 2 else 1) +
                 states * (1 / n if k >= 1 else 1)) / options.held_by
         if n == 1:
@@ -150,7 +150,9 @@ def _choose(gm, options) -> int:
             outs = flat(sharding.out) if sharding is not None else [()] * len(vals)
             kept += sum(local_bytes(v, p or (), sizes) for v, p in zip(vals, outs))
     budget = options.memory_budget or model.memory or None
-    stage = choose(sum(params), max(params, default=0.0), kept, budget, stages(options, model))
+    train = gm.meta[M.GRAPH].mode is M.Mode.TRAIN
+    stage = choose(sum(params), max(params, default=0.0), kept, budget,
+                   stages(options, model, train))
     return stage.k
 
 

@@ -87,7 +87,7 @@ def auto_shard(gm: fx.GraphModule, options) -> fx.GraphModule:
     budget = options.memory_budget or model.memory or None  # the device's, where known
     start = time.perf_counter()
     stage, problem, solution, activations = _cheapest_stage(
-        problem, zero_stage.stages(options, model), budget,
+        problem, zero_stage.stages(options, model, gm.meta[M.GRAPH].mode is M.Mode.TRAIN), budget,
         (options.whole_mesh or options.mesh).axis("dp"))
     solution = dataclasses.replace(solution, solve_seconds=time.perf_counter() - start)  # all
     named = {name: _with_stage(ilp.follow(gm, cands, seeds, options.mesh.axes, model),
