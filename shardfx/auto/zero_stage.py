@@ -58,6 +58,12 @@ _COLLECTIVES = {0: ("all_reduce",), 1: ("all_reduce", "all_gather"),
                 3: ("reduce_scatter", "all_gather", "all_gather")}
 
 
+def by_cost(candidates: list[Stage], held: float = 1.0) -> list[Stage]:
+    """``candidates`` cheapest first for ``held`` bytes of parameters, ties to the lower stage:
+    plain dp and ZeRO-2 cost the same, and the last bits of two sums must not order them."""
+    return sorted(candidates, key=lambda s: (float(f"{s.seconds(held):.9g}"), s.k))
+
+
 def allowed(zero, mesh, train: bool = True) -> tuple[int, ...]:
     """The stages ``zero`` leaves to choose on ``mesh`` (the whole mesh, dp and pp with it):
     one where it names one; every stage the mesh runs where it is "auto" (none over dp=1 or
@@ -96,11 +102,11 @@ def choose(held: float, largest: float, saved: float, budget: float | None,
     ZeRO-3's gathered buckets and ``saved`` activations fit ``budget``; else the cheapest
     whose state alone fits (remat then cuts the activations); else the one that keeps least
     (the budget's own error then says what is missing)."""
-    by_cost = sorted(candidates, key=lambda s: (float(f"{s.seconds(held):.9g}"), s.k))
+    order = by_cost(candidates, held)
     if budget is None:
-        return by_cost[0]
+        return order[0]
     for extra in (saved, 0.0):
-        for stage in by_cost:
+        for stage in order:
             if held * stage.state + stage.gathered(held, largest) + extra <= budget:
                 return stage
     return min(candidates, key=lambda s: s.state)
@@ -168,7 +174,7 @@ def fit(plan, budget: int) -> None:
 
     model = model_of(plan.ir)
     asked = dataclasses.replace(plan.options, zero="auto")
-    order = sorted(stages(asked, model), key=lambda s: (float(f"{s.per_byte:.9g}"), s.k))
+    order = by_cost(stages(asked, model))
     if len(order) < 2:
         return
     def emit(k: int) -> None:

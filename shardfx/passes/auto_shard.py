@@ -11,9 +11,10 @@ and the sequence, as named) — in practice ``tp``. On them a parameter may be r
 on any dimension, an input replicated or split on its batch (the axis then used as data
 parallel), and every op takes any strategy DTensor's rules give for its operands' candidates
 (``auto.candidates``). ``auto.ilp`` picks the cheapest by the device model, under the memory
-budget when one is given, with each parameter's traffic over dp as the ZeRO stage moves it; under
-``zero="auto"`` the stage too (one program per stage, ``auto.zero_stage``; the report's ``zero``). A parameter the user placed (``shard={glob: placements, "*": "auto"}``)
-keeps its placement: the solver completes the plan around it.
+budget when one is given, with each parameter's traffic over dp as the ZeRO stage moves it;
+under ``zero="auto"`` the stage too (one program per stage, ``auto.zero_stage``; the report's
+``zero``). A parameter the user placed (``shard={glob: placements, "*": "auto"}``) keeps its
+placement: the solver completes the plan around it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import dataclasses
 import logging
 import time
 
-import torch.fx as fx
-
 import numpy as np
+import torch.fx as fx
 
 from shardfx.auto import ilp, zero_stage
 from shardfx.auto.candidates import enumerate_candidates
@@ -40,6 +40,8 @@ log = logging.getLogger("shardfx.passes.auto_shard")
 
 AUTO = "shardfx.auto"  # gm.meta: the AutoReport
 FIXED_AXES = ("dp", "cp", "pp")
+TIE = 1e-9  # a stage replaces one solved before it (``zero_stage.by_cost``) only if cheaper by
+# more than this fraction: plain dp and ZeRO-2 cost the same, and rounding must not choose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +108,14 @@ def _cheapest_stage(problem, stages, budget, dp: int):
     One stage unless ``zero="auto"`` (``auto.zero_stage``)."""
     for activations in (True, False):
         best = None
-        for stage in sorted(stages, key=lambda s: (s.per_byte, s.k)):  # the cheaper first
+        for stage in zero_stage.by_cost(stages):  # the cheaper first
             priced = problem.at(stage)
             above = best[2].seconds if best is not None else np.inf
             solution = _finish(ilp.solve(priced, budget, activations=activations, above=above),
                                priced, stage, budget)
             if solution is None:
                 continue
-            if best is None or solution.seconds < best[2].seconds * (1 - TIE):
+            if best is None or solution.seconds < best[2].seconds * (1 - TIE):  # ties: lower
                 best = stage, priced, solution, activations
         if best is not None:
             return best
@@ -121,10 +123,6 @@ def _cheapest_stage(problem, stages, budget, dp: int):
             break
     least = min(stages, key=lambda s: s.state)
     raise _no_fit(problem.at(least), budget, least, len(stages) > 1, dp)
-
-
-TIE = 1e-9  # a stage replaces one solved before it (cheaper per byte) only if cheaper by more
-# than this fraction: plain dp and ZeRO-2 cost the same, and rounding must not choose between them
 
 
 def _finish(solution, problem, stage, budget):
