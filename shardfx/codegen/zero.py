@@ -176,16 +176,17 @@ def gather_programs(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dty
             size = 0
         buckets[-1].append(fqn)
         size += nbytes
-    return [_gather_bucket(b, bucket, layouts, dtypes) for b, bucket in enumerate(buckets)]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()  # one for all: buckets of the same shapes share each op's value
+    return [_gather_bucket(b, bucket, layouts, dtypes, fake) for b, bucket in enumerate(buckets)]
 
 
 def _gather_bucket(b: int, bucket: list[str], layouts: dict[str, M.ZeroShard],
-                   dtypes: dict[str, torch.dtype]) -> "Program":
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+                   dtypes: dict[str, torch.dtype], fake) -> "Program":
     from shardfx.codegen.program import Program
 
-    graph, fake = fx.Graph(), FakeTensorMode()
+    graph = fx.Graph()
     shards = []
     for fqn in bucket:
         node = graph.placeholder(re.sub(r"^(?=\d)", "p", re.sub(r"\W", "_", fqn)))  # "0.weight"
