@@ -11,7 +11,9 @@ data parallel); the rest as ``shard_annotate`` placed them.
 
 Ops of a stamped list at the same place in their block (``BLOCK``) are one *class*, with one
 set of strategies: the union of what any of them was given. A class is asked again only for
-operand choices it has not seen, so past the first blocks the walk does almost nothing.
+operand choices it has not seen, and a member whose operands are of the classes (with as many
+strategies) another member's were is not looked at again: past the first blocks the walk does
+almost nothing.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def enumerate_candidates(gm: fx.GraphModule, mesh, free: set[int], fixed: dict[s
     of: dict[fx.Node, object] = {}
     members: dict[object, list[fx.Node]] = {}
     memo: dict = {}
+    seen: dict[object, set[tuple]] = {}  # class -> the operand choices it was walked with
     lists = {n.meta[M.BLOCK].path for n in op_nodes(gm.graph) if M.BLOCK in n.meta}
     for node in gm.graph.find_nodes(op="placeholder"):
         if M.ANNOTATION not in node.meta:
@@ -113,6 +116,11 @@ def enumerate_candidates(gm: fx.GraphModule, mesh, free: set[int], fixed: dict[s
         tried = answers.setdefault(key, {})
         first = givens.setdefault(key, [])
         ops = operands(node)
+        offered = tuple((of[u], u.args[1] if is_getitem(u) else None, len(classes[of[u]]))
+                        for u in ops)  # what _outs reads: the same again, the same choices
+        if offered in seen.setdefault(key, set()):
+            continue
+        seen[key].add(offered)
         choices = [_distinct(_outs(u, of, classes)) for u in ops]
         for given in _combinations(choices):
             if given in tried:

@@ -69,8 +69,14 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
             spec[node] = out
             continue
         given = node.meta.get(M.CHOICE)  # the solver's (passes.auto_shard)
-        sharding, out = _remembered(node, spec if given is None else chosen(node, given, mesh),
-                                    mesh, memo, split)
+        block = _block_key(node, given, spec)
+        if block in memo:
+            sharding, out = _rebound(node, *memo[block])
+        else:
+            sharding, out = _remembered(node, spec if given is None else chosen(node, given, mesh),
+                                        mesh, memo, split)
+            if block is not None:
+                memo[block] = sharding, out
         node.meta[M.SHARDING] = sharding
         spec[node] = out
     _require_outputs(gm, mesh)
@@ -189,7 +195,31 @@ def _remembered(node: fx.Node, spec: dict, mesh: DeviceMesh, memo: dict,
         return _propagate(node, spec, mesh, split)
     if key not in memo:
         memo[key] = _propagate(node, spec, mesh, split)
-    sharding, out = memo[key]
+    return _rebound(node, *memo[key])
+
+
+def _block_key(node: fx.Node, given: tuple | None, spec: dict) -> tuple | None:
+    """For an op of a stamped block: its place and its operands' placements, which determine
+    the answer as the full key of ``_remembered`` does (``partitioner.stamp`` proved the
+    op, its other arguments and its operands' shapes the same at that place in every block),
+    without making and hashing a spec per operand: most of the walk on a deep model."""
+    place = node.meta.get(M.BLOCK)
+    if place is None:
+        return None
+    if given is None:
+        given = tuple(_placements(spec.get(u)) for u in operands(node))
+    return ("block", place, given)
+
+
+def _placements(s):
+    if isinstance(s, DTensorSpec):
+        return s.placements
+    return tuple(map(_placements, s)) if isinstance(s, tuple) else None
+
+
+def _rebound(node: fx.Node, sharding: M.NodeSharding, out):
+    """A remembered answer for ``node``: its local arguments, which name the operands of the
+    node first asked, rebound to ``node``'s, in the same order."""
     if sharding.local_args is None and sharding.local_kwargs is None:
         return sharding, out
     rebound = iter(operands(node))
