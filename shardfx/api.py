@@ -24,7 +24,7 @@ from shardfx.partitioner.capture import (Captured, capture, capture_leaves, chec
                                          microbatch)
 from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
 from shardfx.passes.manager import Options, PassRecord, dump_failure
-from shardfx.pipeline import deferred_codegen
+from shardfx.pipeline import deferred_codegen, paused_gc
 from shardfx.plan import Plan
 from shardfx.precision import Precision
 from shardfx.runtime.device import choose_device
@@ -229,7 +229,7 @@ def partition(
     slices = options.slices
     check_slices(example_args, example_targets, microbatches, slices // microbatches)
     mb_args, mb_targets = microbatch(example_args, example_targets, slices)
-    with deferred_codegen():
+    with deferred_codegen(), paused_gc():
         return _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec,
                      options)
 

@@ -7,7 +7,9 @@ program each device runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -40,6 +42,22 @@ def deferred_codegen():
     the same code again and again (fx regenerates every submodule's with its parent's); a
     program's first step pays for its own once."""
     return _use_lazy_graph_module(True)
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Within: Python's cyclic garbage collector does not run (reference counting frees as
+    ever). Planning makes millions of objects that live until it ends (graphs of 20k nodes,
+    their fake values, each pass's record), and every full collection walked all of them
+    again: a third of a 70B-shaped Llama's 80-layer plan on dp=8 x tp=8 (10.0 -> 6.8 s of
+    CPU). Cycles planning drops are collected by the first collection after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:  # the outermost restores it
+            gc.enable()
 
 
 def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True

@@ -9,6 +9,8 @@ Then the pass machinery itself: ``verify`` rejects broken IR, a failing pass is 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.fx as fx
@@ -250,3 +252,25 @@ def test_each_pass_is_recorded_as_it_left_the_ir_and_rendered_when_read(monkeypa
     assert "wrote cost on" in cost and "FLOP" in cost
     assert cost.endswith(ir_to_text(gm))  # the IR as it is now
     assert history[2].text is cost and len(rendered) == 2  # rendered once
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_pauses_the_cyclic_gc_and_restores_it(enabled):
+    """The garbage collector does not run while a plan is made (``pipeline.paused_gc``: full
+    collections walked every graph planning holds, a third of a deep model's plan), and is
+    left as the caller had it."""
+    seen = []
+
+    def loss(out, y):
+        seen.append(gc.isenabled())  # called while capture traces
+        return F.mse_loss(out, y)
+
+    (x,), (y,) = data()
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        shardfx.partition(mlp(), (x,), loss, (y,))
+        assert seen and not any(seen)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
