@@ -237,9 +237,14 @@ def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:
 def zero_gather_peak(programs: list) -> int:
     """Bytes ZeRO-1/2's gather programs (``codegen.zero.gather_programs``) hold at their
     fullest: the largest bucket's input and gathered buffer (the runner copies each bucket out,
-    in place, before the next)."""
-    return max((walk(p.module.graph, lambda n: "transient")[0]["transient"]
-                for p in programs), default=0)
+    in place, before the next). Buckets of the same shapes are walked once."""
+    peaks: dict[tuple, int] = {}
+    for p in programs:
+        shapes = tuple((tuple(v.shape), v.dtype) for n in p.module.graph.find_nodes(
+            op="placeholder") if isinstance(v := n.meta[M.VAL], torch.Tensor))
+        if shapes not in peaks:
+            peaks[shapes] = walk(p.module.graph, lambda n: "transient")[0]["transient"]
+    return max(peaks.values(), default=0)
 
 
 def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:

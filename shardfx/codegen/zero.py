@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from shardfx.codegen.redistribute import Collective
 from shardfx.ir import meta as M
@@ -205,7 +206,7 @@ def _gather_bucket(b: int, bucket: list[str], layouts: dict[str, M.ZeroShard],
     graph.output(tuple(rows))
     roles = tuple(M.OutputRole(M.OutputKind.OUTPUT, f) for f in bucket)
     graph.output_node().meta[M.OUTPUTS] = roles
-    module = fx.GraphModule(torch.nn.Module(), graph, class_name="ShardfxZeroGather")
+    module = _make_graph_module(torch.nn.Module(), graph, class_name="ShardfxZeroGather")
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     nbytes = started.args[0].meta[M.VAL].numel() * dtypes[bucket[0]].itemsize
     record = Collective("all_gather", "dp", nbytes, f"ZeRO parameter bucket {b} ({len(bucket)} "
