@@ -39,7 +39,7 @@ from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 from shardfx.passes.remat import Choice, recompute_seconds, undo
-from shardfx.passes.remat_search import device_group, fit, held_once
+from shardfx.passes.remat_search import advice as remat_advice, device_group, fit, held_once
 from shardfx.passes.stage_cut import node_time
 from shardfx.pipeline import emit
 from shardfx.schedule import Action, Kind, Schedule, check, one_f_one_b, peak_in_flight, simulate
@@ -67,10 +67,16 @@ def fit_budget(plan, budget: int) -> None:
         if plan.remat is not None and not plan.program_records:  # the chosen program again,
             _evaluate(plan, record=True)  # its passes' text recorded
     except MemoryBudgetError as e:
-        advice = zero_advice(plan, getattr(e, "least", None), budget)
-        if not advice:
+        least = getattr(e, "least", None)
+        advice = zero_advice(plan, least, budget)
+        if advice:
+            fix = f"{advice}; or {e.fix}"
+        elif least is not None and plan.options.zero:  # the advice names the stage it has
+            fix = f"a budget of at least {least.total} bytes; " + remat_advice(
+                least, plan.options.zero, plan.mesh.axis("dp"), plan.zero_chosen)
+        else:
             raise
-        error = MemoryBudgetError(e.cause, where=e.where, fix=f"{advice}; or {e.fix}")
+        error = MemoryBudgetError(e.cause, where=e.where, fix=fix)
         error.least = getattr(e, "least", None)
         raise error from None
 

@@ -13,9 +13,11 @@ from shardfx.config import RunConfig, zero_stage as zero_flag
 from shardfx.device_model import DeviceModel, Link
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.memory import DeviceMemory
 from shardfx.mesh import MeshSpec
 from shardfx.passes.auto_shard import AUTO
 from shardfx.passes.manager import Options
+from shardfx.passes.remat_search import advice
 from shardfx.testing import compare_training
 
 from models import lm_loss, tiny, token_batches
@@ -158,3 +160,16 @@ def test_the_solvers_stage_and_placements_train_like_one_device():
                           nprocs=4, timeout=180, deadline=600)
     ((_, error, zero),) = rows[0]
     assert zero > 0 and error < 1e-5, (zero, error)
+
+
+def test_the_budget_advice_names_the_stage_the_plan_has():
+    """Where the training state dominates a peak no budget-fitting can lower, the advice says
+    to shard it over dp, unless the plan already does: then it names the stage (and that
+    ``zero="auto"`` chose it) and what is left to try."""
+    state = DeviceMemory(parameters=100, gradients=100, optimizer=200, transient=10)
+    assert "zero=1|2|3" in advice(state)
+    given = advice(state, 3, 2)
+    assert "already split over dp=2 by ZeRO-3" in given and "zero=1|2|3" not in given
+    assert "zero=\"auto\"" not in given and "zero=\"auto\"" in advice(state, 2, 4, chosen=True)
+    assert "a higher stage (zero=2|3)" in advice(state, 1, 2)
+    assert advice(DeviceMemory(parameters=1, transient=10), 3, 2).startswith("activations")

@@ -203,7 +203,7 @@ def infeasible(budget: int, memory: dict, solution: tuple | None = None):
         f"nothing to every activation it may) is {least.total} bytes on the fullest device"
         f"{'' if len(memory) == 1 else f' ({group_name(group)})'} ({_parts(least)})",
         where="partition(..., memory_budget=...)",
-        fix=f"a budget of at least {least.total} bytes; {_advice(least)}")
+        fix=f"a budget of at least {least.total} bytes; {advice(least)}")
     error.least = least  # the smallest peak found: shardfx.budget names a ZeRO stage from it
     error.solution = solution  # the flags that reach it (None: recomputing nothing)
     return error
@@ -214,9 +214,17 @@ def _parts(m) -> str:
     return ", ".join(f"{k} {b}" for b, k in kinds)
 
 
-def _advice(m) -> str:
-    """What would shrink the part of the peak that dominates it."""
+def advice(m, zero: int = 0, dp: int = 1, chosen: bool = False) -> str:
+    """What would shrink the part of the peak that dominates it (``zero``: the ZeRO stage
+    over ``dp`` the plan already has; ``chosen``: by ``zero="auto"``, every stage tried)."""
     state = m.parameters + m.optimizer + m.gradients
+    if state >= m.saved + m.transient and zero:
+        how = " (the lightest zero=\"auto\" found)" if chosen else ""
+        higher = "" if chosen or zero == 3 else \
+            f"a higher stage (zero={'|'.join(map(str, range(zero + 1, 4)))}), "
+        return (f"parameters, gradients and optimizer state dominate, already split over "
+                f"dp={dp} by ZeRO-{zero}{how}: {higher}more dp ranks, a tp or pp axis, or a "
+                "lighter optimizer (optimizer='sgd')")
     if state >= m.saved + m.transient:
         return ("parameters, gradients and optimizer state dominate: shard them over dp "
                 "(partition(..., zero=1|2|3)) or over a tp or pp axis, or plan with a lighter "
