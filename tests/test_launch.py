@@ -64,6 +64,12 @@ def raise_while_rank_0_reduces() -> None:
     dist.all_reduce(torch.ones(1))  # fails when rank 1's connections close
 
 
+def abort_on_rank_1() -> None:
+    if rank() == 1:
+        os.abort()  # SIGABRT, as glibc raises on a corrupted heap
+    time.sleep(30)
+
+
 def stall_on_rank_1() -> None:
     if rank() == 1:
         time.sleep(60)  # never joins the collective
@@ -154,6 +160,19 @@ def test_rank_that_exits_without_raising_is_reported_with_its_exit_code(tmp_path
     assert time.monotonic() - start < 8
     assert err.value.rank == 1 and err.value.exitcode == 3
     assert_killed(tmp_path / "pid")
+
+
+def test_a_native_crash_writes_the_ranks_python_stack():
+    """A rank a signal kills has no Python traceback to send: it writes every thread's Python
+    stack to its stderr first (faulthandler), so the crash says where the rank was."""
+    code = ("import sys; sys.path.insert(0, 'tests'); import shardfx; "
+            "from test_launch import abort_on_rank_1; shardfx.launch(abort_on_rank_1, nprocs=2)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode != 0
+    assert "rank 1 was killed by signal SIGABRT" in done.stderr, done.stderr[-2000:]
+    assert "Fatal Python error: Aborted" in done.stderr
+    assert 'in abort_on_rank_1' in done.stderr  # the frame the rank died in
 
 
 def test_rank_dying_during_a_collective_is_blamed_not_the_survivor():

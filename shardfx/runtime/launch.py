@@ -12,10 +12,11 @@ pipe and exit sentinel at once, so nothing can hang:
   (the mesh's dp, tp and pp groups inherit it, see ``runtime.mesh``): a rank that crashes or
   stops outside a collective fails its peers' collectives within ``timeout``;
 - the first rank to fail, by the time it failed, is reported in a ``LaunchError`` with its
-  traceback or exit code (a communication error gives way to a failure of another kind just
-  after it: it is that failure seen from a peer, see ``_first_failure``); the others get
-  ``GRACE_S`` seconds to finish; those still running then are named, with their Python stacks,
-  and killed;
+  traceback or exit code (a rank that a native crash kills, SIGSEGV or SIGABRT, first writes
+  every thread's Python stack to its stderr; a communication error gives way to a failure of
+  another kind just after it: it is that failure seen from a peer, see ``_first_failure``);
+  the others get ``GRACE_S`` seconds to finish; those still running then are named, with their
+  Python stacks, and killed;
 - ``deadline`` (default: none) bounds the whole run: past it every rank is killed and
   ``LaunchError("timed out ...")`` is raised;
 - a rank whose parent dies exits too, so no process is left behind.
@@ -297,6 +298,7 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
     stacks.write(f"main thread 0x{threading.get_ident():016x}\n")  # as faulthandler writes ids
     stacks.flush()
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     os.environ.clear()
     os.environ.update(env)  # the launcher's environment now, not the fork server's at its start
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
