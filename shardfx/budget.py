@@ -77,7 +77,7 @@ def fit_budget(plan, budget: int) -> None:
         else:
             raise
         error = MemoryBudgetError(e.cause, where=e.where, fix=fix)
-        error.least = getattr(e, "least", None)
+        error.least = least
         raise error from None
 
 

@@ -6,12 +6,14 @@ chosen plans train like one device on real processes."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import shardfx
 from shardfx.auto import zero_stage
 from shardfx.config import RunConfig, zero_stage as zero_flag
 from shardfx.device_model import DeviceModel, Link
-from shardfx.errors import InputError
+from shardfx.errors import InputError, MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.memory import DeviceMemory
 from shardfx.mesh import MeshSpec
@@ -173,3 +175,14 @@ def test_the_budget_advice_names_the_stage_the_plan_has():
     assert "zero=\"auto\"" not in given and "zero=\"auto\"" in advice(state, 2, 4, chosen=True)
     assert "a higher stage (zero=2|3)" in advice(state, 1, 2)
     assert advice(DeviceMemory(parameters=1, transient=10), 3, 2).startswith("activations")
+
+
+def test_a_budget_no_stage_meets_names_the_stage_in_its_fix():
+    """The advice reaches the error ``partition`` raises: an MLP whose weights dominate, under
+    a budget far below what ZeRO-2 over dp=2 holds."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    with pytest.raises(MemoryBudgetError) as e:
+        shardfx.partition(mlp, (torch.randn(2, 256),), F.mse_loss, (torch.randn(2, 4),),
+                          mesh={"dp": 2}, memory_budget=50_000, zero=2)
+    assert "already split over dp=2 by ZeRO-2: a higher stage (zero=3)" in e.value.fix
+    assert "zero=1|2|3" not in e.value.fix
