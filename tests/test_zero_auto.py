@@ -5,12 +5,13 @@ chosen plans train like one device on real processes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardfx
-from shardfx.auto import zero_stage
+from shardfx.auto import ilp, zero_stage
 from shardfx.config import RunConfig, zero_stage as zero_flag
 from shardfx.device_model import DeviceModel, Link
 from shardfx.errors import InputError, MemoryBudgetError
@@ -95,12 +96,14 @@ def _budget_over_dp_by_tp() -> int:
     return int(0.55 * _peaks({"dp": 2, "tp": 2}, (0,))[0])
 
 
-def test_the_solver_chooses_the_stage_with_the_placements():
+def test_the_solver_chooses_the_stage_with_the_placements(monkeypatch):
     """dp=2 x tp=2 under a budget replication cannot meet: the integer program weighs ZeRO over
     dp against splitting weights over tp by what each moves, then the memory model checks the
     stage. With tp on a slow link it keeps more weights whole than with tp on a fast one; every
     plan fits its budget. (ZeRO-2 moves what plain dp moves: where it saves memory, it is
-    free.)"""
+    free.) The search over memory's price stops early where it can: once its answer is proved
+    within ``ilp.GAP``, or proved no cheaper than a stage solved before."""
+    searches = _counting_searches(monkeypatch)
     free = _plan({"dp": 2, "tp": 2}, device_model=LINKS)
     assert free.ir.meta[AUTO].zero == 0 and free.ir.meta[AUTO].zero_chosen
     budget = _budget_over_dp_by_tp()
@@ -112,6 +115,32 @@ def test_the_solver_chooses_the_stage_with_the_placements():
         assert max(plan.memory_estimate().values()) <= budget, name
         whole[name] = sum(M.placements_str(p) == "RR" for p in report.params.values())
     assert whole["slow tp"] > whole["fast tp"], whole
+    full = ilp.ROUNDS + 2  # the cheapest, the least memory, then each price
+    assert any(2 < runs < full and found for runs, found, above in searches), searches
+    assert any(2 < runs < full and not found and above < np.inf
+               for runs, found, above in searches), searches
+
+
+def _counting_searches(monkeypatch) -> list[tuple[int, bool, float]]:
+    """(HiGHS runs, whether it found a plan, the seconds to beat) of each ``ilp.solve`` under
+    a budget from now on."""
+    searches, runs = [], [0]
+    run, solve = ilp._Program.run, ilp.solve
+
+    def counted_run(self, objective):
+        runs[0] += 1
+        return run(self, objective)
+
+    def counted_solve(problem, budget=None, *args, above=np.inf, **kw):
+        runs[0] = 0
+        solution = solve(problem, budget, *args, above=above, **kw)
+        if budget is not None:
+            searches.append((runs[0], solution is not None, above))
+        return solution
+
+    monkeypatch.setattr(ilp._Program, "run", counted_run)
+    monkeypatch.setattr(ilp, "solve", counted_solve)
+    return searches
 
 
 def test_a_stage_given_is_kept():

@@ -246,7 +246,8 @@ def solve(problem: Problem, budget: float | None = None, fixed: dict | None = No
     bisections between the cheapest plan and the one holding least), each price a problem as
     easy as the unconstrained one, where the budget as a row would be a knapsack HiGHS takes
     seconds to close. Each price also proves a lower bound on the cheapest plan that fits: the
-    gap reported is against the best of them."""
+    gap reported is against the best of them. The search stops once that gap is within
+    ``GAP``, or once the bound proves the budget's answer no cheaper than ``above``."""
     memory = problem.memory + problem.activations if activations else problem.memory
     start = time.perf_counter()
     if budget is not None and sum(min(memory[c] for c in cols)
@@ -268,12 +269,16 @@ def solve(problem: Problem, budget: float | None = None, fixed: dict | None = No
         for _ in range(ROUNDS):
             y, low = program.run(cost + price * share)
             bound = max(bound, low - price)  # min over all of cost + price * (share - 1)
+            if bound / 1e6 >= above:
+                return None  # proved no cheaper than the choice to beat
             if share @ y <= 1.0:
                 hi = price
                 if cost @ y < x_cost:
                     best, x_cost = y, cost @ y
             else:
                 lo = price
+            if x_cost <= bound + GAP * abs(x_cost):
+                break  # proved within GAP of the cheapest that fits
             price = price * 4 if hi == np.inf else (lo + hi) / 2
         x = best
     choice = {key: int(np.argmax(x[cols])) for key, cols in problem.index.items()}
