@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import shardfx
+from shardfx.ir import meta as M
 from shardfx.measure import measured_peak
+from shardfx.passes.remat import redistributed
 from shardfx.passes.stage_cut import block_of
 from shardfx.testing import adamw, compare_training
 
@@ -55,24 +57,33 @@ def test_one_device_under_budget_and_equal_to_eager():
 
 
 @pytest.mark.parametrize("kw", [dict(mesh={"tp": 2}, shard="megatron"),
+                                # 33%: the residual adds are recomputed from the all-reduced
+                                # row-parallel outputs, the all-reduce run again
+                                dict(mesh={"tp": 2}, shard="megatron", share=0.33,
+                                     fused_loss=False),
                                 dict(mesh={"pp": 2}, microbatches=4, schedule="1f1b"),
                                 # 35% of the fused plan's peak, where the schedules below
                                 # were chosen between
                                 dict(mesh={"pp": 2}, microbatches=4, schedule="gpipe",
                                      share=0.35, fused_loss=True)],
-                         ids=["tp2", "pp2-1f1b", "pp2-gpipe-35%"])
+                         ids=["tp2", "tp2-33%", "pp2-1f1b", "pp2-gpipe-35%"])
 def test_under_budget_on_a_mesh(kw):
-    for budget, predicted, measured, text, tried in shardfx.launch(_trained, kw, nprocs=2):
+    for budget, predicted, measured, text, tried, through in shardfx.launch(_trained, kw,
+                                                                            nprocs=2):
         check(budget, predicted, measured, text)
         if kw["mesh"] == {"pp": 2}:
             chose_in_pipeline(kw["schedule"], tried, text)
+        if kw.get("share") == 0.33:  # one residual add a block, after the attention
+            assert len(through) == LAYERS and all(a.startswith("add") for a in through), through
 
 
 def _trained(kw: dict):
     *row, plan = trained_under_budget(**kw)
     tried = [(c.name, c.fits, c.skipped, c.step, c.recompute_flops, c.schedule is plan.schedule)
              for c in plan.budget_candidates]
-    return *row, str(plan), tried
+    through = [n.meta[M.REMAT] for n in plan.ir.graph.nodes if M.REMAT in n.meta and
+               redistributed(n)]  # recomputed from a value a collective brings
+    return *row, str(plan), tried, through
 
 
 def chose_in_pipeline(schedule: str, tried: list, text: str) -> None:

@@ -26,10 +26,18 @@ that match another block op for op (target, shape, dtype, wiring) share its vari
 the bytes and the time of all of them; the ILP has one block's variables however deep the
 model is, and every block gets the same choice.
 
+**Through collectives**: an op whose operand a collective brings (``NodeSharding.inputs``: a
+row-parallel matmul's partial sums all-reduced into the residual add) is recomputed only
+with that operand recomputed too (``r_v <= r_u``), in the same block: the collective then runs
+again in the backward, on the recomputed copy, and its time (``auto.costs``) is part of the
+op's recompute time. A block under tp can so be recomputed whole, as Megatron's and
+TorchTitan's full activation checkpointing do.
+
 Never recomputed: random ops (``nondeterministic_seeded``; shardfx's dropout masks are a
-hash of fixed inputs and recompute exactly, ``passes.rng``), ops that mutate, ops whose
-operands are redistributed (a collective, ``NodeSharding.inputs``), and in a pipeline ops
-that read a value from another stage or that another stage reads (it would be sent again).
+hash of fixed inputs and recompute exactly, ``passes.rng``), ops that mutate, ops that read
+a parameter, an input or a value of another block through a collective, and in a pipeline
+ops that read a value from another stage or that another stage reads (it would be sent
+again).
 Under a schedule that splits the backward (zero-bubble), values the W parts read are kept:
 recomputed in B they would wait for W with every block's at once; under the others a stage's
 backward is one part (``codegen.stages.split_stages(whole_backward=True)``). How the limits
@@ -102,6 +110,15 @@ def recompute_seconds(node: fx.Node, model: DeviceModel) -> float:
     return model.node_seconds(node)
 
 
+def moved_seconds(node: fx.Node, axes, model: DeviceModel) -> float:
+    """Seconds of the collectives that bring ``node`` its operands, run again when it is
+    recomputed (``auto.costs.redistribute_seconds`` on the plan's device model)."""
+    from shardfx.auto.costs import redistribute_seconds
+
+    return sum(redistribute_seconds(have, want, src.meta[M.VAL], axes, model)
+               for src, have, want in redistributed(node))
+
+
 def recomputable(node: fx.Node) -> bool:
     target = node.target
     tags = getattr(target, "tags", ())
@@ -111,19 +128,39 @@ def recomputable(node: fx.Node) -> bool:
     if schema is not None and (schema.is_mutable or any(
             r.alias_info is not None and r.alias_info.is_write for r in schema.returns)):
         return False
-    sharding = node.meta.get(M.SHARDING)
-    if sharding is not None:
-        for src, want in zip([a for a in node.all_input_nodes], sharding.inputs):
-            have = src.meta[M.SHARDING].out if M.SHARDING in src.meta else \
-                src.meta.get(M.ANNOTATION)
-            if want is not None and have is not None and tuple(want) != tuple(have):
-                return False  # a collective runs on the way in
+    if any(not _recomputed_with(src) for src, _, _ in redistributed(node)):
+        return False  # the collective would re-send the forward's value, kept to the backward
     stage = node.meta.get(M.STAGE)
     if stage is not None and any(a.meta.get(M.STAGE, stage) != stage
                                  for a in [*node.all_input_nodes, *node.users]
                                  if a.op == "call_function"):
         return False  # a value another stage sends, or one another stage's backward reads
     return True
+
+
+def redistributed(node: fx.Node) -> list[tuple[fx.Node, M.Placements, M.Placements]]:
+    """(operand, its placements, the placements ``node`` reads it in) of each operand a
+    collective brings to ``node`` (``NodeSharding.inputs``)."""
+    sharding = node.meta.get(M.SHARDING)
+    if sharding is None:
+        return []
+    out = []
+    for src, want in zip(node.all_input_nodes, sharding.inputs):
+        have = src.meta[M.SHARDING].out if M.SHARDING in src.meta else \
+            src.meta.get(M.ANNOTATION)
+        if want is not None and have is not None and tuple(want) != tuple(have):
+            out.append((src, have, want))
+    return out
+
+
+def _recomputed_with(src: fx.Node) -> bool:
+    """Whether an op reading ``src`` through a collective may be recomputed: only where
+    ``src`` is a forward op's value, recomputed too (``Problem.through``). Code generation
+    redistributes each value once per placement (``codegen.spmd``): recomputed from the
+    forward's ``src``, the op would read the forward's redistributed value, kept to the
+    backward, and save nothing; from a recomputed copy, the collective runs again in the
+    backward, as Megatron's and TorchTitan's activation checkpointing run it."""
+    return src.op == "call_function" and src.meta.get(M.PHASE) is M.Phase.FORWARD
 
 
 def _no_dropout(node: fx.Node, schema) -> bool:
@@ -151,6 +188,7 @@ class Problem:
         self.gm = gm
         self.forward = forward_values(gm)
         axes = gm.meta[M.GRAPH].mesh
+        model = model_of(gm)
         self.var = _shared_variables(self.forward)
         n = 1 + max(self.var.values(), default=-1)
         self.n = n
@@ -161,26 +199,32 @@ class Problem:
         self.can_keep = np.ones(n, dtype=bool)
         self.needs: set[tuple[int, int]] = set()  # (v, u): recomputing v needs u
         self.keeps: set[tuple[int, int]] = set()  # (v, u): recomputing v needs u kept
+        self.through: set[tuple[int, int]] = set()  # (v, u): recomputing v needs u recomputed
         base = _bases(gm.graph)
         segment = _segments(self.forward)
         weight_part = _read_by_weight_gradients(gm, split_backward)
         for node in self.forward:
             i = self.var[node]
-            self.cost[i] += recompute_seconds(node, model_of(gm))
+            self.cost[i] += recompute_seconds(node, model) + moved_seconds(node, axes, model)
             nbytes = local_bytes(node, axes)
             if isinstance(node.meta.get(M.VAL), (tuple, list)):  # kept: all its elements
                 nbytes = sum(local_bytes(u, axes) for u in node.users
                              if u.target is operator.getitem)
             if nbytes:
                 self.bytes[group_of(node)][i] += nbytes * weight_of(node)
-            if node in base and recomputable(node):
+            if node in base and recomputable(node) and not redistributed(node):
                 self.can_keep[i] = False  # a view: recomputed for free (keeping it keeps its base)
             self.must[i] |= needed(node)
             self.can_recompute[i] &= recomputable(node) and node not in weight_part
+            moved = {src for src, _, _ in redistributed(node)}
             for u in node.all_input_nodes:
                 if u in self.var:
                     j = self.var[u]
-                    if segment[u] == segment[node] or not self.can_keep[j]:
+                    if u in moved:
+                        self.through.add((i, j))
+                        if segment[u] != segment[node]:
+                            self.can_recompute[i] = False  # a block's edge is kept
+                    elif segment[u] == segment[node] or not self.can_keep[j]:
                         self.needs.add((i, j))  # (a view is recomputed for free, anywhere)
                     else:  # across a block's edge: kept, so a block recomputes on its own
                         self.keeps.add((i, j))
@@ -220,6 +264,8 @@ class Problem:
             row([(n + v, 1), (u, -1), (n + u, -1)], -np.inf, 0)  # r_v <= s_u + r_u
         for v, u in self.keeps:
             row([(n + v, 1), (u, -1)], -np.inf, 0)  # r_v <= s_u
+        for v, u in self.through:
+            row([(n + v, 1), (n + u, -1)], -np.inf, 0)  # r_v <= r_u
         for group, limit in limits.items():
             b = self.bytes[group]
             row([(i, b[i]) for i in np.flatnonzero(b)], -np.inf, limit)
