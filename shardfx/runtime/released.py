@@ -33,7 +33,8 @@ gather before it waits on this one; a tp all-gather can overlap one). Measured o
 processes, torch 2.13, two all-gathers of 32 B to 18 KiB in flight: ``malloc(): unaligned
 tcache chunk detected`` within 3 to 17 s in every run; the same loop through
 ``all_gather_into_tensor_out`` (gloo's plain all-gather), with two or three in flight, and
-the functional all-reduce and reduce-scatter with two, ran 60 s clean.
+the functional all-reduce and reduce-scatter with two, ran 60 s clean. (Gloo's coalesced
+all-gather has aborted this way before: pytorch#65231.)
 """
 
 from __future__ import annotations
