@@ -17,7 +17,7 @@ import torch.fx as fx
 
 import shardfx
 from shardfx.measure import measured_peak
-from shardfx.runtime.released import dropped_input, gather_base, released, wait_released
+from shardfx.runtime.released import dropped_input, gather_alone, released, wait_released
 
 c10d = torch.ops._c10d_functional
 ROWS = 4096  # floats: 16 KiB per value
@@ -87,7 +87,7 @@ def test_a_wait_waits_for_views_of_the_result_and_for_the_dropped_inputs():
     assert [[a.args[0].name for a in w.args[1:]] for w in waits] == [[doubled.name], []]
     assert all(a.target is dropped_input for w in waits for a in w.args[1:])
     assert [n.target for n in gathers] == [c10d.all_gather_into_tensor.default] * 2
-    assert len(copy.graph.find_nodes(op="call_function", target=gather_base)) == 2
+    assert len(copy.graph.find_nodes(op="call_function", target=gather_alone)) == 2
 
     result = torch.zeros(4)
     views, dropped = list(result.chunk(2)), [torch.ones(4)]
@@ -100,15 +100,15 @@ def test_a_wait_waits_for_views_of_the_result_and_for_the_dropped_inputs():
 
 
 def _gathers_in_flight(rounds: int) -> int:
-    """Two all-gathers in flight at a time, as ZeRO-3's prefetch issues them, through the
-    released copy's ``gather_base``: each result is every rank's block in rank order. (Through
-    the functional ``all_gather_into_tensor`` this loop corrupted gloo's heap within seconds.)"""
+    """Two all-gathers issued before either is waited, as ZeRO-3's prefetch issues them,
+    through the released copy's ``gather_alone``: each result is every rank's block in rank
+    order. (Both in flight at once, this loop corrupted gloo's heap within seconds.)"""
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD.group_name
     wrong = 0
     for i in range(rounds):
         blocks = [torch.full((n,), float(rank * 1000 + i)) for n in (8, 4640)]
-        flying = [gather_base(b, size, group) for b in blocks]
+        flying = [gather_alone(b, size, group) for b in blocks]
         del blocks
         for n, f in zip((8, 4640), flying):
             got = wait_released(f).view(size, n)

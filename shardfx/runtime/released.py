@@ -26,15 +26,17 @@ looked at), so a collective's buffers are freed where the program drops them, as
 model counts, on every run. On CUDA the module runs as it is: NCCL's wait is ordered on the
 stream, and the host must not wait for the device.
 
-The CPU copy also issues each all-gather through ``gather_base``, not
-``all_gather_into_tensor``: that functional op goes through gloo's coalesced all-gather, which
-corrupts the heap when two of them are in flight at once (ZeRO-3 prefetches the next bucket's
-gather before it waits on this one; a tp all-gather can overlap one). Measured on 4 gloo
-processes, torch 2.13, two all-gathers of 32 B to 18 KiB in flight: ``malloc(): unaligned
-tcache chunk detected`` within 3 to 17 s in every run; the same loop through
-``all_gather_into_tensor_out`` (gloo's plain all-gather), with two or three in flight, and
-the functional all-reduce and reduce-scatter with two, ran 60 s clean. (Gloo's coalesced
-all-gather has aborted this way before: pytorch#65231.)
+The CPU copy also issues each all-gather through ``gather_alone``: it first waits for the
+all-gather issued before it, if the program has not yet. Two functional
+``all_gather_into_tensor`` in flight at once (ZeRO-3 prefetches the next bucket's gather before
+it waits on this one) corrupt gloo's heap: that op runs gloo's coalesced all-gather. Measured on
+4 gloo processes, torch 2.13, two of 32 B to 18 KiB in flight: ``malloc(): unaligned tcache
+chunk detected`` within 3 to 17 s in every run; with one in flight, and with the functional
+all-reduce and reduce-scatter two in flight, 60 s clean. (Gloo's coalesced all-gather has
+aborted this way before: pytorch#65231.) Gloo's plain all-gather
+(``all_gather_into_tensor_out``) ran clean with several in flight, but a process that used it
+under torchrun aborted at exit ("terminate called without an active exception") in 1 of 20
+runs on a loaded machine, so the op the program names is kept, one at a time.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ import torch.fx as fx
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 _YIELDS = 10_000  # a bound, not a timeout that is ever expected: a few suffice (docstring)
 _copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -79,16 +80,23 @@ def dropped_input(value) -> weakref.ref | None:
     return weakref.ref(value) if isinstance(value, torch.Tensor) else None
 
 
-def gather_base(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """``all_gather_into_tensor`` (rank blocks along dim 0) through gloo's plain all-gather,
-    which is safe with several in flight (module docstring); ``wait_tensor`` waits for it."""
-    out = tensor.new_empty((tensor.shape[0] * group_size, *tensor.shape[1:]))
-    return _GATHER_OUT(tensor, group_size, group_name, out=out)
+def gather_alone(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """``all_gather_into_tensor``, once the all-gather issued before it (if any) is done
+    (module docstring); the program's own ``wait_tensor`` of that one then returns at once."""
+    earlier = _gathering[0]() if _gathering else None
+    if earlier is not None:
+        _WAIT(earlier)
+    out = _GATHER(tensor, group_size, group_name)
+    _gathering[:] = [weakref.ref(out)]
+    return out
+
+
+_gathering: list = []  # a weak reference to the last all-gather issued
 
 
 def released(module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     """``module`` as the runner runs it on ``device``: on CPU, a copy (made once) whose
-    ``wait_tensor`` calls are ``wait_released`` and whose all-gathers are ``gather_base``;
+    ``wait_tensor`` calls are ``wait_released`` and whose all-gathers are ``gather_alone``;
     else ``module`` itself."""
     if device.type != "cpu" or not isinstance(module, fx.GraphModule):
         return module
@@ -108,7 +116,7 @@ def _with_released_waits(module: fx.GraphModule) -> fx.GraphModule | None:
             node.target = wait_released
             node.args = (*node.args, *_dropped_inputs(graph, node.args[0]))
     for node in graph.find_nodes(op="call_function", target=_GATHER):
-        node.target = gather_base
+        node.target = gather_alone
     return fx.GraphModule(module, graph, class_name=type(module).__name__)
 
 
