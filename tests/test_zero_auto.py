@@ -102,7 +102,8 @@ def test_the_solver_chooses_the_stage_with_the_placements(monkeypatch):
     stage. With tp on a slow link it keeps more weights whole than with tp on a fast one; every
     plan fits its budget. (ZeRO-2 moves what plain dp moves: where it saves memory, it is
     free.) The search over memory's price stops early where it can: once its answer is proved
-    within ``ilp.GAP``, or proved no cheaper than a stage solved before."""
+    within ``ilp.GAP``, proved no cheaper than a stage solved before, or where no price can
+    prove more (bisecting the price tried every one in two of these searches)."""
     searches = _counting_searches(monkeypatch)
     free = _plan({"dp": 2, "tp": 2}, device_model=LINKS)
     assert free.ir.meta[AUTO].zero == 0 and free.ir.meta[AUTO].zero_chosen
@@ -116,6 +117,7 @@ def test_the_solver_chooses_the_stage_with_the_placements(monkeypatch):
         whole[name] = sum(M.placements_str(p) == "RR" for p in report.params.values())
     assert whole["slow tp"] > whole["fast tp"], whole
     full = ilp.ROUNDS + 2  # the cheapest, the least memory, then each price
+    assert all(runs < full for runs, _, _ in searches), searches  # none tries every price
     assert any(2 < runs < full and found for runs, found, above in searches), searches
     assert any(2 < runs < full and not found and above < np.inf
                for runs, found, above in searches), searches

@@ -242,10 +242,10 @@ def solve(problem: Problem, budget: float | None = None, fixed: dict | None = No
     (None where even the cheapest ignoring the budget does not: no search).
 
     Under a budget the memory is a constraint every answer is checked against; the search for
-    the cheapest answer that meets it prices memory (a Lagrange multiplier, ``ROUNDS``
-    bisections between the cheapest plan and the one holding least), each price a problem as
-    easy as the unconstrained one, where the budget as a row would be a knapsack HiGHS takes
-    seconds to close. Each price also proves a lower bound on the cheapest plan that fits: the
+    the cheapest answer that meets it prices memory (a Lagrange multiplier, at most ``ROUNDS``
+    prices between the cheapest plan and the one holding least: ``_priced``), each price a
+    problem as easy as the unconstrained one, where the budget as a row would be a knapsack
+    HiGHS takes seconds to close. Each price also proves a lower bound on the cheapest plan that fits: the
     gap reported is against the best of them. The search stops once that gap is within
     ``GAP``, or once the bound proves the budget's answer no cheaper than ``above``."""
     memory = problem.memory + problem.activations if activations else problem.memory
@@ -263,29 +263,50 @@ def solve(problem: Problem, budget: float | None = None, fixed: dict | None = No
         least, _ = program.run(share * 1e6 + cost * 1e-6)
         if share @ least > 1.0:
             return None
-        best, x_cost = least, cost @ least
-        lo, hi, price = 0.0, np.inf, max((cost @ least - cost @ x) / (share @ x - share @ least), 1e-6)
-        bound = -np.inf
-        for _ in range(ROUNDS):
-            y, low = program.run(cost + price * share)
-            bound = max(bound, low - price)  # min over all of cost + price * (share - 1)
-            if bound / 1e6 >= above:
-                return None  # proved no cheaper than the choice to beat
-            if share @ y <= 1.0:
-                hi = price
-                if cost @ y < x_cost:
-                    best, x_cost = y, cost @ y
-            else:
-                lo = price
-            if x_cost <= bound + GAP * abs(x_cost):
-                break  # proved within GAP of the cheapest that fits
-            price = price * 4 if hi == np.inf else (lo + hi) / 2
-        x = best
+        x, bound = _priced(program, cost, share, x, least, above)
+        if x is None:
+            return None
     choice = {key: int(np.argmax(x[cols])) for key, cols in problem.index.items()}
     seconds = float(problem.cost @ x)
     gap = max(0.0, 1 - bound / 1e6 / seconds) if seconds > 0 else 0.0
     return Solution(choice, seconds, float(problem.compute @ x), float(memory @ x),
                     time.perf_counter() - start, gap)
+
+
+def _priced(program, cost, share, over, least, above: float):
+    """(the cheapest answer found that fits, the best lower bound) of the search over memory's
+    price ``p``, where each run minimises ``cost + p * share`` (``share`` of the budget: an
+    answer fits where it is at most 1); (None, bound) where the bound reaches ``above``.
+
+    Each answer ``y`` is a line ``cost(y) + p * (share(y) - 1)`` over the price, and the bound at
+    ``p`` is the lowest of all of them: a concave function whose highest point is the best
+    bound. It lies where the line of the last answer over the budget (``over``) meets that of
+    the last one under it (``under``), so each price tried is where they meet (Kelley's cutting
+    planes in one dimension). If the run there finds no answer below both lines, that meeting
+    point is the highest bound there is: more prices cannot prove more, and the search ends with
+    the cheapest answer under the budget seen. Else the new answer replaces the line on its
+    side. At most ``ROUNDS`` prices."""
+    under = best = least
+    best_cost = cost @ least
+    bound = -np.inf
+    for _ in range(ROUNDS):
+        price = max((cost @ under - cost @ over) / (share @ over - share @ under), 1e-6)
+        meet = cost @ under + price * share @ under
+        y, low = program.run(cost + price * share)
+        bound = max(bound, low - price)  # min over all of cost + price * (share - 1)
+        if bound / 1e6 >= above:
+            return None, bound  # proved no cheaper than the choice to beat
+        if share @ y <= 1.0 and cost @ y < best_cost:
+            best, best_cost = y, cost @ y
+        if best_cost <= bound + GAP * abs(best_cost):
+            break  # proved within GAP of the cheapest that fits
+        if cost @ y + price * share @ y >= meet - 1e-9 * abs(meet):
+            break  # no answer below the two lines: no price proves more
+        if share @ y <= 1.0:
+            under = y
+        else:
+            over = y
+    return best, bound
 
 
 class _Program:
