@@ -110,16 +110,19 @@ def recompute_seconds(node: fx.Node, model: DeviceModel) -> float:
     return model.node_seconds(node)
 
 
-def moved_seconds(node: fx.Node, axes, model: DeviceModel) -> float:
+def moved_seconds(node: fx.Node, axes, model: DeviceModel, moves=None) -> float:
     """Seconds of the collectives that bring ``node`` its operands, run again when it is
-    recomputed (``auto.costs.redistribute_seconds`` on the plan's device model)."""
+    recomputed (``auto.costs.redistribute_seconds`` on the plan's device model); ``moves``:
+    ``redistributed(node)``, where the caller has it."""
     from shardfx.auto.costs import redistribute_seconds
 
     return sum(redistribute_seconds(have, want, src.meta[M.VAL], axes, model)
-               for src, have, want in redistributed(node))
+               for src, have, want in (redistributed(node) if moves is None else moves))
 
 
-def recomputable(node: fx.Node) -> bool:
+def recomputable(node: fx.Node, moves=None) -> bool:
+    """Whether ``node`` may be recomputed in the backward; ``moves``: ``redistributed(node)``,
+    where the caller has it."""
     target = node.target
     tags = getattr(target, "tags", ())
     schema = getattr(target, "_schema", None)
@@ -128,7 +131,8 @@ def recomputable(node: fx.Node) -> bool:
     if schema is not None and (schema.is_mutable or any(
             r.alias_info is not None and r.alias_info.is_write for r in schema.returns)):
         return False
-    if any(not _recomputed_with(src) for src, _, _ in redistributed(node)):
+    if any(not _recomputed_with(src)
+           for src, _, _ in (redistributed(node) if moves is None else moves)):
         return False  # the collective would re-send the forward's value, kept to the backward
     stage = node.meta.get(M.STAGE)
     if stage is not None and any(a.meta.get(M.STAGE, stage) != stage
@@ -205,18 +209,21 @@ class Problem:
         weight_part = _read_by_weight_gradients(gm, split_backward)
         for node in self.forward:
             i = self.var[node]
-            self.cost[i] += recompute_seconds(node, model) + moved_seconds(node, axes, model)
+            moves = redistributed(node)
+            may = recomputable(node, moves)
+            self.cost[i] += recompute_seconds(node, model) + moved_seconds(node, axes, model,
+                                                                           moves)
             nbytes = local_bytes(node, axes)
             if isinstance(node.meta.get(M.VAL), (tuple, list)):  # kept: all its elements
                 nbytes = sum(local_bytes(u, axes) for u in node.users
                              if u.target is operator.getitem)
             if nbytes:
                 self.bytes[group_of(node)][i] += nbytes * weight_of(node)
-            if node in base and recomputable(node) and not redistributed(node):
+            if node in base and may and not moves:
                 self.can_keep[i] = False  # a view: recomputed for free (keeping it keeps its base)
             self.must[i] |= needed(node)
-            self.can_recompute[i] &= recomputable(node) and node not in weight_part
-            moved = {src for src, _, _ in redistributed(node)}
+            self.can_recompute[i] &= may and node not in weight_part
+            moved = {src for src, _, _ in moves}
             for u in node.all_input_nodes:
                 if u in self.var:
                     j = self.var[u]
