@@ -71,15 +71,18 @@ def test_solver_plans_train_like_one_device():
 
 
 def test_four_ranks_dp_by_tp_and_tp4():
-    """dp=2 x tp=2, and Qwen2 on tp=4 (its 2 key/value heads cannot split over 4 ranks)."""
+    """dp=2 x tp=2, Qwen2 on tp=4 (its 2 key/value heads cannot split over 4 ranks), and GPT-2
+    on tp=4 (its fused q, k, v split by heads: test_strided)."""
     rows = shardfx.launch(_train, [
         ("llama", {"dp": 2, "tp": 2}, {"device_model": FAST_LINKS, "fused_loss": False}, 4),
         ("qwen2", {"tp": 4}, {"device_model": FAST_LINKS, "fused_loss": False}, 4),
+        ("gpt2", {"tp": 4}, {"device_model": FAST_LINKS}, 4),
     ], nprocs=4, timeout=180, deadline=600)
-    (label, error, split, inputs), (label4, error4, split4, _) = rows[0]
+    (label, error, split, inputs), *tp4 = rows[0]
     assert error < 1e-5 and split, (label, error)
     assert inputs["args[0]"][0] == Shard(0)  # dp still splits the batch
-    assert error4 < 1e-5 and split4, (label4, error4)
+    for label4, error4, split4, _ in tp4:
+        assert error4 < 1e-5 and split4, (label4, error4)
 
 
 # --- what it chooses, planned in one process --------------------------------------------------

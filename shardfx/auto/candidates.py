@@ -7,7 +7,9 @@ of its producer's strategies, so the walk goes in program order, asking the prop
 its policy on partial sums, and its memo) once per distinct choice. A placeholder's candidates
 are seeded: a parameter replicated or split on any dimension its size divides, on each axis the
 solver decides (``free``); an input also split on its batch dimension there (that axis used as
-data parallel); the rest as ``shard_annotate`` placed them.
+data parallel); the rest as ``shard_annotate`` placed them. A parameter whose product is split
+into k equal parts (GPT-2's ``c_attn``: q, k and v side by side, ``fused``) is also seeded
+with each rank's slice of every part (``_StridedShard(d, k)``, see ``shardfx.strided``).
 
 Ops of a stamped list at the same place in their block (``BLOCK``) are one *class*, with one
 set of strategies: the union of what any of them was given. A class is asked again only for
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -31,6 +34,7 @@ from shardfx.ir.graph import is_getitem, op_nodes, operands
 from shardfx.passes import shard_propagate as SP
 
 MAX_CHOICES = 32  # operand choices asked per op (``_combinations``)
+aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +97,14 @@ def enumerate_candidates(gm: fx.GraphModule, mesh, free: set[int], fixed: dict[s
     memo: dict = {}
     seen: dict[object, set[tuple]] = {}  # class -> the operand choices it was walked with
     lists = {n.meta[M.BLOCK].path for n in op_nodes(gm.graph) if M.BLOCK in n.meta}
+    parts = fused(gm)
     for node in gm.graph.find_nodes(op="placeholder"):
         if M.ANNOTATION not in node.meta:
             continue
         key = class_key(node, lists)
         of[node] = key
         members.setdefault(key, []).append(node)
-        seeds = [Strategy(p, ()) for p in _seeds(node, mesh, free, fixed)]
+        seeds = [Strategy(p, ()) for p in _seeds(node, mesh, free, fixed, parts.get(node))]
         if classes.setdefault(key, seeds) != seeds:  # a block's parameter fixed unlike another's
             of[node] = key = node
             members[key].pop()
@@ -238,8 +243,10 @@ def _strided(values) -> bool:
     return False
 
 
-def _seeds(node: fx.Node, mesh, free: set[int], fixed: dict) -> list[M.Placements]:
-    """A placeholder's candidate placements (see the module docstring)."""
+def _seeds(node: fx.Node, mesh, free: set[int], fixed: dict,
+           parts: tuple[int, int] | None = None) -> list[M.Placements]:
+    """A placeholder's candidate placements (see the module docstring); ``parts``: (dim, k)
+    where its product is split into k equal parts along that dim (``fused``)."""
     base = node.meta[M.ANNOTATION]
     role = node.meta[M.ROLE]
     val = node.meta[M.VAL]
@@ -262,8 +269,44 @@ def _seeds(node: fx.Node, mesh, free: set[int], fixed: dict) -> list[M.Placement
             left = val.shape[d] // _split(base, d, mesh.shape)
             if left % n == 0 and left >= n:
                 options.append(Shard(d))
+        if parts is not None and val.shape[parts[0]] % (parts[1] * n) == 0 and \
+                _split(base, parts[0], mesh.shape) == 1:
+            options.append(_StridedShard(parts[0], split_factor=parts[1]))
         per_axis.append(options)
     return [tuple(c) for c in itertools.product(*per_axis)]
+
+
+VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+MATMULS = frozenset({aten.addmm.default, aten.mm.default})
+
+
+def fused(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
+    """Parameter -> (dim, k) for the weights (and biases) of a matmul whose result, through
+    views keeping its last dim, is split along that dim into k equal parts: their
+    ``_StridedShard(dim, k)`` gives each rank its slice of every part, and the split is free."""
+    out = {}
+    for node in gm.graph.find_nodes(op="call_function", target=aten.split.Tensor):
+        x, size = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else 0
+        shape = x.meta[M.VAL].shape
+        whole = shape[dim]
+        k = whole // size if isinstance(size, int) else 0
+        if dim % len(shape) != len(shape) - 1 or k < 2 or k * size != whole:
+            continue
+        while x.target in VIEWS and x.meta[M.VAL].shape[-1] == whole:
+            x = x.args[0]
+        if x.target not in MATMULS or x.meta[M.VAL].shape[-1] != whole:
+            continue
+        weight = x.args[-1]
+        if weight.target is aten.t.default:
+            weight = weight.args[0]
+        for p in (weight, x.args[0] if x.target is aten.addmm.default else None):
+            if p is not None and p.op == "placeholder" and \
+                    p.meta[M.ROLE].kind is M.InputKind.PARAM:
+                dims = [d for d, n in enumerate(p.meta[M.VAL].shape) if n == whole]
+                if len(dims) == 1:
+                    out[p] = (dims[0], k)
+    return out
 
 
 def _split(placements, dim: int, sizes) -> int:

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.device_model import DeviceModel, node_work
 from shardfx.ir import meta as M
@@ -23,7 +24,7 @@ from shardfx.passes.estimate_cost import is_view
 
 
 def is_split(p) -> bool:
-    return isinstance(p, Shard)  # _StridedShard is a Shard
+    return isinstance(p, (Shard, _StridedShard))
 
 
 def parts(placements, sizes) -> int:

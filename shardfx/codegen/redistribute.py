@@ -15,7 +15,10 @@ its splits are gathered innermost first, and made outermost first):
 
 On ``cp`` a rank holds two chunks of the dim, one from the front and one from the back
 (``cp_layout``): its narrow is two, concatenated; a gather puts the chunks back in order and a
-reduce-scatter's input is ordered so that each rank receives its two.
+reduce-scatter's input is ordered so that each rank receives its two. A strided split on
+another axis (``_StridedShard``: GPT-2's fused q, k, v columns, see ``strided``) is placed the
+same way: its slice of each part taken, its parts put back in order after a gather, and ordered
+before a reduce-scatter.
 
 Process-group names and the rank's coordinate on each axis are program inputs (``group_tp``,
 ``coord_tp``), never constants: one program serves every rank (the SPMD property).
@@ -30,8 +33,9 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx import cp_layout
+from shardfx import cp_layout, strided
 from shardfx.ir import meta as M
 
 c10d = torch.ops._c10d_functional
@@ -75,7 +79,7 @@ def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
             x = _one(emit, x, h, w, mesh[i], reason, log, module)
             have[i] = w
     for i in reversed(range(len(have))):
-        if isinstance(have[i], Shard) and have[i] != want[i]:
+        if split(have[i]) and have[i] != want[i]:
             x = _one(emit, x, have[i], Replicate(), mesh[i], reason, log, module)
             have[i] = Replicate()
     for i, (h, w) in enumerate(zip(have, want)):
@@ -98,17 +102,19 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         x = _dim_to_front(emit, x, 0)  # collectives read dense memory: a transposed view is not
         x = emit(c10d.wait_tensor.default, emit(c10d.all_reduce.default, x, "sum", axis.group))
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
-    if isinstance(h, Partial) and isinstance(w, Shard):
+    if isinstance(h, Partial) and split(w):
         log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, w.dim)
         if axis.axis == cp_layout.AXIS:
             x = cp_layout.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
                                   cp_layout.split_factor(w))
+        elif strided.factor(w) > 1:
+            x = strided.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n, strided.factor(w))
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.reduce_scatter_tensor.default, x, "sum", n, axis.group))
         x = _dim_from_front(emit, x, w.dim)
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
-    if isinstance(h, Shard) and isinstance(w, Replicate):
+    if split(h) and isinstance(w, Replicate):
         log.append(Collective("all_gather", axis.axis, _bytes(x), why, *module))
         x = _dim_to_front(emit, x, h.dim)
         x = emit(c10d.wait_tensor.default,
@@ -116,10 +122,15 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         if axis.axis == cp_layout.AXIS:
             x = cp_layout.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
                                     cp_layout.split_factor(h))
+        elif strided.factor(h) > 1:
+            x = strided.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n, strided.factor(h))
         return _dim_from_front(emit, x, h.dim)
-    if isinstance(h, Replicate) and isinstance(w, Shard) and axis.axis == cp_layout.AXIS:
+    if isinstance(h, Replicate) and split(w) and axis.axis == cp_layout.AXIS:
         return cp_layout.take(emit, x, tuple(x.meta[M.VAL].shape), w.dim, axis.coord, n,
                               cp_layout.split_factor(w))
+    if isinstance(h, Replicate) and strided.factor(w) > 1:
+        return strided.take(emit, x, tuple(x.meta[M.VAL].shape), w.dim, axis.coord, n,
+                            strided.factor(w))
     if isinstance(h, Replicate) and isinstance(w, Shard):
         size = x.meta[M.VAL].shape[w.dim] // n
         start = emit(operator.mul, axis.coord, size)
@@ -132,6 +143,11 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
     if isinstance(h, Replicate) and isinstance(w, Partial):
         return emit(aten.div.Tensor, x, n) if w.reduce_op == "sum" else x
     raise NotImplementedError(f"redistribution {h} -> {w}")
+
+
+def split(p) -> bool:
+    """A split of a dim over the axis: ``Shard``, or ``_StridedShard`` (``strided``)."""
+    return isinstance(p, (Shard, _StridedShard))
 
 
 def _dim_to_front(emit: Emit, x: fx.Node, dim: int) -> fx.Node:

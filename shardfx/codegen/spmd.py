@@ -24,6 +24,7 @@ from torch.fx._lazy_graph_module import _make_graph_module
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
@@ -150,7 +151,7 @@ def _local_fake(fake: FakeTensorMode, val: torch.Tensor, placements: M.Placement
 def local_shape(shape, placements: M.Placements, axes) -> tuple[int, ...]:
     shape = list(shape)
     for p, (_, n) in zip(placements, axes):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             shape[p.dim] //= n
     return tuple(shape)
 

@@ -179,7 +179,8 @@ Placements = tuple  # tuple[torch.distributed.tensor.Placement, ...]
 
 
 def placements_str(p: Placements | None) -> str:
-    """Compact form for dumps: ``S(0)R`` for Shard(0) on the first axis, Replicate on the second."""
+    """Compact form for dumps: ``S(0)R`` for Shard(0) on the first axis, Replicate on the second
+    (``S(1,3)``: a strided split of dim 1 in 3 parts, ``_StridedShard(1, split_factor=3)``)."""
     if p is None:
         return "-"
     if p and isinstance(p[0], tuple):  # several outputs
@@ -195,6 +196,8 @@ def _placement_str(x) -> str:
         return "R"
     if name == "Partial":
         return "P" if x.reduce_op == "sum" else f"P({x.reduce_op})"
+    if name == "_StridedShard":  # dim ``dim`` is k parts, each split (``shardfx.strided``)
+        return f"S({x.dim},{x.split_factor})"
     return str(x)
 
 

@@ -48,7 +48,7 @@ from shardfx.mesh import MeshSpec
 
 _DTYPES = {abbr: dtype for dtype, abbr in DTYPE_ABBR.items()}
 _HEADER = re.compile(r"graph\s+(?P<mode>\w+)\s+(?P<model>\S+)(?:\s+mesh\s+(?P<mesh>\S+))?")
-_PLACEMENT = re.compile(r"S\((-?\d+)\)|R|P(?:\((\w+)\))?")
+_PLACEMENT = re.compile(r"S\((-?\d+)(?:,(\d+))?\)|R|P(?:\((\w+)\))?")
 _OUTPUT = re.compile(r"output\s+(?P<kind>\w+)\s+(?P<name>\S+)\s*=\s*(?P<value>.+)")
 _NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)"
                    r"(?:\s+#\s*(?P<notes>.*))?")  # name: type = rhs  # notes
@@ -120,14 +120,16 @@ class _Reader:
     def _placements(self, text: str) -> M.Placements:
         """``S(0)R`` -> (Shard(0), Replicate()), one per mesh axis."""
         from torch.distributed.tensor import Partial, Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
 
         found = [(m.group(0), m) for m in _PLACEMENT.finditer(text)]
         if "".join(t for t, _ in found) != text or len(found) != len(self.info.mesh):
             raise self._error(f"cannot read placements {text!r} for mesh "
                               f"{MeshSpec(self.info.mesh)}",
-                              fix="one of S(dim), R, P per mesh axis, e.g. S(0)R")
-        return tuple(Shard(int(m[1])) if t.startswith("S") else Replicate() if t == "R"
-                     else Partial(m[2] or "sum") for t, m in found)
+                              fix="one of S(dim), S(dim,parts), R, P per mesh axis, e.g. S(0)R")
+        return tuple((_StridedShard(int(m[1]), split_factor=int(m[2])) if m[2] else
+                      Shard(int(m[1]))) if t.startswith("S") else Replicate() if t == "R"
+                     else Partial(m[3] or "sum") for t, m in found)
 
     # --- one method per kind of line ------------------------------------------------------
 

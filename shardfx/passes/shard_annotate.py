@@ -33,7 +33,9 @@ import re
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardfx import strided
 from shardfx.errors import MeshError, ShardingError
 from shardfx.ir import meta as M
 
@@ -42,6 +44,10 @@ COLUMN = r"(q_proj|k_proj|v_proj|query|key|value|qkv_proj|c_attn|gate_proj|up_pr
 ROW = r"(o_proj|out_proj|down_proj|w2|c_proj|fc2|fc_out|dense)"
 # Hugging Face GPT-2 stores Conv1D weights as [in, out]: the sharded dims swap.
 TRANSPOSED = ("Conv1D",)
+# Column-parallel linears that are q, k and v side by side (GPT-2's c_attn, Phi-3's qkv_proj):
+# where the three are equal (out = 3 x in), each rank takes its heads of each
+# (``_StridedShard``, see ``shardfx.strided``): the split into q, k and v needs no gather.
+FUSED = r"(c_attn|qkv_proj)"
 
 
 def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
@@ -208,7 +214,7 @@ def _check_placements(glob: str, placements, axes: list[str]) -> M.Placements:
             f"({', '.join(axes) or 'none'})", where=f"shard[{glob!r}]",
             fix="give one placement per mesh axis, in mesh order, e.g. [Replicate(), Shard(0)]")
     for p in placements:
-        if not isinstance(p, (Shard, Replicate)) or type(p) not in (Shard, Replicate):
+        if type(p) not in (Shard, Replicate, _StridedShard):
             kind = "Partial is not a parameter placement" if isinstance(p, Partial) else \
                 f"unknown placement {p!r}"
             raise ShardingError(f"{kind}", where=f"shard[{glob!r}]",
@@ -237,22 +243,29 @@ def _megatron(shapes: dict, module_types: dict[str, str], axes: list[str]) -> di
             continue  # a row-parallel bias is added after the all-reduce: replicated
         placements = [Replicate() for _ in axes]
         placements[tp] = Shard(dim)
+        weight = shapes.get(f"{module}.weight", (None,))[0]
+        if re.fullmatch(FUSED, name) and weight is not None and len(weight) == 2 and \
+                weight[int(transposed)] == 3 * weight[int(not transposed)]:  # out = 3 in
+            placements[tp] = _StridedShard(dim, split_factor=3)
         out[fqn] = tuple(placements)
     return out
 
 
 def _check_divisible(fqn: str, shape: tuple, placements: M.Placements, mesh) -> None:
     for (axis, n), p in zip(mesh.axes, placements):
-        if not isinstance(p, Shard):
+        if not isinstance(p, (Shard, _StridedShard)):
             continue
         if p.dim >= len(shape) or p.dim < -len(shape):
             raise ShardingError(f"{fqn} has {len(shape)} dims; cannot shard dim {p.dim}",
                                 where=f"{fqn} (shape {list(shape)})",
                                 fix="shard a dimension the parameter has")
         size = shape[p.dim]
-        if size % n:
+        k = strided.factor(p)  # a strided split: each of its k parts split over the axis
+        if size % (n * k):
+            parts = f" in {k} parts, each" if k > 1 else ""
             raise ShardingError(
-                f"{fqn} dim {p.dim} has size {size}, not divisible by mesh axis {axis}={n}",
+                f"{fqn} dim {p.dim} has size {size}, not divisible{parts} by mesh axis "
+                f"{axis}={n}",
                 where=f"{fqn} (shape {list(shape)})",
                 fix=f"replicate it on {axis}, shard another dim, or use a {axis} size "
                 f"dividing {size}")

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
 from shardfx import cp_layout
-from shardfx.rules import attention as attention_rules
+from shardfx.rules import attention as attention_rules, strided as strided_rules
 from shardfx.errors import ShardingError, user_line
 from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
@@ -295,8 +295,14 @@ def _widens(node: fx.Node) -> bool:
 
 
 def _ask(node: fx.Node, have: dict):
-    """DTensor's rule for ``node`` given its operands' specs: (result, the specs each tensor
-    operand must have, the schema to take local arguments from), or None without a rule."""
+    """The rule for ``node`` given its operands' specs: (result, the specs each tensor operand
+    must have, the schema to take local arguments from), or None without a rule. DTensor's,
+    or where a strided split is made, kept or undone, ``rules.strided``'s."""
+    return strided_rules.answer(node, have, _dtensor_rule) or _dtensor_rule(node, have)
+
+
+def _dtensor_rule(node: fx.Node, have: dict):
+    """DTensor's rule for ``node`` (``_ask``)."""
     prop = DTensor._op_dispatcher.sharding_propagator
     # As DTensor's dispatcher builds it: plain containers, and the op's schema info, without
     # which the propagator's cache key ignores non-tensor arguments such as view sizes.
@@ -409,9 +415,10 @@ def _plain_shard(p) -> bool:
 
 def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> bool:
     """Only placements codegen implements: Shard, Replicate, Partial(sum|avg) (a dim may be
-    split over several axes, nested in mesh order), and on cp the ``_StridedShard`` of tokens
-    flattened from several sequences (each one's chunks: ``cp_layout``); even shards only (same
-    shapes on every rank)."""
+    split over several axes, nested in mesh order), on cp the ``_StridedShard`` of tokens
+    flattened from several sequences (each one's chunks: ``cp_layout``), and on other axes a
+    strided split of fused parts (``strided``); even shards only (same shapes on every
+    rank)."""
     outs = out_specs if isinstance(out_specs, (tuple, list)) else [out_specs]
     vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (tuple, list)) else [node.meta[M.VAL]]
     pairs = [(s, tuple(v.shape)) for s, v in zip(outs, vals)
@@ -422,6 +429,10 @@ def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> boo
         for p, n, axis in zip(s.placements, s.mesh.shape, s.mesh.mesh_dim_names):
             if type(p) is _StridedShard and axis == cp_layout.AXIS:  # sequences flattened
                 if size[p.dim] % (2 * n * p.split_factor):
+                    return False
+                size[p.dim] //= n
+            elif type(p) is _StridedShard:  # fused parts, each split
+                if size[p.dim] % (n * p.split_factor):
                     return False
                 size[p.dim] //= n
             elif _plain_shard(p):  # a dim on several axes: split in mesh order

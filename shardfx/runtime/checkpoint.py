@@ -82,22 +82,37 @@ class Box(torch.Tensor):
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    pieces: tuple[tuple[tuple[int, ...], torch.Tensor], ...] = ()  # (offsets, values): Box.of
     __torch_function__ = torch._C._disabled_torch_function_impl  # its ops give plain tensors
 
     @classmethod
-    def of(cls, local: torch.Tensor, global_shape, offsets) -> Box:
+    def of(cls, local: torch.Tensor, global_shape, offsets, pieces=None) -> Box:
         """The box of ``local`` at ``offsets`` in a tensor of ``global_shape``. It shares
-        ``local``'s storage, so loading into the box fills ``local``."""
+        ``local``'s storage, so loading into the box fills ``local``. ``pieces``: where
+        ``local`` is not one rectangle of the whole tensor but several along one dim (a
+        strided split's parts, ``runtime.saving.Held``), (that dim, [(start in ``local``,
+        length, offsets in the whole tensor), ...])."""
         global_shape, offsets = tuple(map(int, global_shape)), tuple(map(int, offsets))
+        box = torch.Tensor._make_subclass(cls, local.detach(), False)
+        box.global_shape, box.offsets = global_shape, offsets
+        if pieces is None:
+            cls._check(local, global_shape, offsets)
+            return box
+        dim, spans = pieces
+        box.pieces = tuple((tuple(map(int, at)), local.detach().narrow(dim, start, length))
+                           for start, length, at in spans)
+        for at, view in box.pieces:
+            cls._check(view, global_shape, at)
+        return box
+
+    @staticmethod
+    def _check(local: torch.Tensor, global_shape, offsets) -> None:
         if not (len(global_shape) == len(offsets) == local.dim()) or any(
                 o < 0 or o + n > g for o, n, g in zip(offsets, local.shape, global_shape)):
             raise InputError(
                 f"a box of shape {list(local.shape)} at offsets {list(offsets)} does not fit "
                 f"in a tensor of shape {list(global_shape)}", where="Box.of(local, ...)",
                 fix="give one offset per dimension, with offset + local size <= global size")
-        box = torch.Tensor._make_subclass(cls, local.detach(), False)
-        box.global_shape, box.offsets = global_shape, offsets
-        return box
 
     def local(self) -> torch.Tensor:
         """The values as a plain tensor (the same storage)."""
@@ -114,6 +129,9 @@ class Box(torch.Tensor):
         return _chunks(self)
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for at, values in self.pieces:
+            if at == tuple(index.offset):
+                return values
         return self.local()
 
     def __repr__(self) -> str:
@@ -277,9 +295,12 @@ def _global_shape(value: torch.Tensor) -> tuple[int, ...]:
 
 
 def _chunks(value: torch.Tensor) -> list[ChunkStorageMetadata]:
-    """The part of its global tensor that ``value`` holds: none, or one box."""
+    """The part of its global tensor that ``value`` holds: none, one box, or its pieces."""
     if value.numel() == 0:
         return []
+    if isinstance(value, Box) and value.pieces:
+        return [ChunkStorageMetadata(offsets=torch.Size(at), sizes=v.size())
+                for at, v in value.pieces if v.numel()]
     offsets = value.offsets if isinstance(value, Box) else (0,) * value.dim()
     return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=value.size())]
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import InputError
 from shardfx.runtime.device import collective_device
@@ -52,7 +53,8 @@ def counted(placements, axes, coord: dict[str, int], rows_over: str | None = Non
     of an axis the tensor is replicated over. ``rows_over``: an axis over which the tensor is
     ZeRO's rows (sharded, whatever its placement says)."""
     placements = tuple(placements) + (None,) * (len(axes) - len(placements))  # () replicates
-    return all(axis == rows_over or isinstance(p, Shard) or coord.get(axis, 0) == 0
+    return all(axis == rows_over or isinstance(p, (Shard, _StridedShard))
+               or coord.get(axis, 0) == 0
                for (axis, _), p in zip(axes, placements))
 
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
@@ -149,7 +150,7 @@ class PipelineRunner(PipelineState):
         """This rank's tp shard of a parameter, or the model's own when the stage is whole
         and on this rank's device (else a copy there: the stage's weights alone move)."""
         placements = self._program.placements.get(fqn, ())
-        if self._tp is None or not any(isinstance(p, Shard) for p in placements):
+        if self._tp is None or not any(isinstance(p, (Shard, _StridedShard)) for p in placements):
             if param.device == self.device:
                 return param
             local = param.detach()

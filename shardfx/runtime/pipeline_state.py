@@ -15,7 +15,7 @@ from shardfx.ir import meta as M
 from shardfx.runtime import saving
 from shardfx.runtime.optimizer_step import check_kept
 from shardfx.runtime.runner import load_state
-from shardfx.runtime.saving import Held, offsets, zero_held
+from shardfx.runtime.saving import Held, offsets, parts, zero_held
 
 
 class PipelineState:
@@ -47,13 +47,14 @@ class PipelineState:
         coord = self._tp.coord if self._tp is not None else {}
         model, stepped = {}, {}
         for fqn, t in {**self._params, **self._buffers}.items():
-            model[fqn] = Held(t, offsets(t.shape, self._program.placements.get(fqn, ()), axes,
-                                         coord))
+            placements = self._program.placements.get(fqn, ())
+            model[fqn] = Held(t, offsets(t.shape, placements, axes, coord),
+                              parts=parts(t.shape, placements, axes, coord))
         for fqn in self._owned:
             if fqn in self._stepped:
                 z = self._zero.layouts[fqn]
-                stepped[fqn] = (self._stepped[fqn], zero_held(self._stepped[fqn], z,
-                                                              self._dp_index, model[fqn].offsets))
+                stepped[fqn] = (self._stepped[fqn], zero_held(
+                    self._stepped[fqn], z, self._dp_index, model[fqn].offsets, model[fqn].parts))
             else:
                 stepped[fqn] = (self._params[fqn], model[fqn])
         return model, stepped

@@ -39,7 +39,7 @@ from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import saving
-from shardfx.runtime.saving import Held, offsets, zero_held
+from shardfx.runtime.saving import Held, offsets, parts, zero_held
 from shardfx.runtime.zero import ZeroRows
 
 if TYPE_CHECKING:
@@ -339,11 +339,13 @@ class Runner:
             placements = self._placements.get(name, ())
             shape = zero[name].shape if name in zero else t.shape
             at = offsets(shape, placements, axes, coord)
-            model[name] = zero_held(t, zero[name], self._zero.index, at) \
-                if name in zero and self._zero.stage == 3 else Held(t, at)
+            split = parts(shape, placements, axes, coord)
+            model[name] = zero_held(t, zero[name], self._zero.index, at, split) \
+                if name in zero and self._zero.stage == 3 else Held(t, at, parts=split)
             if name in zero:
                 stepped[name] = (self._stepped[name],
-                                 zero_held(self._stepped[name], zero[name], self._zero.index, at))
+                                 zero_held(self._stepped[name], zero[name], self._zero.index, at,
+                                           split))
             elif name in self._params:
                 stepped[name] = (self._params[name], model[name])
         return model, stepped

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from shardfx import strided
 from shardfx.errors import InputError
 from shardfx.runtime import checkpoint
 from shardfx.runtime.checkpoint import Box
@@ -39,13 +40,27 @@ log = logging.getLogger("shardfx.checkpoint")
 
 
 @dataclass(frozen=True)
+class Parts:
+    """A strided split (``shardfx.strided``) of dim ``dim``: the rank's slices of ``k`` parts
+    of ``m`` each, the first at ``base`` in the whole tensor, the next ones ``stride`` apart."""
+
+    dim: int
+    k: int
+    m: int
+    stride: int
+    base: int
+
+
+@dataclass(frozen=True)
 class Held:
     """What a rank holds of one tensor: ``tensor``, whose first ``rows`` rows (all, if None)
-    sit at ``offsets`` in the whole tensor; the rest, ZeRO's padding."""
+    sit at ``offsets`` in the whole tensor; the rest, ZeRO's padding. Under a strided split
+    (``parts``) the rows are not one rectangle of the whole tensor but one per part."""
 
     tensor: torch.Tensor
     offsets: tuple[int, ...]
     rows: int | None = None
+    parts: Parts | None = None
 
     def box(self, like: torch.Tensor, shape: tuple[int, ...]) -> Box | None:
         """``like`` (the tensor itself, or optimizer state shaped as it), boxed in the whole
@@ -55,26 +70,54 @@ class Held:
             if self.rows == 0:
                 return None
             values = values[:self.rows] if shape else values.reshape(())
-        return Box.of(values, shape, self.offsets)
+        if self.parts is None:
+            return Box.of(values, shape, self.offsets)
+        return Box.of(values, shape, self.offsets, (self.parts.dim, self._pieces(values)))
+
+    def _pieces(self, values: torch.Tensor) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(start in ``values``, length, offsets in the whole tensor) along the strided dim,
+        a rectangle per part ``values`` reaches (ZeRO's rows may start or end inside one)."""
+        p = self.parts
+        first = self.offsets[p.dim] - p.base  # ZeRO's rows: where in the tp shard they start
+        n = values.shape[p.dim]
+        out = []
+        for j in range(p.k):
+            lo, hi = max(first, j * p.m), min(first + n, (j + 1) * p.m)
+            if lo < hi:
+                at = list(self.offsets)
+                at[p.dim] = p.base + j * p.stride + lo - j * p.m
+                out.append((lo - first, hi - lo, tuple(at)))
+        return out
 
 
 def offsets(local_shape, placements, axes, coord: dict[str, int]) -> tuple[int, ...]:
     """Where a tp shard (``placements`` over ``axes``, this rank at ``coord``) starts in the
-    whole tensor."""
+    whole tensor (under a strided split, its slice of the first part: ``parts``)."""
     out = [0] * len(local_shape)
     for (axis, _), p in zip(axes, placements):
         dim = getattr(p, "dim", None)
         if dim is not None:
-            out[dim] += coord[axis] * local_shape[dim]
+            out[dim] += coord[axis] * local_shape[dim] // strided.factor(p)
     return tuple(out)
 
 
-def zero_held(rows: torch.Tensor, z, index: int, tp_offsets: tuple[int, ...]) -> Held:
+def parts(local_shape, placements, axes, coord: dict[str, int]) -> Parts | None:
+    """The strided split of a tp shard (``offsets``), if it has one."""
+    for (axis, n), p in zip(axes, placements):
+        k = strided.factor(p)
+        if k > 1:
+            m = local_shape[p.dim] // k
+            return Parts(p.dim, k, m, m * n, coord[axis] * m)
+    return None
+
+
+def zero_held(rows: torch.Tensor, z, index: int, tp_offsets: tuple[int, ...],
+              tp_parts: Parts | None = None) -> Held:
     """ZeRO rows (layout ``z``, dp rank ``index``) of a tensor whose tp shard is at
-    ``tp_offsets``."""
+    ``tp_offsets`` (``tp_parts``: its strided split)."""
     start = list(tp_offsets) or [0]
     start[0] += index * z.per_rank
-    return Held(rows, tuple(start[:len(tp_offsets)]), z.held_rows(index))
+    return Held(rows, tuple(start[:len(tp_offsets)]), z.held_rows(index), tp_parts)
 
 
 def state(runner) -> dict[str, torch.Tensor]:
