@@ -108,14 +108,18 @@ def _cheapest_stage(problem, stages, budget, dp: int):
     One stage unless ``zero="auto"`` (``auto.zero_stage``)."""
     for activations in (True, False):
         best = None
-        for stage in zero_stage.by_cost(stages):  # the cheaper first
+        # The cheaper first; under a budget, of two as cheap, the one holding less: its answer
+        # bounds the other's search sooner (ZeRO-2 before plain dp, which can only tie it).
+        order = zero_stage.by_cost(stages) if budget is None else \
+            sorted(zero_stage.by_cost(stages), key=lambda s: (_rounded(s.seconds(1.0)), s.state))
+        for stage in order:
             priced = problem.at(stage)
-            above = best[2].seconds if best is not None else np.inf
+            above = best[2].seconds * (1 + TIE) if best is not None else np.inf
             solution = _finish(ilp.solve(priced, budget, activations=activations, above=above),
                                priced, stage, budget)
             if solution is None:
                 continue
-            if best is None or solution.seconds < best[2].seconds * (1 - TIE):  # ties: lower
+            if best is None or _better(solution.seconds, stage.k, best[2].seconds, best[0].k):
                 best = stage, priced, solution, activations
         if best is not None:
             return best
@@ -123,6 +127,16 @@ def _cheapest_stage(problem, stages, budget, dp: int):
             break
     least = min(stages, key=lambda s: s.state)
     raise _no_fit(problem.at(least), budget, least, len(stages) > 1, dp)
+
+
+def _rounded(seconds: float) -> float:
+    return float(f"{seconds:.9g}")  # as ``zero_stage.by_cost`` orders: last bits do not count
+
+
+def _better(seconds: float, k: int, best: float, best_k: int) -> bool:
+    """Whether a stage ``k`` whose plan takes ``seconds`` replaces the best so far: cheaper by
+    more than ``TIE``, or as cheap and a lower stage (plain dp before ZeRO-2 at one price)."""
+    return seconds < best * (1 - TIE) or (seconds <= best * (1 + TIE) and k < best_k)
 
 
 def _finish(solution, problem, stage, budget):
