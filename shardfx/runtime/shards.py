@@ -35,7 +35,7 @@ class Shards:
     def local(self, full: torch.Tensor, placements: M.Placements) -> torch.Tensor:
         out = full
         for (axis, n), p in zip(self.spec.axes, placements):
-            if isinstance(p, Shard) and axis == cp_layout.AXIS:
+            if isinstance(p, (Shard, _StridedShard)) and axis == cp_layout.AXIS:
                 out = cp_layout.take(cp_layout.call, out, tuple(out.shape), p.dim,
                                      self.coord[axis], n, cp_layout.split_factor(p))
             elif strided.factor(p) > 1:
