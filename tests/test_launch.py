@@ -327,6 +327,35 @@ def test_under_torchrun_runs_in_process_without_spawning(monkeypatch):
         launch(whoami, "here", nprocs=2)  # said before any process group is made
 
 
+_NO_WORKERS_LEFT = """
+import glob, torch, torch.distributed as dist, shardfx
+
+def step():
+    import shardfx.api  # what planning imports: torch._dynamo, and what keeps a group alive
+    t = torch.ones(4)
+    dist.all_gather_object([None], t)
+    return float(t.sum())
+
+assert shardfx.launch(step, nprocs=1) == [4.0]
+print(sorted(open(f).read().strip() for f in glob.glob("/proc/self/task/*/comm")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names from /proc")
+def test_under_torchrun_no_gloo_worker_outlives_launch():
+    """A gloo worker left at exit can abort the process once its work is done (launch's
+    ``_destroy_groups``): after launch returns, no worker thread is left."""
+    from shardfx.runtime.launch import _free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    run = subprocess.run([sys.executable, "-c", _NO_WORKERS_LEFT], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    threads = run.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads, threads
+
+
 # ---- device mesh --------------------------------------------------------------------------------
 
 

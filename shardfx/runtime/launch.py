@@ -38,6 +38,7 @@ ShardfxError's message is what torchrun's summary shows for the rank (``record_f
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import math
 import os
@@ -323,7 +324,30 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
     pipe.close()
     if dist.is_initialized():
         _leave_together(nprocs, timeout)
-        dist.destroy_process_group()
+        _destroy_groups()
+
+
+def _import_before_groups() -> None:
+    """Import what planning imports before the default group exists. Some of torch's modules
+    (``torch.distributed.nn.functional``, which ``torch._dynamo`` brings) keep the default
+    group as a default argument when imported after it is made: it then outlives
+    ``destroy_process_group``, and so do gloo's worker threads (``_destroy_groups``)."""
+    import shardfx.api  # noqa: F401 - brings torch._dynamo and what it imports
+
+
+def _destroy_groups() -> None:
+    """Destroy every process group and free them now, while the interpreter runs.
+
+    A gloo worker thread drops its reference to a finished collective a moment after the
+    caller's ``wait`` returns; if that is the last reference to a tensor Python made, it takes
+    the GIL to free it. Should the interpreter be finalizing by then, taking the GIL ends the
+    thread inside a C++ frame that may not unwind, and the process aborts ("terminate called
+    without an active exception") after its work is done. A group freed here joins its
+    workers first (with the GIL released), so none is left when the interpreter exits. Cyclic
+    garbage (a plan's mesh) can hold a group: collected here too.
+    """
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _leave_together(nprocs: int, timeout: float) -> None:
@@ -420,6 +444,7 @@ def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         backend = backend or _default_backend(local)
         gpu = _gpu(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        _import_before_groups()
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=gpu)
     try:
         with watchdog.watch(below="_run_in_process"):
@@ -435,7 +460,7 @@ def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) 
         return results
     finally:
         if owned:
-            dist.destroy_process_group()
+            _destroy_groups()
 
 
 def _fail(e: BaseException, where: str, timeout: float) -> None:
