@@ -58,10 +58,13 @@ _COLLECTIVES = {0: ("all_reduce",), 1: ("all_reduce", "all_gather"),
                 3: ("reduce_scatter", "all_gather", "all_gather")}
 
 
-def by_cost(candidates: list[Stage], held: float = 1.0) -> list[Stage]:
-    """``candidates`` cheapest first for ``held`` bytes of parameters, ties to the lower stage:
-    plain dp and ZeRO-2 cost the same, and the last bits of two sums must not order them."""
-    return sorted(candidates, key=lambda s: (float(f"{s.seconds(held):.9g}"), s.k))
+def by_cost(candidates: list[Stage], held: float = 1.0, least_state: bool = False) -> list[Stage]:
+    """``candidates`` cheapest first for ``held`` bytes of parameters, ties to the lower stage
+    (or, with ``least_state``, to the one holding less): plain dp and ZeRO-2 cost the same, and
+    the last bits of two sums must not order them."""
+    def key(s: Stage):
+        return float(f"{s.seconds(held):.9g}"), s.state if least_state else s.k
+    return sorted(candidates, key=key)
 
 
 def allowed(zero, mesh, train: bool = True) -> tuple[int, ...]:

@@ -110,8 +110,7 @@ def _cheapest_stage(problem, stages, budget, dp: int):
         best = None
         # The cheaper first; under a budget, of two as cheap, the one holding less: its answer
         # bounds the other's search sooner (ZeRO-2 before plain dp, which can only tie it).
-        order = zero_stage.by_cost(stages) if budget is None else \
-            sorted(zero_stage.by_cost(stages), key=lambda s: (_rounded(s.seconds(1.0)), s.state))
+        order = zero_stage.by_cost(stages, least_state=budget is not None)
         for stage in order:
             priced = problem.at(stage)
             above = best[2].seconds * (1 + TIE) if best is not None else np.inf
@@ -127,10 +126,6 @@ def _cheapest_stage(problem, stages, budget, dp: int):
             break
     least = min(stages, key=lambda s: s.state)
     raise _no_fit(problem.at(least), budget, least, len(stages) > 1, dp)
-
-
-def _rounded(seconds: float) -> float:
-    return float(f"{seconds:.9g}")  # as ``zero_stage.by_cost`` orders: last bits do not count
 
 
 def _better(seconds: float, k: int, best: float, best_k: int) -> bool:
