@@ -107,17 +107,20 @@ def _cheapest_stage(problem, stages, budget, dp: int):
     those that fit without them (remat will cut them); a ``ShardingError`` where none fits.
     One stage unless ``zero="auto"`` (``auto.zero_stage``)."""
     for activations in (True, False):
-        best = None
+        best, solved = None, []
         # The cheaper first; under a budget, of two as cheap, the one holding less: its answer
         # bounds the other's search sooner (ZeRO-2 before plain dp, which can only tie it).
         order = zero_stage.by_cost(stages, least_state=budget is not None)
         for stage in order:
+            if budget is None and any(_dominates(s, stage) for s in solved):
+                continue  # every plan costs at least as much under it: no solve can win
             priced = problem.at(stage)
             above = best[2].seconds * (1 + TIE) if best is not None else np.inf
             solution = _finish(ilp.solve(priced, budget, activations=activations, above=above),
                                priced, stage, budget)
             if solution is None:
                 continue
+            solved.append(stage)
             if best is None or _better(solution.seconds, stage.k, best[2].seconds, best[0].k):
                 best = stage, priced, solution, activations
         if best is not None:
@@ -126,6 +129,14 @@ def _cheapest_stage(problem, stages, budget, dp: int):
             break
     least = min(stages, key=lambda s: s.state)
     raise _no_fit(problem.at(least), budget, least, len(stages) > 1, dp)
+
+
+def _dominates(a, b) -> bool:
+    """Whether stage ``a`` costs no more than ``b`` over dp for any bytes held (to ``TIE``):
+    with no budget (memory free) the plan ``a`` found is then as good as any ``b`` could find,
+    and ``b``, later in ``by_cost``'s order, could only tie it (plain dp and ZeRO-2's
+    reduce-scatter + all-gather; ZeRO-1 and 3 move half as much again)."""
+    return a.per_byte <= b.per_byte * (1 + TIE) and a.latency <= b.latency * (1 + TIE)
 
 
 def _better(seconds: float, k: int, best: float, best_k: int) -> bool:
