@@ -118,6 +118,46 @@ def test_no_worse_than_megatron_or_replicate():
             assert report.seconds <= seconds * (1 + 1e-9), (type(model).__name__, name)
 
 
+def _meta_lm(name: str):
+    """One block of a mid-sized model on the meta device, where an H100's costs apply: a
+    block's activations (1024 tokens x 1024) are smaller than its MLP weights."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    shape = dict(num_hidden_layers=1, hidden_size=1024, intermediate_size=2816,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=8000, use_cache=False)
+    with torch.device("meta"):
+        if name == "gpt2":
+            return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=1024, n_head=8, vocab_size=8000,
+                                              n_positions=1024, use_cache=False))
+        config, cls = (LlamaConfig, LlamaForCausalLM) if name == "llama" else \
+            (Qwen2Config, Qwen2ForCausalLM)
+        return cls(config(**shape))
+
+
+MEGATRON_MLP = {"llama": {r"mlp\.(gate|up)_proj\.weight": "S(0)", r"mlp\.down_proj\.weight": "S(1)",
+                          r"self_attn\.[qkv]_proj\.weight": "S(0)"},
+                "gpt2": {r"c_attn\.weight": "S(1,3)", r"c_fc\.weight": "S(1)",
+                         r"mlp\.c_proj\.weight": "S(0)"}}
+MEGATRON_MLP["qwen2"] = MEGATRON_MLP["llama"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_at_an_h100s_costs_the_weights_are_split_as_megatron_splits_them(name):
+    """Llama, Qwen2 and GPT-2 (its fused q, k, v by heads) on tp=2 and tp=4 with the h100
+    preset: the projections and the MLP take Megatron's split, and the predicted step is
+    below Megatron's (the activations between the blocks split too, as sequence parallelism
+    splits them, or the norms run on split activations)."""
+    ids = torch.randint(0, 8000, (1, 1024), device="meta")
+    for tp in (2, 4):
+        plan = shardfx.partition(_meta_lm(name), (ids,), lm_loss, (ids,), mesh={"tp": tp},
+                                 shard="auto", device_model="h100", fused_loss=False)
+        for pattern, want in MEGATRON_MLP[name].items():
+            assert _placed(plan, pattern) == {want}, (name, tp, pattern)
+        report = plan.ir.meta[AUTO]
+        assert report.seconds < report.named["megatron"][0], (name, tp)
+
+
 def test_small_weights_and_a_large_batch_split_the_batch():
     report = _plan(tiny("llama"), {"tp": 2}, batch=64, device_model=BY_BYTES).ir.meta[AUTO]
     assert report.inputs["args[0]"] == (Shard(0),)
