@@ -57,6 +57,16 @@ def op_seconds(node: fx.Node, out, inputs, sizes, model: DeviceModel) -> float:
     return model.op_seconds(flops / k, moved / k, dtype)
 
 
+def fed_seconds(node: fx.Node, placements, sizes, model: DeviceModel) -> float:
+    """Seconds to copy a rank's part of an input or target placeholder to it (0 for any other
+    node): fed its slice, a rank copies less than fed the whole batch and slicing it, which is
+    otherwise as cheap (a replicated -> split move is free)."""
+    if node.op != "placeholder" or node.meta[M.ROLE].kind not in (M.InputKind.INPUT,
+                                                                   M.InputKind.TARGET):
+        return 0.0
+    return local_bytes(node.meta[M.VAL], placements, sizes) / model.memory_bandwidth
+
+
 def tensor_bytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 

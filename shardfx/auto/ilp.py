@@ -99,11 +99,8 @@ def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel
                 compute[i] += count * costs.op_seconds(rep, s.out, s.inputs, sizes, model)
             elif rep.meta[M.ROLE].kind is M.InputKind.PARAM:
                 memory[i] += count * costs.local_bytes(rep.meta[M.VAL], s.out, sizes)
-            elif rep.meta[M.ROLE].kind in (M.InputKind.INPUT, M.InputKind.TARGET):
-                # the rank's part of the batch copied to it: the same plan fed a slice costs less
-                # than fed the whole batch and slicing it (a replicated -> split move is free)
-                cost[i] += count * costs.local_bytes(rep.meta[M.VAL], s.out, sizes) \
-                    / model.memory_bandwidth
+            else:
+                cost[i] += count * costs.fed_seconds(rep, s.out, sizes, model)
     for node in op_nodes(gm.graph):
         if costs.saved(node):
             outs = cands.outs(node)
@@ -332,6 +329,7 @@ class _Program:
                 if j not in allowed:
                     upper[col] = 0.0
         self.bounds = Bounds(np.zeros(n), upper)
+        self.rows = LinearConstraint(self.a, self.low, self.high)
         self.binary = problem.binary
         self.integrality = np.zeros(n)
         self.integrality[:problem.binary] = 1
@@ -342,14 +340,13 @@ class _Program:
         The linear relaxation first: on these problems it is most often integral already (the
         edge variables make it tight), and an integral optimum of the relaxation is the
         program's optimum, proved, at a fraction of branch and bound's setup."""
-        relaxed = milp(objective, constraints=LinearConstraint(self.a, self.low, self.high),
-                       bounds=self.bounds)
+        relaxed = milp(objective, constraints=self.rows, bounds=self.bounds)
         if relaxed.x is None:
             return None, -np.inf  # the relaxation infeasible: so is the program
         x = relaxed.x[:self.binary]
         if np.all(np.abs(x - np.round(x)) <= 1e-9):
             return np.round(relaxed.x, 9), float(relaxed.fun)
-        result = milp(objective, constraints=LinearConstraint(self.a, self.low, self.high),
+        result = milp(objective, constraints=self.rows,
                       integrality=self.integrality, bounds=self.bounds,
                       options={"node_limit": NODES, "mip_rel_gap": GAP})
         if result.x is None:
@@ -373,10 +370,12 @@ def follow(gm: fx.GraphModule, cands: Candidates, seeds: dict, axes: tuple,
 
     sizes = [n for _, n in axes]
     place: dict[fx.Node, object] = {}
+    moved = 0.0
     for node in gm.graph.find_nodes(op="placeholder"):
         if M.ANNOTATION in node.meta:
             place[node] = seeds.get(node, node.meta[M.ANNOTATION])
-    compute = moved = 0.0
+            moved += costs.fed_seconds(node, place[node], sizes, model)
+    compute = 0.0
     priced: dict[tuple, tuple] = {}  # (class, operand placements) -> its answer and seconds
     for node in op_nodes(gm.graph):
         if is_getitem(node):
