@@ -38,7 +38,7 @@ from shardfx.ir import meta as M
 log = logging.getLogger("shardfx.device_model")
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 GRAPH_KEY = "shardfx.device_model"  # gm.meta: the model the IR's time estimates are for
 
 
@@ -86,9 +86,10 @@ class DeviceModel:
                            link: Link | str = "intra") -> float:
         """Seconds of a ring collective over ``group_size`` ranks on ``link`` (a ``Link``, or
         "intra"/"inter"). ``nbytes`` is the whole buffer: the tensor all-reduced, the
-        all-gather's output, the reduce-scatter's input, the message sent. Each rank moves
-        2(n-1)/n of it for an all-reduce (reduce-scatter then all-gather), (n-1)/n for the
-        other two, all of it for a send; each of the 2(n-1), n-1 or 1 steps pays the latency."""
+        all-gather's output, the reduce-scatter's input, the all-to-all's input, the message
+        sent. Each rank moves 2(n-1)/n of it for an all-reduce (reduce-scatter then
+        all-gather), (n-1)/n for the other three, all of it for a send; each of the 2(n-1),
+        n-1 or 1 steps pays the latency (an all-to-all: one exchange with each other rank)."""
         if kind not in KINDS:
             raise InputError(f"unknown collective {kind!r}", where="collective_seconds",
                              fix=f"one of {', '.join(KINDS)}")
@@ -99,6 +100,7 @@ class DeviceModel:
         share, steps = {"all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
                         "all_gather": ((n - 1) / n, n - 1),
                         "reduce_scatter": ((n - 1) / n, n - 1),
+                        "all_to_all": ((n - 1) / n, n - 1),
                         "send": (1.0, 1)}[kind]
         return steps * link.latency + share * nbytes / link.bandwidth
 

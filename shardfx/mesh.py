@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from shardfx.errors import MeshError
 
 AXES = ("dp", "pp", "cp", "tp", "ep")
-STAGE_AXES = ("cp", "tp")  # a pipeline stage's program is split over these
+STAGE_AXES = ("cp", "tp", "ep")  # a pipeline stage's program is split over these
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,6 @@ class MeshSpec:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise MeshError(f"mesh axis {axis} must be a positive int, got {n!r}",
                                 where=f"mesh[{axis!r}]", fix="give each axis a size >= 1")
-        if mesh.get("ep", 1) > 1:  # no pass shards experts yet: ep would run as replication
-            raise MeshError(
-                f"expert parallelism (ep={mesh['ep']}) is not implemented yet; shardfx would run "
-                "every expert on every device of the ep axis", where="mesh['ep']",
-                fix="drop the ep axis (or set ep=1); use dp or tp for those devices")
         return cls(tuple((a, mesh[a]) for a in AXES if a in mesh))
 
 

@@ -106,6 +106,9 @@ def program_seconds(graph: fx.Graph, model: DeviceModel, axes) -> tuple[float, f
                 link = model.link_of(tuple(axes), "cp")
                 comm += sum(model.collective_seconds("send", b, 2, link)
                             for b in node.target.sends(*arg_values(node)))
+            for e in getattr(node.target, "exchanges", lambda *_: [])(*arg_values(node)):
+                comm += model.collective_seconds(e.kind, e.nbytes, dict(axes).get(e.axis, 1),
+                                                 model.link_of(tuple(axes), e.axis))
             continue
         axis = _axis(node)
         n = dict(axes).get(axis, 1)

@@ -44,7 +44,7 @@ def tiny(name: str, layers: int = 2) -> torch.nn.Module:
 
 def hf(name: str, layers: int = 2) -> torch.nn.Module:
     """A seeded tiny Hugging Face model: hidden 32, ``layers`` layers, 4 heads (2 kv heads where
-    the architecture has them), vocabulary 64, few experts: ``qwen3_moe`` | ``gemma3`` |
+    the architecture has them), vocabulary 64, few experts: ``qwen3_moe`` | ``qwen2_moe`` | ``gemma3`` |
     ``olmo2`` | ``deepseek_v3`` | ``qwen2`` | ``gpt_neox`` | ``bert``."""
     import transformers as T
 
@@ -55,6 +55,10 @@ def hf(name: str, layers: int = 2) -> torch.nn.Module:
     if name == "qwen3_moe":  # per-head q_norm / k_norm: their gradients all-reduced over tp
         return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **common, **experts, num_key_value_heads=2, num_experts=4, head_dim=8))
+    if name == "qwen2_moe":  # a shared expert beside the routed ones, with its own gate
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            **common, **experts, num_key_value_heads=2, num_experts=4,
+            shared_expert_intermediate_size=32))
     if name == "gemma3":
         return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, num_key_value_heads=2,
                                                       head_dim=8))

@@ -52,11 +52,12 @@ def test_pipeline_settings_are_checked(kwargs, cause, where):
     assert_explained(info.value, cause=cause, where=where)
 
 
-def test_expert_parallel_axis_is_refused_until_it_exists():
+def test_an_expert_parallel_axis_on_a_model_without_experts_is_refused():
     with pytest.raises(MeshError) as info:
         plan(mesh={"ep": 2})
-    assert_explained(info.value, cause=("expert parallelism", "not implemented"),
+    assert_explained(info.value, cause=("ep axis", "no mixture-of-experts layer"),
                      where="mesh['ep']")
+    assert "shardfx.experts" in info.value.fix
     plan(mesh={"ep": 1})  # a one-device axis changes nothing
 
 

@@ -26,13 +26,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardfx.codegen.expert_parallel import ep_op
 from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
 from shardfx.codegen.ring_attention import ring_op
 from shardfx.errors import PassError, ShardingError
 from shardfx.hints import MARKERS
 from shardfx.ir import meta as M
-from shardfx.ir.graph import fake_value, map_nodes, op_nodes, operands
+from shardfx.ir.graph import arg_values, fake_value, map_nodes, op_nodes, operands
 from shardfx.ir.text import module_of
 
 
@@ -81,7 +82,7 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
 
     for node in op_nodes(gm.graph):
         try:
-            _emit_op(node, emit, to, env, have, mesh)
+            _emit_op(node, emit, to, env, have, mesh, log)
         except ShardingError:  # the user's request (an attention the ring cannot run)
             raise
         except Exception as e:
@@ -104,9 +105,12 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
     return Program(module, inputs, tuple(out.meta[M.OUTPUTS]), tuple(log))
 
 
-def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInputs]) -> None:
+def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInputs],
+             log: list[Collective]) -> None:
     """Redistribute ``node``'s operands as its rule asks, then emit it with local arguments
-    (attention split on the sequence over cp: as ring attention, ``codegen.ring_attention``)."""
+    (attention split on the sequence over cp: as ring attention, ``codegen.ring_attention``;
+    experts split over ep: as expert parallelism, ``codegen.expert_parallel``, whose
+    collectives go to ``log``)."""
     sharding: M.NodeSharding = node.meta[M.SHARDING]
     local_operands = iter([to(a, want, node.name, node)
                            for a, want in zip(operands(node), sharding.inputs)])
@@ -117,9 +121,10 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInpu
     kwargs = sharding.local_kwargs if sharding.local_kwargs is not None else node.kwargs
     args, kwargs = map_nodes((args, kwargs), lambda _: next(local_operands))
     target = sharding.local_op or node.target
-    ring = ring_op(node, sharding.inputs, mesh, args, kwargs)
-    if ring is not None:
-        target, args, kwargs = ring
+    special = ring_op(node, sharding.inputs, mesh, args, kwargs) or \
+        ep_op(node, sharding.inputs, mesh, args, kwargs)
+    if special is not None:
+        target, args, kwargs = special
     # A local operand may be laid out unlike the global one (redistributed, a batch slice):
     # a view becomes a reshape here, so the fake value is computed as the program will run.
     target = RESHAPES.get(target, target)
@@ -127,6 +132,10 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInpu
     local._rename(node.name)
     local.meta.update({k: node.meta[k] for k in (M.PHASE, M.STAGE) if k in node.meta})
     env[node], have[node] = local, sharding.out
+    if hasattr(target, "exchanges"):
+        module = module_of(node), str(node.meta.get(M.PHASE, ""))
+        log += [Collective(e.kind, e.axis, e.nbytes, f"{node.name}: experts' {e.what}", *module)
+                for e in target.exchanges(*arg_values(local))]
 
 
 def _mesh_inputs(graph: fx.Graph, axes) -> list[MeshInputs]:

@@ -39,6 +39,8 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
+from shardfx.experts import capacity_while_tracing
+from shardfx.experts.hf import traced_as_shardfx_experts
 from shardfx.ir import meta as M
 from shardfx.ir.graph import copy_ir, fake_mode_of, insert_op, placeholder_name
 from shardfx.partitioner.constants import (UserConstant, as_buffers, mutated_constant,
@@ -104,11 +106,14 @@ def capture(
     targets: tuple = (),
     *,
     blocks: bool | None = None,
+    capacity: float | None = None,
 ) -> Captured:
     """Trace ``model`` (and ``loss_fn``) into the IR. Raises ``CaptureError``/``LossError``/
     ``InputError`` naming the cause, the place, and what to do. ``blocks``: trace two blocks of
     each repeated list and stamp the rest (``stamp``), falling back to the full trace when they
-    are not interchangeable; False: always the full trace; None: unless ``SHARDFX_BLOCKS=0``."""
+    are not interchangeable; False: always the full trace; None: unless ``SHARDFX_BLOCKS=0``.
+    Mixture-of-experts layers trace as ``shardfx::experts`` (``shardfx.experts``), with the
+    ``capacity`` factor (None: dropless)."""
     _check_inputs(model, args, loss_fn, targets)
     mode = M.Mode.TRAIN if loss_fn is not None else M.Mode.INFER
     in_spec = pytree.tree_flatten((args, targets))[1]
@@ -130,7 +135,7 @@ def capture(
         path, repeats = f"full trace ({why})", []
     while repeats:
         try:
-            gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats)
+            gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats, capacity)
         except CaptureError as e:  # the model insists on all its blocks: trace them all
             gm, path = None, f"full trace (the model cut after {repeats[0].traced} blocks of " \
                              f"{repeats[0].path} could not be traced: {e.cause})"
@@ -151,7 +156,7 @@ def capture(
             later = [r.later() for r in repeats]
             repeats = later if all(later) and not isinstance(e, NotRepeatable) else []
     if gm is None:
-        gm, _, out_spec = _trace(model, traced, example, mode, n_args, [])
+        gm, _, out_spec = _trace(model, traced, example, mode, n_args, [], capacity)
     log.info("%s: %s", type(model).__name__, path)
     rename_in_order(gm.graph)
     gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
@@ -168,11 +173,12 @@ def _glue_between(model: torch.nn.Module, args: tuple, repeats: list[Repeat],
 
 
 def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode: M.Mode,
-           n_args: int, repeats: list[Repeat]) -> tuple[fx.GraphModule, Reads, Any]:
+           n_args: int, repeats: list[Repeat], capacity: float | None
+           ) -> tuple[fx.GraphModule, Reads, Any]:
     """export, then the joint trace, then our IR: of the model with each of ``repeats`` cut to
-    its first blocks (and the attributes they read)."""
+    its first blocks (and the attributes they read), its experts as ``shardfx::experts``."""
     cut = cut_to_traced(model, repeats)
-    with cut as reads:
+    with cut as reads, traced_as_shardfx_experts(model), capacity_while_tracing(capacity):
         device = run_device(model, example)  # on meta or a GPU: trace as on the CPU
         fakes = traced_as(model, example, device) if device else contextlib.nullcontext(example)
         with _hf_cache_off(model), fakes as fake_example, no_silent_backward(model):

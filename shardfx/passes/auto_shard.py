@@ -39,7 +39,7 @@ from shardfx.report import nbytes
 log = logging.getLogger("shardfx.passes.auto_shard")
 
 AUTO = "shardfx.auto"  # gm.meta: the AutoReport
-FIXED_AXES = ("dp", "cp", "pp")
+FIXED_AXES = ("dp", "cp", "pp", "ep")
 TIE = 1e-9  # a stage replaces one solved before it (``zero_stage.by_cost``) only if cheaper by
 # more than this fraction: plain dp and ZeRO-2 cost the same, and rounding must not choose
 

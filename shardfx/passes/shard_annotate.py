@@ -19,7 +19,11 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
   - ``{glob: placements}``: for each parameter FQN the first matching glob (``fnmatch``) gives
     its placements, one per mesh axis; unmatched parameters are replicated. A glob whose value
     is ``"auto"`` (``{"*.wq.weight": [...], "*": "auto"}``) leaves its parameters to the solver.
-Inputs and targets are sharded on their batch dimension (dim 0) over ``dp``, and those of the
+On an ``ep`` axis, each mixture-of-experts layer's expert weights (the ``shardfx::experts`` op's
+``w_in`` and ``w_out``, (E, ...)) are split by expert, E/ep on each rank, whatever ``shard``
+says; everything else is replicated over ep, as over dp.
+Inputs and targets are sharded on their batch dimension (dim 0) over ``dp`` and ``ep`` (dp's
+part split again over ep, GShard's layout: each ep rank routes its own tokens), and those of the
 first input's (batch, sequence) shape on dim 1 over ``cp`` (context parallelism) and, with
 ``megatron-sp``, over ``tp`` (within cp's part, when both split it); the tangent, buffers and
 constants (the same on every device) are replicated.
@@ -28,6 +32,7 @@ constants (the same on every device) are replicated.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 
 import torch
@@ -54,6 +59,8 @@ def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = options.mesh
     axes = [a for a, _ in mesh.axes]
     params = _param_placements(gm, options)
+    if mesh.axis("ep") > 1:
+        params = _experts_split(gm, params, mesh)
     sp = sequence_parallel(options)
     tokens = sequence_shape(gm) if sp or mesh.axis("cp") > 1 else None
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -101,10 +108,13 @@ def sequence_shape(gm: fx.GraphModule) -> tuple[int, int] | None:
     return None
 
 
+BATCH_AXES = ("dp", "ep")  # the batch is split over these, in mesh order
+
+
 def _batch_sharded(node: fx.Node, role: M.InputRole, mesh, tokens: tuple[int, int] | None,
                    sp: bool) -> M.Placements:
-    """The batch over dp; the sequence over cp, and under megatron-sp over tp (within cp's
-    part: nested in mesh order)."""
+    """The batch over dp and ep; the sequence over cp, and under megatron-sp over tp (within
+    cp's part: nested in mesh order)."""
     val = node.meta[M.VAL]
     out = []
     for axis, n in mesh.axes:
@@ -112,16 +122,62 @@ def _batch_sharded(node: fx.Node, role: M.InputRole, mesh, tokens: tuple[int, in
                 tuple(val.shape[:2]) == tokens:
             out.append(_sequence_split(role, val, axis, n, mesh.axis("cp")))
             continue
-        if axis != "dp" or n == 1 or val.dim() == 0:
+        if axis not in BATCH_AXES or n == 1 or val.dim() == 0:
             out.append(Replicate())
             continue
-        if val.shape[0] % n:
+        split = [(a, k) for a, k in mesh.axes if a in BATCH_AXES and k > 1]
+        parts = math.prod(k for _, k in split)
+        if val.shape[0] % parts:
+            what = " x ".join(f"{a}={k}" for a, k in split)
             raise MeshError(
-                f"{role.name} has batch size {val.shape[0]}, not divisible by dp={n}",
+                f"{role.name} has batch size {val.shape[0]}, not divisible by {what}",
                 where=f"{role.name} (shape {list(val.shape)})",
-                fix=f"use a global batch that is a multiple of {n}, or a smaller dp")
+                fix=f"use a global batch that is a multiple of {parts}, or smaller "
+                    f"{' and '.join(a for a, _ in split)}")
         out.append(Shard(0))
     return tuple(out)
+
+
+def _experts_split(gm: fx.GraphModule, params: dict, mesh) -> dict[str, M.Placements]:
+    """``params`` with each expert weight split by expert over ep (``expert_weights``)."""
+    axes = [a for a, _ in mesh.axes]
+    ep, n = axes.index("ep"), mesh.axis("ep")
+    weights = expert_weights(gm)
+    if not weights:
+        raise MeshError(
+            f"the mesh has an ep axis (ep={n}), and the model has no mixture-of-experts layer "
+            "shardfx recognises", where="mesh['ep']",
+            fix="drop the ep axis (use dp for those devices), or mark the model's experts with "
+                "shardfx.experts(...) (docs/experts.md)")
+    out = dict(params)
+    for fqn, count in weights.items():
+        if count % n:
+            raise MeshError(
+                f"{fqn} holds {count} experts, not divisible by ep={n}: each ep rank holds an "
+                "equal share of every layer's experts", where=f"{fqn} ({count} experts)",
+                fix=f"use an ep dividing {count}")
+        given = out.get(fqn, AUTO)
+        placements = list(replicated(axes) if given == AUTO else given)
+        placements[ep] = Shard(0)
+        out[fqn] = tuple(placements)
+    return out
+
+
+def expert_weights(gm: fx.GraphModule) -> dict[str, int]:
+    """FQN -> experts, of the parameters the graph's ``shardfx::experts`` ops read as their
+    expert weights."""
+    from shardfx.experts import EXPERTS
+
+    out = {}
+    for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
+        for arg in node.args[3:5]:
+            while isinstance(arg, fx.Node) and arg.op == "call_function" and \
+                    len(arg.all_input_nodes) == 1:  # a view or a cast of it
+                arg = arg.all_input_nodes[0]
+            if isinstance(arg, fx.Node) and arg.op == "placeholder" and \
+                    arg.meta[M.ROLE].kind is M.InputKind.PARAM:
+                out[arg.meta[M.ROLE].name] = arg.meta[M.VAL].shape[0]
+    return out
 
 
 def _sequence_split(role: M.InputRole, val, axis: str, n: int, cp: int = 1) -> Shard:

@@ -317,7 +317,7 @@ def _dtensor_rule(node: fx.Node, have: dict):
         # those constants differ (mse_loss_backward's 2/numel). No rule: replicated.
         return None
     try:
-        ask = prop.propagate_op_sharding_non_cached if node.target in attention_rules.OPS \
+        ask = prop.propagate_op_sharding_non_cached if node.target in shardfx.rules.UNCACHED \
             else prop.propagate_op_sharding  # answered unlike DTensor's dispatch: not shared
         result = ask(schema)
     except Exception as e:  # no rule, or a rule that cannot take these placements

@@ -42,6 +42,12 @@ def planning(mesh) -> None:
     _PLANNING[id(mesh)] = weakref.ref(mesh, lambda _, key=id(mesh): _PLANNING.pop(key, None))
 
 
+def is_planning(mesh) -> bool:
+    """``mesh`` is one shardfx plans on (``planning``), not a user's mesh of the same shape."""
+    ours = _PLANNING.get(id(mesh))
+    return ours is not None and ours() is mesh
+
+
 def _mask_batch(op_schema: OpSchema) -> int | None:
     """The attention mask's batch size, or None when there is no mask."""
     mask = op_schema.kwargs_schema.get("attn_mask")
@@ -49,8 +55,7 @@ def _mask_batch(op_schema: OpSchema) -> int | None:
 
 
 def _has_cp(mesh) -> bool:
-    ours = _PLANNING.get(id(mesh))
-    return ours is not None and ours() is mesh and "cp" in (mesh.mesh_dim_names or ())
+    return is_planning(mesh) and "cp" in (mesh.mesh_dim_names or ())
 
 
 def _strategies(n_out: int, n_in: int, mask_batch: int | None, ring: bool = False) -> list[list]:

@@ -1,0 +1,77 @@
+"""Mixture-of-experts layers (``shardfx::experts`` and its backward, ``shardfx.experts``).
+
+The experts compute each token's output from that token alone, so the op splits like a
+row-wise op over tokens (T, ...), its expert weights (E, ...) replicated; on the ``ep`` axis of a
+mesh shardfx plans on, the weights may be split by expert as well (each rank holding E/ep of
+them), which ``codegen.spmd`` runs as expert parallelism: each rank's tokens sent by all-to-all
+to the ranks holding their experts and the results brought back (``codegen.expert_parallel``).
+
+    strategy   x, index, weights   w_in, w_out   y, xd, h, zs   grads: x, weights   w_in, w_out
+    replicate  R                   R             R              R                   R
+    tokens     S(0)                R             S(0)           S(0)                P
+    experts    S(0)                S(0)          S(0)           S(0)                S(0)   (ep only)
+
+``xd`` and ``h`` (the rows each held expert received, and their first projection) are split as
+their tokens are: each rank keeps its own. Under expert parallelism without a capacity their
+row count follows the routing; the program's shapes are the even routing's (``forward_shapes``).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+
+from shardfx.experts import EXPERTS, EXPERTS_BACKWARD
+from shardfx.rules.attention import is_planning
+
+OPS = (EXPERTS, EXPERTS_BACKWARD)
+R, S0 = Replicate(), Shard(0)
+AXIS = "ep"
+
+
+def _rows(n_outputs: int, n_inputs: int, weights_at: tuple[int, int],
+          weight_grads: tuple[int, ...] = ()) -> list[list]:
+    """[outputs..., inputs...] for the three strategies on one mesh dim: the outputs and the
+    inputs other than the weights split on dim 0 (tokens), the weights at ``weights_at``
+    replicated (their gradients, outputs ``weight_grads``, partial) or split by expert."""
+    rows = [[R] * (n_outputs + n_inputs)]
+    for experts in (False, True):
+        out = [S0] * n_outputs
+        for i in weight_grads:
+            out[i] = S0 if experts else Partial()
+        ins = [S0] * n_inputs
+        for i in weights_at:
+            ins[i] = S0 if experts else R
+        rows.append(out + ins)
+    return rows
+
+
+def _on_ep_only(weights_at: int):
+    """Keeps the strategies whose weights are split on dim 0 only on the ``ep`` axis of a mesh
+    shardfx plans on."""
+    def valid(input_specs, _output_specs) -> bool:
+        spec = input_specs[weights_at]
+        names = spec.mesh.mesh_dim_names or ()
+        return all(p != S0 or (names[i] == AXIS and is_planning(spec.mesh))
+                   for i, p in enumerate(spec.placements))
+    return valid
+
+
+@register_op_strategy(EXPERTS, schema_info=RuntimeSchemaInfo(5))
+def experts(op_schema: OpSchema) -> OpStrategy:
+    # outputs: y, xd, h, zs; tensor inputs: x, index, weights, w_in, w_out
+    mesh = op_schema.get_mesh_from_args()
+    rows = _rows(4, 5, (3, 4))
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=4,
+                                           is_valid_strategy_cb=_on_ep_only(3))
+
+
+@register_op_strategy(EXPERTS_BACKWARD, schema_info=RuntimeSchemaInfo(9))
+def experts_backward(op_schema: OpSchema) -> OpStrategy:
+    # outputs: grad x, weights, w_in, w_out; tensor inputs: grad_y, x, index, weights, w_in,
+    # w_out, xd, h, zs
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    rows = _rows(4, 9, (4, 5), weight_grads=(2, 3))
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=4,
+                                           is_valid_strategy_cb=_on_ep_only(4))
