@@ -2,8 +2,10 @@
 
 Requires: VAL on every node, ROLE on placeholders, OUTPUTS on the output node.
 Ensures:  under ``Options.precision`` bf16 or fp16, the ops of ``LOW_PRECISION`` (matmuls,
-          convolutions, attention; forward and backward) read their fp32 operands cast to the
-          low dtype and produce it; the ops of ``FULL_PRECISION`` (softmax, norms, losses,
+          convolutions, attention, mixture-of-experts layers' experts; forward and backward)
+          read their fp32 operands cast to the low dtype and produce it (the experts' routing
+          weights excepted), but the matmuls of MoE routers stay fp32 (``experts.router``);
+          the ops of ``FULL_PRECISION`` (softmax, norms, losses,
           exp/log/pow, sums and means) read theirs in the dtype they were traced in (fp32), a
           reduction with a ``dtype`` argument accumulating into it instead of reading a cast
           copy; every other op follows its operands' dtypes by its own promotion rules, as it
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from shardfx.experts import EXPERTS, EXPERTS_BACKWARD
+from shardfx.experts.router import router_matmuls
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, fake_value, op_nodes
 from shardfx.passes.assign_phase import assign_phase
@@ -61,7 +65,11 @@ LOW_PRECISION = frozenset({
     aten._scaled_dot_product_efficient_attention_backward.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_cudnn_attention_backward.default,
+    EXPERTS, EXPERTS_BACKWARD,
 })
+# Operands a low-precision op reads as traced: a mixture of experts' routing weights (fp32, as
+# its router computes them), and their gradient's inputs.
+_KEPT_OPERANDS = {EXPERTS: (2,), EXPERTS_BACKWARD: (3,)}
 
 # Numerically sensitive ops: ranges a low dtype cannot hold (exp, pow), long sums that lose
 # their small terms (reductions, norms, the loss), and what reads them back in the backward.
@@ -118,6 +126,7 @@ class PrecisionReport:
     full_in: tuple[str, ...] = ("fp32",)  # the dtypes those FULL_PRECISION ops compute in
     uncast: tuple[tuple[str, int], ...] = ()  # (dtype, count): matmul-class ops left in a
     # dtype that is not cast (fp64), as autocast leaves it
+    routers: int = 0  # matmuls of mixture-of-experts routers, kept in fp32 (``experts.router``)
 
     def __str__(self) -> str:
         full = f"{self.full} in {'/'.join(self.full_in) or 'fp32'} (softmax, norms, loss, " \
@@ -133,6 +142,8 @@ class PrecisionReport:
             text = f"{self.compute}: {self.low} ops in {self.compute} (matmuls, attention), {full}"
             if self.uncast:
                 text += f"; not cast ({why}): {uncast} (matmuls, attention)"
+        if self.routers:
+            text += f"; {self.routers} matmuls of expert routers in fp32 (forward and backward)"
         if self.stayed:
             ops = ", ".join(f"{op} x{n}" for op, n in self.stayed)
             text += f"; kept in fp32, no {self.compute} kernel on {self.device}: {ops}"
@@ -165,6 +176,7 @@ class _Edit:
         self.uncast: Counter = Counter()  # matmul-class ops by the dtype they stay in
         self.full_in: Counter = Counter()  # FULL_PRECISION ops by the dtype they compute in
         self.device = device  # where the ops run: their kernels are tried there
+        self.routers = router_matmuls(gm.graph, LOW_PRECISION, _VIEWS)  # kept in fp32
 
     # --- one op -----------------------------------------------------------------------------
 
@@ -172,8 +184,11 @@ class _Edit:
         if node.target is operator.getitem:
             node.meta[M.VAL] = node.args[0].meta[M.VAL][node.args[1]]
             return
-        if node.target in LOW_PRECISION:
+        if node.target in LOW_PRECISION and node not in self.routers:
             self._low(node)
+        elif node in self.routers:
+            self.counts["router"] += 1
+            self._as_traced(node)
         elif node.target in FULL_PRECISION:
             self.counts["full"] += 1
             self._as_traced(node)
@@ -187,9 +202,10 @@ class _Edit:
             self._as_traced(node)  # no kernel in the low dtype here: as traced
             self.stayed[_name(node)] += 1
             return
+        kept = {node.args[i] for i in _KEPT_OPERANDS.get(node.target, ())}
         node.args, node.kwargs = fx.node.map_arg(
             (node.args, node.kwargs), lambda a: self.cast(a, self.low, node)
-            if self._lowers(a) else a)
+            if self._lowers(a) and a not in kept else a)
         self._revalue(node)
         if any(_dtype(a) == self.low for a in node.all_input_nodes):
             self.counts["low"] += 1
@@ -269,7 +285,7 @@ class _Edit:
         return PrecisionReport(compute, self.counts["low"], self.counts["full"],
                                self.counts["casts"], tuple(sorted(self.stayed.items())),
                                self.device.type, tuple(sorted(self.full_in)),
-                               tuple(sorted(self.uncast.items())))
+                               tuple(sorted(self.uncast.items())), self.counts["router"])
 
 
 def _dtype(a) -> torch.dtype | None:
