@@ -22,7 +22,7 @@ except _NotInstalled:  # run from a checkout that was never installed
 
 _WHERE = {
     "partition": "shardfx.api", "Plan": "shardfx.plan", "Precision": "shardfx.precision",
-    "shard_hint": "shardfx.hints", "pipe_split": "shardfx.hints",
+    "shard_hint": "shardfx.hints", "pipe_split": "shardfx.hints", "experts": "shardfx.moe",
     "launch": "shardfx.runtime.launch", "LaunchError": "shardfx.runtime.launch",
     "LossScaling": "shardfx.runtime.loss_scale", "Runner": "shardfx.runtime.runner",
     **{name: "shardfx.errors" for name in (

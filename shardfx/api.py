@@ -108,6 +108,19 @@ def _zero(zero: object, spec: MeshSpec) -> int | str:
     return zero
 
 
+def _capacity(factor: object) -> float | None:
+    """``capacity_factor`` is None (dropless) or a positive number."""
+    if factor is None:
+        return None
+    if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or \
+            not math.isfinite(factor) or factor <= 0:
+        raise InputError(f"capacity_factor must be a positive number or None, got {factor!r}",
+                         where=f"partition(..., capacity_factor={factor!r})",
+                         fix="e.g. capacity_factor=1.25 (each expert takes up to 1.25x its even "
+                             "share of the tokens), or None: dropless, no token dropped")
+    return float(factor)
+
+
 def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stages) -> None:
     """``microbatches``, ``schedule`` and ``virtual_stages`` are valid, whatever the mesh: a
     setting the plan would ignore or misread is an error, not a surprise later."""
@@ -150,6 +163,7 @@ def partition(
     zero: int | str = "auto",
     *,
     optimizer_in_backward: bool = False,
+    capacity_factor: float | None = None,
     device: str | torch.device | None = None,
     device_model: str | os.PathLike | DeviceModel | None = None,
     debug: bool | None = None,
@@ -190,7 +204,12 @@ def partition(
     block's parameters in the backward, as soon as their gradients are final, and frees those
     gradients there (``codegen.step_in_backward``): a step never holds the whole model's
     gradients; it cannot clip by the global norm, accumulate batches or scale an fp16 loss,
-    and is not in pipelines yet (with ZeRO each rank steps its rows). ``device``: where this
+    and is not in pipelines yet (with ZeRO each rank steps its rows). ``capacity_factor``: each
+    mixture-of-experts layer's expert takes at most ceil(factor x T x k / E) of the T x k
+    (token, expert) pairs of a rank's T tokens per microbatch, the first in token order; the
+    rest are dropped (the token's residual carries it on), and the shapes no longer depend on
+    the routing; None (the default): dropless, every pair computed (``shardfx.experts``,
+    docs/experts.md). ``device``: where this
     process's programs run (``runtime.device``): by default ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
     CPU or on meta is planned all the same, and the runner puts its weights there.
     ``device_model``: the speeds every choice that trades time is made at (stage cuts,
@@ -218,6 +237,7 @@ def partition(
                       fused_loss=_fused_loss(fused_loss), zero=_zero(zero, spec),
                       optimizer_in_backward=_flag(optimizer_in_backward,
                                                   "optimizer_in_backward"),
+                      capacity_factor=_capacity(capacity_factor),
                       device=choose_device(device, model, example_args))
     options = dataclasses.replace(options,
                                   device_model=choose_device_model(device_model, options.device))
@@ -267,7 +287,7 @@ def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targ
                  if isinstance(t, torch.Tensor) and t.dim()), 0)
     check_one_row(model, rows, options.microbatches, options.slices // options.microbatches)
     try:
-        return capture(model, args, loss_fn, targets)
+        captured = capture(model, args, loss_fn, targets, capacity=options.capacity_factor)
     except ShardfxError as e:
         if isinstance(e, LossError) and targets == () and \
                 re.search(r"missing \d+ required positional argument", str(e.__cause__)):
@@ -278,3 +298,33 @@ def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targ
                 fix="pass the targets loss_fn takes as a tuple: "
                     "partition(model, example_args, loss_fn, (targets,))") from e.__cause__
         raise
+    _check_experts(model, captured, options)
+    return captured
+
+
+def _check_experts(model: torch.nn.Module, captured: Captured, options: Options) -> None:
+    """A capacity or an ep axis needs experts shardfx runs: the model's experts modules that
+    it cannot (``moe.hf.why_not``) are named, with why."""
+    from shardfx.moe import EXPERTS
+    from shardfx.moe.hf import recognise
+
+    asked = [f"capacity_factor={options.capacity_factor}"] if options.capacity_factor else []
+    asked += [f"ep={options.mesh.axis('ep')}"] if options.mesh.axis("ep") > 1 else []
+    if not asked:
+        return
+    _, missed = recognise(model)
+    if missed:
+        path, why = missed[0]
+        raise InputError(
+            f"{' and '.join(asked)} asked, and {path} is a mixture-of-experts layer shardfx "
+            f"cannot run as its experts op: {why}", where=f"{path} ({type(model.get_submodule(path)).__name__})",
+            fix="drop the ep axis and the capacity (its experts then run on every rank that "
+                "holds the layer), or compute the experts with shardfx.experts(...) "
+                "(docs/experts.md)")
+    if not captured.gm.graph.find_nodes(op="call_function", target=EXPERTS) and \
+            options.capacity_factor:
+        raise InputError(
+            f"capacity_factor={options.capacity_factor} asked, and the model has no "
+            "mixture-of-experts layer shardfx recognises", where="partition(..., capacity_factor=...)",
+            fix="drop capacity_factor, or mark the model's experts with shardfx.experts(...) "
+                "(docs/experts.md)")

@@ -140,7 +140,8 @@ class Plan:
         """The forward-only program (captured on first use for a training plan)."""
         if self._inference is None:
             with deferred_codegen():
-                captured = capture(self.model, self._example_args)
+                captured = capture(self.model, self._example_args,
+                                   capacity=self.options.capacity_factor)
                 _, program, _, _ = compile_ir(captured.gm, self.options)
             self._inference = (program, captured.out_spec)
         return self._inference
@@ -157,7 +158,8 @@ class Plan:
                 options = dataclasses.replace(self.options, follow_stages=weight_stages(self.ir))
                 with deferred_codegen():
                     captured = capture(self.model, microbatch(self._example_args, (),
-                                                              self.options.slices)[0])
+                                                              self.options.slices)[0],
+                                       capacity=self.options.capacity_factor)
                     ir, split, _, _ = compile_ir(captured.gm, options)
                 spec = captured.out_spec
             self._inference_stages = (split, ir, spec)

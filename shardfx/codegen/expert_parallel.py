@@ -4,12 +4,12 @@ GShard's layout (Lepikhin et al. 2020): the ep ranks split the batch, as dp rank
 holds E/ep of every MoE layer's experts (rank r experts r*E/ep .. (r+1)*E/ep - 1). A layer's
 forward on each rank:
 
-1. sort its (token, slot) pairs by expert (``experts.compute.sort_pairs``);
+1. sort its (token, slot) pairs by expert (``moe.compute.sort_pairs``);
 2. exchange counts: an all-to-all of the E pair counts, so each rank knows how many rows every
    other rank will send to each of its experts (with a capacity every count is C: no exchange);
 3. dispatch: an all-to-all of the sorted rows, each rank's experts' rows to it (uneven sizes,
    dropless; C rows per expert with a capacity), regrouped by expert;
-4. the held experts' MLPs on the rows they received (``experts.compute``);
+4. the held experts' MLPs on the rows they received (``moe.compute``);
 5. combine: the reverse all-to-all brings each row's result back to its token's rank, where the
    weighted sum over a token's experts is made.
 
@@ -36,8 +36,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
-from shardfx.experts import EXPERTS, EXPERTS_BACKWARD, compute, forward_shapes
-from shardfx.experts.compute import Form, Sorted
+from shardfx.moe import EXPERTS, EXPERTS_BACKWARD, compute, forward_shapes
+from shardfx.moe.compute import Form, Sorted
 
 AXIS = "ep"
 
@@ -94,7 +94,7 @@ class _Route:
 
 
 class _OverEp:
-    """``route_for`` of ``experts.compute``: the experts spread over the ep group's ranks."""
+    """``route_for`` of ``moe.compute``: the experts spread over the ep group's ranks."""
 
     def __init__(self, group: str, ranks: int):
         self.pg = dist.distributed_c10d._resolve_process_group(group)
@@ -190,7 +190,7 @@ def ep_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict):
     if AXIS not in split:
         return None
     ep = mesh[axes.index(AXIS)]
-    tensors, (act, gated, transposed, capacity) = args[:-4], args[-4:]
-    form = Form(act, gated, transposed, capacity)
+    tensors, (act, gated, transposed, capacity, layer) = args[:-5], args[-5:]
+    form = Form(act, gated, transposed, capacity, layer)
     kind = ExpertsParallelBackward if backward else ExpertsParallel
     return kind(form, ep.size), (*tensors, ep.group), {}

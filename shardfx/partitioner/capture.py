@@ -39,8 +39,8 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
-from shardfx.experts import capacity_while_tracing
-from shardfx.experts.hf import traced_as_shardfx_experts
+from shardfx.moe import capacity_while_tracing
+from shardfx.moe.hf import traced_as_shardfx_experts
 from shardfx.ir import meta as M
 from shardfx.ir.graph import copy_ir, fake_mode_of, insert_op, placeholder_name
 from shardfx.partitioner.constants import (UserConstant, as_buffers, mutated_constant,

@@ -61,6 +61,7 @@ class Options:
     # "auto" until the plan chooses (auto.zero_stage), an int in every program pass
     optimizer_in_backward: bool = False  # step each block's parameters as their gradients are
     # final, in the backward (codegen.step_in_backward)
+    capacity_factor: float | None = None  # MoE experts' capacity (shardfx.experts); None: dropless
     device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
     device_model: Any = None  # a shardfx.device_model.DeviceModel: the speeds time is traded at
     held_by: int = 1  # the stages a pipeline's IR, planned over its stage mesh, is cut into:

@@ -166,7 +166,7 @@ def _experts_split(gm: fx.GraphModule, params: dict, mesh) -> dict[str, M.Placem
 def expert_weights(gm: fx.GraphModule) -> dict[str, int]:
     """FQN -> experts, of the parameters the graph's ``shardfx::experts`` ops read as their
     expert weights."""
-    from shardfx.experts import EXPERTS
+    from shardfx.moe import EXPERTS
 
     out = {}
     for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):

@@ -51,6 +51,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import PipelineError
+from shardfx.moe import load
+from shardfx.moe.load import BATCH_SPLIT
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.memory import check_optimizer
@@ -87,8 +89,9 @@ class PipelineRunner(PipelineState):
         self._channels = channels(mesh, "pp")  # (from, to) pipeline ranks -> its group
         self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
+        self.routed: dict[str, load.Routed] = {}  # the last step's MoE routing, this rank's
         self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
-        inner = plan.mesh.stage()  # what each stage is sharded over: cp and tp
+        inner = plan.mesh.stage()  # what each stage is sharded over: cp, tp and ep
         names = tuple(a for a, _ in inner.axes)
         self._tp = Shards(inner, mesh[names]) if inner.size > 1 else None
         self.schedule = plan.schedule
@@ -177,12 +180,14 @@ class PipelineRunner(PipelineState):
         trained = self._trained()
         for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
+        load.start()
         self._tangent = 1.0 / len(batches)
         losses = []
         for index, (args, targets) in enumerate(batches):
             self._batch = index
             losses.append(self._backward(args, targets, trained))
         self.step_count += 1
+        self.routed = load.taken()
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
                                      self.clip_grad_norm)
@@ -191,6 +196,15 @@ class PipelineRunner(PipelineState):
         self._share_tied()
         release(trained.values(), self.keep_grads)
         return self._broadcast_loss(mean_loss(losses))
+
+    def expert_load(self) -> dict[str, load.Routed]:
+        """The last step's routing of this stage's mixture-of-experts layers over the whole
+        batch (``Runner.expert_load``): every rank calls it."""
+        groups = [self._dp] if self._dp is not None else []
+        if self._tp is not None:
+            groups += [self._tp.mesh.get_group(a) for a in BATCH_SPLIT
+                       if self._tp.spec.axis(a) > 1]
+        return load.summed(self.routed, groups)
 
     def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
         """One batch through the schedule: its gradients added to the ``.grad`` of what this

@@ -24,6 +24,8 @@ from shardfx.codegen.accumulate_into import Accumulating, accumulating
 from shardfx.codegen.program import Program
 from shardfx.codegen.step_in_backward import stepping
 from shardfx.errors import InputError
+from shardfx.moe import load
+from shardfx.moe.load import BATCH_SPLIT
 from shardfx.ir import meta as M
 from shardfx.measure import mark
 from shardfx.runtime.accumulate import accumulated, mean_loss
@@ -99,6 +101,7 @@ class Runner:
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
         self._counted: dict[str, bool] | None = None  # per stepped tensor, for the norm
+        self.routed: dict[str, load.Routed] = {}  # the last step's MoE routing, this rank's
 
     # --- training and inference -------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class Runner:
         trained = self._trained()
         for p in trained.values():  # the last step's gradients go before this one's come
             p.grad = None
+        load.start()
         self._tangent = 1.0 / len(batches)  # d(mean of the batches' losses)/d(one of them)
         losses = []
         for index, (args, targets) in enumerate(batches):
@@ -132,6 +136,7 @@ class Runner:
                                       if r.kind is M.OutputKind.GRAD and r.name not in into})
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
+        self.routed = load.taken()
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         if not self._in_backward:  # else each block stepped in the program (step_in_backward)
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
@@ -249,6 +254,13 @@ class Runner:
         return flat[role.index].to(self.device)
 
     # --- state ------------------------------------------------------------------------------
+
+    def expert_load(self) -> dict[str, load.Routed]:
+        """The last step's routing of each mixture-of-experts layer (tokens per expert, tokens
+        dropped), over the whole batch: every rank calls it (``moe.load``)."""
+        batch = [self._shards.mesh.get_group(a) for a in BATCH_SPLIT
+                 if self._plan.mesh.axis(a) > 1]
+        return load.summed(self.routed, batch)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own FQNs (tied weights under each of their names)."""

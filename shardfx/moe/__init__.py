@@ -8,7 +8,7 @@ experts and the tokens exchanged by all-to-all (``codegen.expert_parallel``).
 
 Hugging Face's MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and the others whose
 experts module is declared with ``use_experts_implementation``) are recognised while shardfx
-traces them (``experts.hf``). A model of one's own calls the op where its experts are::
+traces them (``moe.hf``). A model of one's own calls the op where its experts are::
 
     y = shardfx.experts(x, top_k_index, top_k_weights, self.w_in, self.w_out, act="silu")
 
@@ -22,23 +22,23 @@ import math
 
 import torch
 
-from shardfx.experts import compute
-from shardfx.experts.compute import ACTIVATIONS, Form, Local
+from shardfx.moe import compute
+from shardfx.moe.compute import ACTIVATIONS, Form, Local
 
 _CAPACITY: list[float | None] = [None]  # the plan's capacity factor while it traces
 
 
 @torch.library.custom_op("shardfx::experts", mutates_args=())
 def _experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor,
-             w_out: torch.Tensor, act: str, gated: bool, transposed: bool, capacity: float
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             w_out: torch.Tensor, act: str, gated: bool, transposed: bool, capacity: float,
+             layer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     y, xd, h, zs = compute.forward(x, index, weights, w_in, w_out,
-                                   Form(act, gated, transposed, capacity), Local)
+                                   Form(act, gated, transposed, capacity, layer), Local)
     return y, xd, h, zs
 
 
 @_experts.register_fake
-def _(x, index, weights, w_in, w_out, act, gated, transposed, capacity):
+def _(x, index, weights, w_in, w_out, act, gated, transposed, capacity, layer):
     return forward_shapes(x, index, w_in, Form(act, gated, transposed, capacity))
 
 
@@ -60,14 +60,15 @@ def forward_shapes(x, index, w_in, form: Form, experts: int | None = None):
 def _experts_backward(grad_y: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
                       weights: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                       xd: torch.Tensor, h: torch.Tensor, zs: torch.Tensor, act: str,
-                      gated: bool, transposed: bool, capacity: float
+                      gated: bool, transposed: bool, capacity: float, layer: str
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return compute.backward(grad_y, x, index, weights, w_in, w_out, xd, h, zs,
-                            Form(act, gated, transposed, capacity), Local)
+                            Form(act, gated, transposed, capacity, layer), Local)
 
 
 @_experts_backward.register_fake
-def _(grad_y, x, index, weights, w_in, w_out, xd, h, zs, act, gated, transposed, capacity):
+def _(grad_y, x, index, weights, w_in, w_out, xd, h, zs, act, gated, transposed, capacity,
+      layer):
     return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(w_in),
             torch.empty_like(w_out))
 
@@ -83,7 +84,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y, *_):
     saved = ctx.saved_tensors
     grad_x, grad_weights, grad_in, grad_out = EXPERTS_BACKWARD(grad_y, *saved, *ctx.form)
-    return grad_x, None, grad_weights, grad_in, grad_out, None, None, None, None
+    return grad_x, None, grad_weights, grad_in, grad_out, None, None, None, None, None
 
 
 _experts.register_autograd(_backward, setup_context=_setup_context)
@@ -94,12 +95,13 @@ EXPERTS_BACKWARD = torch.ops.shardfx.experts_backward.default
 
 def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor,
             w_out: torch.Tensor, *, act: str = "silu", gated: bool = True,
-            transposed: bool = False) -> torch.Tensor:
+            transposed: bool = False, name: str = "experts") -> torch.Tensor:
     """The output of a mixture-of-experts layer's experts for tokens ``x`` (T, H) that chose
     experts ``index`` (T, k) with ``weights`` (T, k): per token, the weighted sum of its
     experts' MLPs. ``w_in`` (E, 2I, H) holds each expert's gate and up projections stacked
     (``gated``; (E, I, H) and no gate otherwise), ``w_out`` (E, H, I) its down projection;
     ``transposed``: they are stored (E, H, 2I) and (E, I, H). ``act``: one of ``ACTIVATIONS``.
+    ``name``: the layer's, in the routing each step records (``runner.expert_load()``).
 
     Written in a model, it marks the experts for shardfx: an ``ep`` mesh axis then spreads them
     over its ranks. The plan's ``capacity_factor`` applies to it as to a recognised layer."""
@@ -107,7 +109,8 @@ def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w_in: t
         raise ValueError(f"shardfx.experts: unknown activation {act!r}; use one of "
                          f"{', '.join(ACTIVATIONS)}")
     capacity = _CAPACITY[0] or 0.0
-    return EXPERTS(x, index, weights, w_in, w_out, act, gated, transposed, float(capacity))[0]
+    return EXPERTS(x, index, weights, w_in, w_out, act, gated, transposed, float(capacity),
+                   name)[0]
 
 
 @contextlib.contextmanager

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardfx.moe import load
+
 aten = torch.ops.aten
 _SILU = (F.silu, aten.silu_backward)
 _RELU = (F.relu, lambda grad, x: aten.threshold_backward(grad, x, 0))
@@ -46,12 +48,14 @@ ACTIVATIONS = {"silu": _SILU, "swish": _SILU, "relu": _RELU, "gelu": _GELU,
 class Form:
     """What the experts compute besides their weights: the activation's name (``ACTIVATIONS``),
     whether ``w_in`` is [gate; up] (gated) or up alone, whether the weights are stored (in, out)
-    (``transposed``) rather than (out, in), and the capacity factor (0: no capacity, dropless)."""
+    (``transposed``) rather than (out, in), the capacity factor (0: no capacity, dropless), and
+    the layer's name for the routing record (``moe.load``)."""
 
     act: str = "silu"
     gated: bool = True
     transposed: bool = False
     capacity: float = 0.0
+    layer: str = ""
 
 
 @dataclass
@@ -184,6 +188,7 @@ def forward(x, index, weights, w_in, w_out, form: Form, route_for) -> tuple:
     """(y, xd, h, zs): the layer's output (T, H) and what its backward reads. ``route_for(s)``
     is the ``Route`` of this rank's sorted pairs (``Local`` or expert parallel)."""
     s = sort_pairs(index, _experts(w_in, route_for), form.capacity)
+    load.record(form.layer, s.counts, s.dropped, s.capacity)
     route = route_for(s)
     xs = x[s.tokens]
     if s.kept is not None:

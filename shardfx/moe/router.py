@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from shardfx.experts import EXPERTS
+from shardfx.moe import EXPERTS
 from shardfx.ir import meta as M
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardfx.experts import ACTIVATIONS, experts
+from shardfx.moe import ACTIVATIONS, experts
 
 
 @dataclass(frozen=True)
@@ -114,5 +114,5 @@ def _forward(module: torch.nn.Module, r: Recognised):
     def forward(hidden_states, top_k_index, top_k_weights):
         w_in = module.gate_up_proj if r.gated else module.up_proj
         return experts(hidden_states, top_k_index, top_k_weights, w_in, module.down_proj,
-                       act=r.act, gated=r.gated, transposed=r.transposed)
+                       act=r.act, gated=r.gated, transposed=r.transposed, name=r.path)
     return forward
