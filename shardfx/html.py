@@ -57,8 +57,8 @@ def plan_html(plan) -> str:
     parts = [_header(plan)]  # the short sections first, the long table of weights last
     if plan.schedule is not None:
         parts += [_stages(plan), _schedule(plan.schedule)]
-    parts += [_solver(plan), _memory(plan), _collectives(plan.collectives), _ranks(plan),
-              _layers(plan)]
+    parts += [_solver(plan), _memory(plan), _experts(plan), _collectives(plan.collectives),
+              _ranks(plan), _layers(plan)]
     return (f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8><title>{escape(title)}"
             f"</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
             + "\n</body></html>\n")
@@ -234,6 +234,32 @@ def _solver(plan) -> str:
     items = "".join(f"<li>{escape(line.strip())}</li>" for line in lines[1:])
     return (f'<section id="solver"><h2>Sharding solver</h2><p>{escape(lines[0])}</p>'
             f'<ul class="mono">{items}</ul></section>')
+
+
+def _experts(plan) -> str:
+    """Each mixture-of-experts layer: its experts and where they live, its capacity, and the
+    last step's routing where a runner took one (empty without experts)."""
+    from shardfx.moe.report import expert_layers
+
+    layers = expert_layers(plan)
+    if not layers:
+        return ""
+    scope, routed = plan.routing or ("", {})
+    rows = []
+    for layer in layers:
+        r = routed.get(layer.name)
+        rows.append("<tr>" + _td(layer.name, "mono") + _td(layer.experts, "num")
+                    + _td(layer.where())
+                    + _td(f"{layer.capacity:g}" if layer.capacity else "dropless")
+                    + _td(r.tokens if r else "") + _td(r.dropped if r and r.capacity else "",
+                                                       "num") + "</tr>")
+    moved = sum(c.nbytes for c in plan.collectives if c.kind == "all_to_all")
+    caption = (f"tokens per expert and dropped: {scope}, the last step" if scope else
+               "tokens per expert: after a runner's step") + (
+        f"; all-to-all bytes in per step: {nbytes(moved)}" if moved else "")
+    return ('<section id="experts"><h2>Mixture of experts</h2>'
+            + _table(["layer", "experts", "where", "capacity", "tokens per expert",
+                      "dropped"], rows, caption) + "</section>")
 
 
 RANKS_SHOWN = 256

@@ -29,6 +29,7 @@ from shardfx.ir import meta as M
 from shardfx.memory import DeviceMemory, optimizer_model, spmd_memory
 from shardfx.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
+from shardfx.moe.report import notes as expert_notes
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
@@ -76,6 +77,8 @@ class Plan:
             self.schedule = forward_only(pp, m, v) if self.mode is M.Mode.INFER else \
                 pipeline_schedule(options.schedule, pp, m, v)
         self.remat: Choice | None = None
+        # (scope, {layer: moe.load.Routed}) of the last step a runner took, for print(plan)
+        self.routing: tuple[str, dict] | None = None
         self.budget_candidates: list[Candidate] = []  # a pipeline's schedules tried
         self.program_records: list[PassRecord] = []  # the budget's last emission's passes
         self._memory: dict[int, DeviceMemory] | None = None
@@ -317,7 +320,8 @@ class Plan:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self.memory_rows(),
-                      notes=self._auto_notes() + self._memory_notes() + self._sequence_notes(),
+                      notes=self._auto_notes() + self._memory_notes() + self._sequence_notes()
+                      + expert_notes(self),
                       compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1,
                       predicted=str(self.predicted_step))

@@ -196,6 +196,8 @@ def train(cases: list[tuple[str, dict, dict]]) -> list[tuple]:
         dropped: list[int] = []
         with dropping(model, factor, groups, dropped) if factor else contextlib.nullcontext():
             report = compare_training(model, data, lm_loss, mesh=mesh, **kwargs)
+        if "memory_budget" in kwargs:  # the experts recomputed in the backward, all-to-alls too
+            assert any(n.startswith("experts") for n in report.plan.remat.recomputed)
         load = report.runner.expert_load()  # this rank's pipeline stage's layers
         layers = [path for path, m in model.named_modules() if hasattr(m, "gate_up_proj")]
         last = dropped[-len(layers):]  # the last step's fp64 run, layer by layer
@@ -227,10 +229,11 @@ def test_two_ranks_ep2_dropless_capacity_and_bf16():
     ], nprocs=2, timeout=120, deadline=600))
 
 
-def test_four_ranks_ep4_dp_ep_tp_ep_pp_ep():
+def test_four_ranks_ep4_dp_ep_tp_ep_and_pp_ep_with_remat():
     check(shardfx.launch(train, [
         ("mixtral", {"ep": 4}, {}),
-        ("qwen2_moe", {"dp": 2, "ep": 2}, {}),
+        ("qwen2_moe", {"dp": 2, "ep": 2}, {"zero": 3}),
         ("mixtral", {"tp": 2, "ep": 2}, {"shard": "megatron"}),
-        ("mixtral", {"pp": 2, "ep": 2}, {"microbatches": 2, "capacity_factor": 1.0}),
+        ("mixtral", {"pp": 2, "ep": 2}, {"microbatches": 2, "capacity_factor": 1.0,
+                                         "memory_budget": 370_000}),  # and remat
     ], nprocs=4, timeout=120, deadline=900))

@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
+from shardfx.ir import meta as M
 from shardfx.moe import EXPERTS, EXPERTS_BACKWARD, compute, forward_shapes
 from shardfx.moe.compute import Form, Sorted
 
@@ -177,20 +178,24 @@ def _exchanges(x, index, w_in, form: Form, ranks: int) -> list[Exchange]:
                   Exchange("all_to_all", AXIS, nbytes, "combine")]
 
 
-def ep_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict):
-    """(op, local args, kwargs) running ``node`` (``shardfx::experts`` or its backward) as
+def experts_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict):
+    """(op, local args, kwargs) running ``node`` (``shardfx::experts`` or its backward): as
     expert parallelism where its rule split the expert weights over ``ep`` (``inputs``: the
-    placements of its operands; ``mesh``: the program's ``MeshInputs``); None elsewhere."""
+    placements of its operands; ``mesh``: the program's ``MeshInputs``), else as it is; a
+    forward recomputed in the backward (``passes.remat``) records no routing, its forward
+    did. None for other ops."""
     if node.target not in (EXPERTS, EXPERTS_BACKWARD):
         return None
     backward = node.target is EXPERTS_BACKWARD
-    w_in_at = 4 if backward else 3
-    axes = [m.axis for m in mesh]
-    split = [axes[i] for i, p in enumerate(inputs[w_in_at]) if type(p) is Shard and p.dim == 0]
-    if AXIS not in split:
-        return None
-    ep = mesh[axes.index(AXIS)]
     tensors, (act, gated, transposed, capacity, layer) = args[:-5], args[-5:]
+    if not backward and node.meta.get(M.PHASE) is M.Phase.BACKWARD:
+        layer = ""  # a recomputation
+    axes = [m.axis for m in mesh]
+    w_in = inputs[4 if backward else 3]
+    split = [axes[i] for i, p in enumerate(w_in) if type(p) is Shard and p.dim == 0]
+    if AXIS not in split:
+        return node.target, (*tensors, act, gated, transposed, capacity, layer), kwargs
+    ep = mesh[axes.index(AXIS)]
     form = Form(act, gated, transposed, capacity, layer)
     kind = ExpertsParallelBackward if backward else ExpertsParallel
     return kind(form, ep.size), (*tensors, ep.group), {}

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx.codegen.expert_parallel import ep_op
+from shardfx.codegen.expert_parallel import experts_op
 from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
 from shardfx.codegen.ring_attention import ring_op
@@ -122,7 +122,7 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInpu
     args, kwargs = map_nodes((args, kwargs), lambda _: next(local_operands))
     target = sharding.local_op or node.target
     special = ring_op(node, sharding.inputs, mesh, args, kwargs) or \
-        ep_op(node, sharding.inputs, mesh, args, kwargs)
+        experts_op(node, sharding.inputs, mesh, args, kwargs)
     if special is not None:
         target, args, kwargs = special
     # A local operand may be laid out unlike the global one (redistributed, a batch slice):

@@ -188,7 +188,8 @@ def forward(x, index, weights, w_in, w_out, form: Form, route_for) -> tuple:
     """(y, xd, h, zs): the layer's output (T, H) and what its backward reads. ``route_for(s)``
     is the ``Route`` of this rank's sorted pairs (``Local`` or expert parallel)."""
     s = sort_pairs(index, _experts(w_in, route_for), form.capacity)
-    load.record(form.layer, s.counts, s.dropped, s.capacity)
+    if form.layer:  # not a recomputation (``codegen.expert_parallel.experts_op``)
+        load.record(form.layer, s.counts, s.dropped, s.capacity)
     route = route_for(s)
     xs = x[s.tokens]
     if s.kept is not None:

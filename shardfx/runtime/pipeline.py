@@ -188,6 +188,8 @@ class PipelineRunner(PipelineState):
             losses.append(self._backward(args, targets, trained))
         self.step_count += 1
         self.routed = load.taken()
+        if self.routed:
+            self._plan.routing = ("this rank's tokens", self.routed)
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
                                      self.clip_grad_norm)
@@ -204,7 +206,10 @@ class PipelineRunner(PipelineState):
         if self._tp is not None:
             groups += [self._tp.mesh.get_group(a) for a in BATCH_SPLIT
                        if self._tp.spec.axis(a) > 1]
-        return load.summed(self.routed, groups)
+        summed = load.summed(self.routed, groups)
+        if summed:
+            self._plan.routing = ("the whole batch", summed)
+        return summed
 
     def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
         """One batch through the schedule: its gradients added to the ``.grad`` of what this

@@ -137,6 +137,8 @@ class Runner:
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
         self.routed = load.taken()
+        if self.routed:
+            self._plan.routing = ("this rank's tokens", self.routed)
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         if not self._in_backward:  # else each block stepped in the program (step_in_backward)
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
@@ -260,7 +262,10 @@ class Runner:
         dropped), over the whole batch: every rank calls it (``moe.load``)."""
         batch = [self._shards.mesh.get_group(a) for a in BATCH_SPLIT
                  if self._plan.mesh.axis(a) > 1]
-        return load.summed(self.routed, batch)
+        summed = load.summed(self.routed, batch)
+        if summed:
+            self._plan.routing = ("the whole batch", summed)
+        return summed
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own FQNs (tied weights under each of their names)."""
