@@ -8,7 +8,8 @@ name with dashes: ``[training] clip_grad_norm`` is ``--clip-grad-norm``); a flag
 over the file, the file over the default. The tree, section by section:
 
     [run]         spec (MODULE:FACTORY), seed
-    [parallel]    mesh, zero, precision, microbatches, schedule, virtual_stages
+    [parallel]    mesh, zero, precision, microbatches, schedule, virtual_stages,
+                  capacity_factor
     [optimizer]   lr, weight_decay, beta1, beta2, eps            (AdamW)
     [lr_schedule] warmup, decay (constant | cosine | linear), final_lr   (a fraction of lr)
     [training]    steps, accumulate, clip_grad_norm
@@ -63,6 +64,9 @@ class Parallel:
     schedule: str | None = _f(None, "with a pp axis: gpipe | 1f1b | interleaved-1f1b | "
                                     "zero-bubble", str)
     virtual_stages: int | None = _f(None, "with a pp axis: stages per rank", int)
+    capacity_factor: float | None = _f(None, "mixture of experts: each expert takes at most "
+                                             "this multiple of its even share of a rank's "
+                                             "tokens, the rest dropped; none: dropless", float)
 
 
 @dataclass

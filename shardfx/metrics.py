@@ -70,6 +70,7 @@ class StepMetrics:
     tflops: float
     mfu: float | None
     memory_bytes: list[int] = field(default_factory=list)
+    dropped: tuple[int, int] | None = None  # MoE with a capacity: (pairs dropped, routed)
 
     def line(self, steps: int, unit: str) -> str:
         width = len(str(steps))
@@ -82,6 +83,8 @@ class StepMetrics:
                   f"{self.tflops:.3g} TFLOP/s"]
         if self.mfu is not None:
             parts.append(f"MFU {self.mfu:.1%}")
+        if self.dropped is not None:
+            parts.append(f"dropped {self.dropped[0]}/{self.dropped[1]}")
         where = f" (rank {worst})" if len(self.memory_bytes) > 1 else ""
         parts.append(f"mem {self.memory_bytes[worst] / 2**30:.2f} GiB{where}")
         return "  ".join(parts)
@@ -135,6 +138,8 @@ class Sinks:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"train/{key}", value, m.step)
             self.writer.add_scalar("train/memory_max_bytes", max(m.memory_bytes), m.step)
+            if m.dropped is not None:
+                self.writer.add_scalar("train/moe_dropped", m.dropped[0], m.step)
 
     def close(self) -> None:
         if self.file is not None:

@@ -29,7 +29,7 @@ from shardfx.ir import meta as M
 from shardfx.memory import DeviceMemory, optimizer_model, spmd_memory
 from shardfx.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
-from shardfx.moe.report import notes as expert_notes
+from shardfx.moe.report import expert_layers, notes as expert_notes
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
@@ -325,6 +325,12 @@ class Plan:
                       compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1,
                       predicted=str(self.predicted_step))
+
+    @property
+    def expert_layers(self) -> list:
+        """Each mixture-of-experts layer: its name, experts, the ranks they are spread over
+        and its capacity factor (``moe.report.ExpertLayer``)."""
+        return expert_layers(self)
 
     def _auto_notes(self) -> list[str]:
         """What ``shard="auto"`` chose and why (``auto.explain``)."""

@@ -154,7 +154,8 @@ def train(config: RunConfig) -> list[float]:
     pipeline = {k: v for k in ("microbatches", "schedule", "virtual_stages")
                 if (v := getattr(config.parallel, k)) is not None}
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
-                             precision=config.precision, zero=config.zero, **pipeline)
+                             precision=config.precision, zero=config.zero,
+                             capacity_factor=config.capacity_factor, **pipeline)
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")
         print(str(plan).rstrip("\n"))  # what it decided, before it runs
@@ -178,6 +179,12 @@ def train(config: RunConfig) -> list[float]:
         return _loop(config, plan, runner, schedule, data, start, sinks, job.args)
     finally:
         sinks.close()
+
+
+def _dropped(runner) -> tuple[int, int]:
+    """(pairs dropped, pairs routed) over every MoE layer in the step, the whole batch's."""
+    routed = runner.expert_load().values()
+    return sum(r.dropped for r in routed), sum(r.pairs for r in routed)
 
 
 def _adamw(params, config: RunConfig) -> torch.optim.Optimizer:
@@ -223,7 +230,8 @@ def _loop(config: RunConfig, plan, runner, schedule, data, start: int, sinks: Si
             m = StepMetrics(step + 1, value, lr, runner.grad_norm, seconds,
                             tokens / seconds, per_device / 1e12,
                             per_device / peak if peak else None,
-                            every_rank(memory(plan.device), plan.device))
+                            every_rank(memory(plan.device), plan.device),
+                            _dropped(runner) if config.capacity_factor else None)
             losses.append(value)
             records.append(m)
             progress.step(m)

@@ -95,13 +95,14 @@ EXPERTS_BACKWARD = torch.ops.shardfx.experts_backward.default
 
 def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w_in: torch.Tensor,
             w_out: torch.Tensor, *, act: str = "silu", gated: bool = True,
-            transposed: bool = False, name: str = "experts") -> torch.Tensor:
+            transposed: bool = False, name: str = "") -> torch.Tensor:
     """The output of a mixture-of-experts layer's experts for tokens ``x`` (T, H) that chose
     experts ``index`` (T, k) with ``weights`` (T, k): per token, the weighted sum of its
     experts' MLPs. ``w_in`` (E, 2I, H) holds each expert's gate and up projections stacked
     (``gated``; (E, I, H) and no gate otherwise), ``w_out`` (E, H, I) its down projection;
     ``transposed``: they are stored (E, H, 2I) and (E, I, H). ``act``: one of ``ACTIVATIONS``.
-    ``name``: the layer's, in the routing each step records (``runner.expert_load()``).
+    ``name``: the layer's, in the routing each step records (``runner.expert_load()``); by
+    default the module it is called in (``layer_name``).
 
     Written in a model, it marks the experts for shardfx: an ``ep`` mesh axis then spreads them
     over its ranks. The plan's ``capacity_factor`` applies to it as to a recognised layer."""
@@ -111,6 +112,18 @@ def experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w_in: t
     capacity = _CAPACITY[0] or 0.0
     return EXPERTS(x, index, weights, w_in, w_out, act, gated, transposed, float(capacity),
                    name)[0]
+
+
+def name_layers(graph) -> None:
+    """Each ``EXPERTS`` node's layer name (its last argument, which it records its routing
+    under): the one given to ``experts``, else the model's module it was called in. Named after
+    capture: the name of a block's module differs from block to block, and blocks whose ops'
+    arguments differ are not stamped (``partitioner.repeats``)."""
+    from shardfx.ir.text import module_of
+
+    for node in graph.find_nodes(op="call_function", target=EXPERTS):
+        if not node.args[-1]:
+            node.args = (*node.args[:-1], module_of(node) or node.name)
 
 
 @contextlib.contextmanager

@@ -69,7 +69,9 @@ def _activation(module: torch.nn.Module) -> str | None:
 
     config = getattr(module, "config", None)
     name = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-    if name in ACTIVATIONS and type(getattr(module, "act_fn", None)) is type(ACT2FN[name]):
+    # isinstance: while blocks are traced their modules' classes are recording subclasses
+    # (``partitioner.repeats.cut_to_traced``)
+    if name in ACTIVATIONS and isinstance(getattr(module, "act_fn", None), type(ACT2FN[name])):
         return name
     return None
 
@@ -93,26 +95,32 @@ def recognise(model: torch.nn.Module) -> tuple[list[Recognised], list[tuple[str,
 
 @contextlib.contextmanager
 def traced_as_shardfx_experts(model: torch.nn.Module):
-    """Within: every recognised experts module of ``model`` calls ``shardfx.experts``."""
+    """Within: every recognised experts module of ``model`` calls ``shardfx.experts``. The
+    forward is replaced on the modules' classes, not on the instances: an instance attribute
+    would differ from block to block, and blocks that differ are not stamped
+    (``partitioner.repeats``). Other instances of those classes run their own forward."""
     found, _ = recognise(model)
-    undo = []
-    for r in found:
-        module = model.get_submodule(r.path)
-        undo.append((module, "forward" in vars(module), vars(module).get("forward")))
-        module.forward = _forward(module, r)
+    ours = {id(model.get_submodule(r.path)): r for r in found}
+    classes = {type(model.get_submodule(r.path)) for r in found}
+    before = {cls: cls.__dict__.get("forward") for cls in classes}
+    for cls in classes:
+        cls.forward = _forward(cls.forward, ours)
     try:
         yield found
     finally:
-        for module, had, before in undo:
-            if had:
-                module.forward = before
+        for cls, f in before.items():
+            if f is None:
+                del cls.forward
             else:
-                del module.forward
+                cls.forward = f
 
 
-def _forward(module: torch.nn.Module, r: Recognised):
-    def forward(hidden_states, top_k_index, top_k_weights):
-        w_in = module.gate_up_proj if r.gated else module.up_proj
-        return experts(hidden_states, top_k_index, top_k_weights, w_in, module.down_proj,
-                       act=r.act, gated=r.gated, transposed=r.transposed, name=r.path)
+def _forward(original, ours: dict):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        r = ours.get(id(self))
+        if r is None:
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        w_in = self.gate_up_proj if r.gated else self.up_proj
+        return experts(hidden_states, top_k_index, top_k_weights, w_in, self.down_proj,
+                       act=r.act, gated=r.gated, transposed=r.transposed)
     return forward

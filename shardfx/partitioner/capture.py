@@ -39,7 +39,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
-from shardfx.moe import capacity_while_tracing
+from shardfx.moe import capacity_while_tracing, name_layers
 from shardfx.moe.hf import traced_as_shardfx_experts
 from shardfx.ir import meta as M
 from shardfx.ir.graph import copy_ir, fake_mode_of, insert_op, placeholder_name
@@ -159,6 +159,7 @@ def capture(
         gm, _, out_spec = _trace(model, traced, example, mode, n_args, [], capacity)
     log.info("%s: %s", type(model).__name__, path)
     rename_in_order(gm.graph)
+    name_layers(gm.graph)  # each MoE layer's own name, stamped or traced
     gm.recompile()  # once, after all rewriting: Python codegen of a big graph is not free
     out_spec = out_spec if mode is M.Mode.INFER else None
     return Captured(gm, in_spec, leaves, out_spec, getattr(traced, "output", None), path, pair)
