@@ -149,6 +149,26 @@ def test_all_to_all_bytes_are_gshards(ep):
     assert held == sum(params.values()) - experts + experts / ep
 
 
+def test_megatron_splits_every_experts_mlp_over_tp():
+    """tp inside each expert, as in Megatron's MLP: the gate and up halves of ``gate_up_proj``
+    split on the intermediate dimension (a strided split), ``down_proj`` on it too; the
+    experts' output is summed over tp once, like a row-parallel layer's."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor import Shard
+
+    (x,), (y,) = token_batches(1, BATCH)[0]
+    plan = shardfx.partition(tiny("mixtral"), (x,), lm_loss, (y,), mesh={"ep": 2, "tp": 2},
+                             shard="megatron")
+    placed = {n.meta["shardfx.role"].name: n.meta["shardfx.annotation"]
+              for n in plan.ir.graph.find_nodes(op="placeholder") if "experts" in n.name}
+    assert placed["model.layers.0.mlp.experts.gate_up_proj"] == (
+        _StridedShard(1, split_factor=2), Shard(0))
+    assert placed["model.layers.0.mlp.experts.down_proj"] == (Shard(2), Shard(0))
+    params = {n: p.numel() for n, p in tiny("mixtral").named_parameters()}
+    experts = sum(n for k, n in params.items() if ".experts." in k)
+    assert plan.memory_breakdown()[0].parameters / 4 <= sum(params.values()) - experts * 3 / 4
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 

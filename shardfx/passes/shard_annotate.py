@@ -163,6 +163,32 @@ def _experts_split(gm: fx.GraphModule, params: dict, mesh) -> dict[str, M.Placem
     return out
 
 
+def expert_splits(gm: fx.GraphModule) -> dict[str, Placement]:
+    """FQN -> placement on tp of each expert weight under Megatron's plan: each expert's
+    intermediate dimension split, as an MLP's (``rules.experts.hidden_split``)."""
+    from shardfx.moe import EXPERTS
+    from shardfx.rules.experts import hidden_split
+
+    out = {}
+    for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
+        w_in, w_out, _ = hidden_split(node.args[6], node.args[7])
+        for arg, p in zip(node.args[3:5], (w_in, w_out)):
+            if (param := _param_of(arg)) is not None:
+                out[param.meta[M.ROLE].name] = p
+    return out
+
+
+def _param_of(arg) -> fx.Node | None:
+    """The parameter placeholder ``arg`` reads (through a view or a cast), if any."""
+    while isinstance(arg, fx.Node) and arg.op == "call_function" and \
+            len(arg.all_input_nodes) == 1:
+        arg = arg.all_input_nodes[0]
+    if isinstance(arg, fx.Node) and arg.op == "placeholder" and \
+            arg.meta[M.ROLE].kind is M.InputKind.PARAM:
+        return arg
+    return None
+
+
 def expert_weights(gm: fx.GraphModule) -> dict[str, int]:
     """FQN -> experts, of the parameters the graph's ``shardfx::experts`` ops read as their
     expert weights."""
@@ -171,12 +197,8 @@ def expert_weights(gm: fx.GraphModule) -> dict[str, int]:
     out = {}
     for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
         for arg in node.args[3:5]:
-            while isinstance(arg, fx.Node) and arg.op == "call_function" and \
-                    len(arg.all_input_nodes) == 1:  # a view or a cast of it
-                arg = arg.all_input_nodes[0]
-            if isinstance(arg, fx.Node) and arg.op == "placeholder" and \
-                    arg.meta[M.ROLE].kind is M.InputKind.PARAM:
-                out[arg.meta[M.ROLE].name] = arg.meta[M.VAL].shape[0]
+            if (param := _param_of(arg)) is not None:
+                out[param.meta[M.ROLE].name] = param.meta[M.VAL].shape[0]
     return out
 
 
@@ -204,7 +226,7 @@ def _param_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
     if shard in ("auto", "replicate"):
         return {}
     if shard in ("megatron", "megatron-sp"):
-        request = _megatron(shapes, options.module_types, axes)
+        request = _megatron(shapes, options.module_types, axes, expert_splits(gm))
     elif isinstance(shard, dict):
         request = _from_globs(shard, shapes, axes)
     else:
@@ -225,7 +247,8 @@ def _param_shapes(gm: fx.GraphModule) -> dict[str, tuple]:
 
 def megatron_placements(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
     """FQN -> placements of Megatron's plan by module name (``shard="megatron"``)."""
-    return _megatron(_param_shapes(gm), options.module_types, [a for a, _ in options.mesh.axes])
+    return _megatron(_param_shapes(gm), options.module_types, [a for a, _ in options.mesh.axes],
+                     expert_splits(gm))
 
 
 def user_placed(gm: fx.GraphModule, options) -> dict[str, M.Placements]:
@@ -279,11 +302,16 @@ def _check_placements(glob: str, placements, axes: list[str]) -> M.Placements:
     return placements
 
 
-def _megatron(shapes: dict, module_types: dict[str, str], axes: list[str]) -> dict:
+def _megatron(shapes: dict, module_types: dict[str, str], axes: list[str],
+              experts: dict[str, Placement] | None = None) -> dict:
     if "tp" not in axes:
         return {}
     tp = axes.index("tp")
     out = {}
+    for fqn, p in (experts or {}).items():  # Megatron's MLP inside each expert
+        placements = [Replicate() for _ in axes]
+        placements[tp] = p
+        out[fqn] = tuple(placements)
     for fqn, (shape, _) in shapes.items():
         module, _, leaf = fqn.rpartition(".")
         name = module.rpartition(".")[2]

@@ -40,6 +40,7 @@ from shardfx.errors import ShardingError, user_line
 from shardfx.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
 from shardfx.ir.graph import hashable, map_nodes, op_nodes, operands
+from shardfx.moe import EXPERTS_BACKWARD
 
 log = logging.getLogger("shardfx.passes.shard_propagate")
 
@@ -100,6 +101,7 @@ CARRIES_PARTIAL = {
     aten.squeeze.dims, aten.alias.default, aten.detach.default, aten.expand.default,
     aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.sum.dim_IntList, aten.sum.default,
     aten.mul.Scalar, aten.div.Scalar, operator.getitem,
+    EXPERTS_BACKWARD,  # reads its forward's partial zs, when tp splits each expert (rules.experts)
 }
 
 

@@ -10,6 +10,14 @@ to the ranks holding their experts and the results brought back (``codegen.exper
     replicate  R                   R             R              R                   R
     tokens     S(0)                R             S(0)           S(0)                P
     experts    S(0)                S(0)          S(0)           S(0)                S(0)   (ep only)
+    hidden     R                   S(I), S(I)    P, R, S(I), P  P                   S(I), S(I)
+
+``hidden`` is tensor parallelism inside each expert (Megatron's MLP, per expert): every
+expert's intermediate dimension I split, ``w_in``'s (its gate and up halves each: a strided
+split, ``shardfx.strided``) and ``w_out``'s, so each rank computes its part of every row's
+MLP and the layer's output is a partial sum. The backward reads ``zs`` as the partial sum the
+forward made (``passes.shard_propagate``'s ``CARRIES_PARTIAL``): the routing weights'
+gradient is linear in it.
 
 ``xd`` and ``h`` (the rows each held expert received, and their first projection) are split as
 their tokens are: each rank keeps its own. Under expert parallelism without a capacity their
@@ -19,6 +27,7 @@ row count follows the routing; the program's shapes are the even routing's (``fo
 from __future__ import annotations
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
@@ -26,20 +35,21 @@ from shardfx.moe import EXPERTS, EXPERTS_BACKWARD
 from shardfx.rules.attention import is_planning
 
 OPS = (EXPERTS, EXPERTS_BACKWARD)
-R, S0 = Replicate(), Shard(0)
+R, S0, P = Replicate(), Shard(0), Partial()
 AXIS = "ep"
 
 
 def _rows(n_outputs: int, n_inputs: int, weights_at: tuple[int, int],
           weight_grads: tuple[int, ...] = ()) -> list[list]:
-    """[outputs..., inputs...] for the three strategies on one mesh dim: the outputs and the
-    inputs other than the weights split on dim 0 (tokens), the weights at ``weights_at``
-    replicated (their gradients, outputs ``weight_grads``, partial) or split by expert."""
+    """[outputs..., inputs...] for the strategies ``tokens`` and ``experts`` on one mesh dim
+    (and ``replicate``): the outputs and the inputs other than the weights split on dim 0
+    (tokens), the weights at ``weights_at`` replicated (their gradients, outputs
+    ``weight_grads``, partial) or split by expert."""
     rows = [[R] * (n_outputs + n_inputs)]
     for experts in (False, True):
         out = [S0] * n_outputs
         for i in weight_grads:
-            out[i] = S0 if experts else Partial()
+            out[i] = S0 if experts else P
         ins = [S0] * n_inputs
         for i in weights_at:
             ins[i] = S0 if experts else R
@@ -58,11 +68,24 @@ def _on_ep_only(weights_at: int):
     return valid
 
 
+def hidden_split(gated: bool, transposed: bool) -> tuple:
+    """(w_in's, w_out's, h's) placements splitting each expert's intermediate dimension:
+    ``w_in`` (E, 2I, H) or, transposed, (E, H, 2I), its gate and up halves each split when
+    gated; ``w_out`` (E, H, I) or (E, I, H); ``h`` (rows, 2I) as ``w_in``'s output."""
+    split = (lambda d: _StridedShard(d, split_factor=2)) if gated else Shard
+    return split(2 if transposed else 1), Shard(1 if transposed else 2), split(1)
+
+
+def _hidden(op_schema: OpSchema, form_at: int) -> tuple:
+    return hidden_split(*op_schema.args_schema[form_at + 1:form_at + 3])
+
+
 @register_op_strategy(EXPERTS, schema_info=RuntimeSchemaInfo(5))
 def experts(op_schema: OpSchema) -> OpStrategy:
     # outputs: y, xd, h, zs; tensor inputs: x, index, weights, w_in, w_out
     mesh = op_schema.get_mesh_from_args()
-    rows = _rows(4, 5, (3, 4))
+    w_in, w_out, h = _hidden(op_schema, 5)
+    rows = _rows(4, 5, (3, 4)) + [[P, R, h, P, R, R, R, w_in, w_out]]
     return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=4,
                                            is_valid_strategy_cb=_on_ep_only(3))
 
@@ -72,6 +95,8 @@ def experts_backward(op_schema: OpSchema) -> OpStrategy:
     # outputs: grad x, weights, w_in, w_out; tensor inputs: grad_y, x, index, weights, w_in,
     # w_out, xd, h, zs
     mesh = op_schema.get_mesh_from_args(validate=False)
-    rows = _rows(4, 9, (4, 5), weight_grads=(2, 3))
+    w_in, w_out, h = _hidden(op_schema, 9)
+    rows = _rows(4, 9, (4, 5), weight_grads=(2, 3)) + \
+        [[P, P, w_in, w_out, R, R, R, R, w_in, w_out, R, h, P]]
     return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=4,
                                            is_valid_strategy_cb=_on_ep_only(4))
