@@ -286,6 +286,7 @@ def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targ
     rows = next((t.shape[0] for t in pytree.tree_leaves(args)
                  if isinstance(t, torch.Tensor) and t.dim()), 0)
     check_one_row(model, rows, options.microbatches, options.slices // options.microbatches)
+    _check_experts_modules(model, options)
     try:
         captured = capture(model, args, loss_fn, targets, capacity=options.capacity_factor)
     except ShardfxError as e:
@@ -298,33 +299,46 @@ def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targ
                 fix="pass the targets loss_fn takes as a tuple: "
                     "partition(model, example_args, loss_fn, (targets,))") from e.__cause__
         raise
-    _check_experts(model, captured, options)
+    _check_experts(captured, options)
     return captured
 
 
-def _check_experts(model: torch.nn.Module, captured: Captured, options: Options) -> None:
-    """A capacity or an ep axis needs experts shardfx runs: the model's experts modules that
-    it cannot (``moe.hf.why_not``) are named, with why."""
-    from shardfx.moe import EXPERTS
+def _asked_of_experts(options: Options) -> list[str]:
+    """The settings that need the model's experts to run as ``shardfx::experts``."""
+    asked = [f"capacity_factor={options.capacity_factor}"] if options.capacity_factor else []
+    return asked + ([f"ep={options.mesh.axis('ep')}"] if options.mesh.axis("ep") > 1 else [])
+
+
+def _check_experts_modules(model: torch.nn.Module, options: Options) -> None:
+    """Before tracing: with a capacity or an ep axis, an experts module shardfx cannot run as
+    its op (``moe.hf.why_not``) is named, with why."""
     from shardfx.moe.hf import recognise
 
-    asked = [f"capacity_factor={options.capacity_factor}"] if options.capacity_factor else []
-    asked += [f"ep={options.mesh.axis('ep')}"] if options.mesh.axis("ep") > 1 else []
+    asked = _asked_of_experts(options)
     if not asked:
         return
     _, missed = recognise(model)
     if missed:
         path, why = missed[0]
+        kind = type(model.get_submodule(path)).__name__
         raise InputError(
             f"{' and '.join(asked)} asked, and {path} is a mixture-of-experts layer shardfx "
-            f"cannot run as its experts op: {why}", where=f"{path} ({type(model.get_submodule(path)).__name__})",
+            f"cannot run as its experts op: {why}", where=f"{path} ({kind})",
             fix="drop the ep axis and the capacity (its experts then run on every rank that "
                 "holds the layer), or compute the experts with shardfx.experts(...) "
                 "(docs/experts.md)")
-    if not captured.gm.graph.find_nodes(op="call_function", target=EXPERTS) and \
-            options.capacity_factor:
+
+
+def _check_experts(captured: Captured, options: Options) -> None:
+    """After tracing: a capacity needs a mixture-of-experts layer (the ep axis says so in
+    ``shard_annotate``)."""
+    from shardfx.moe import EXPERTS
+
+    if options.capacity_factor and \
+            not captured.gm.graph.find_nodes(op="call_function", target=EXPERTS):
         raise InputError(
             f"capacity_factor={options.capacity_factor} asked, and the model has no "
-            "mixture-of-experts layer shardfx recognises", where="partition(..., capacity_factor=...)",
+            "mixture-of-experts layer shardfx recognises",
+            where="partition(..., capacity_factor=...)",
             fix="drop capacity_factor, or mark the model's experts with shardfx.experts(...) "
                 "(docs/experts.md)")
