@@ -296,17 +296,33 @@ def test_two_ranks_ep2_dropless_capacity_and_bf16():
 PP = {"microbatches": 2}
 
 
-def test_four_ranks_ep4_dp_ep_and_tp_ep():
+def train_and_resume(cases: list, path: str) -> tuple[list, list]:
+    """``train``, then a checkpoint saved on ep=2 x tp=2 (experts split by expert and, each,
+    by tp's strided split) resumed on ep=4 and on dp=4 under ZeRO-3 (``test_resume``)."""
+    from test_resume import _resume, _save
+
+    losses, saved = _save(path, "mixtral", {"tp": 2, "ep": 2}, 0)
+    resumed = _resume(path, [("mixtral", {"ep": 4}, 0, {}), ("mixtral", {"dp": 4}, 3, {})])
+    same = [(mesh, all(torch.equal(state[k], saved[k]) for k in saved) and state.keys() ==
+             saved.keys(), all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(after, losses)))
+            for mesh, _, _, _, state, after in resumed]
+    return train(cases), same
+
+
+def test_four_ranks_ep4_dp_ep_tp_ep_and_a_checkpoint_across_them(tmp_path):
     """Mixtral and Qwen2-MoE on ep=4, dp=2 x ep=2 (Mixtral with ZeRO-3), ep=2 x tp=2 (each
-    expert's MLP split over tp)."""
-    check(shardfx.launch(train, [
+    expert's MLP split over tp); a checkpoint of ep=2 x tp=2 resumes on ep=4 and dp=4."""
+    results = shardfx.launch(train_and_resume, [
         ("mixtral", {"ep": 4}, {}, False),
         ("qwen2_moe", {"ep": 4}, {}, False),
         ("mixtral", {"dp": 2, "ep": 2}, {"zero": 3}, False),
         ("qwen2_moe", {"dp": 2, "ep": 2}, {}, False),
         ("mixtral", {"tp": 2, "ep": 2}, {"shard": "megatron"}, True),
         ("qwen2_moe", {"tp": 2, "ep": 2}, {"shard": "megatron"}, False),
-    ], nprocs=4, timeout=120, deadline=900))
+    ], str(tmp_path / "ck"), nprocs=4, timeout=120, deadline=900)
+    check([trained for trained, _ in results])
+    for _, resumed in results:  # the saved values exactly, and the next losses the same
+        assert [r[1:] for r in resumed] == [(True, True)] * 2, resumed
 
 
 def test_four_ranks_pp_ep_dropless_with_remat_and_capacity():
