@@ -95,7 +95,8 @@ def sort_pairs(index: torch.Tensor, experts: int, capacity: float) -> Sorted:
 
 
 def padded(rows: torch.Tensor, s: Sorted) -> torch.Tensor:
-    """Sorted rows into the (E * C, ...) capacity layout: each expert's first C rows, zeros after."""
+    """Sorted rows into the (E * C, ...) capacity layout: each expert's first C rows, then
+    zeros."""
     out = rows.new_zeros((s.counts.numel() * s.capacity, *rows.shape[1:]))
     out[s.slot] = rows[s.kept]
     return out

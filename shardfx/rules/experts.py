@@ -29,7 +29,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+from torch.distributed.tensor._ops.utils import (expand_to_full_mesh_op_strategy,
+                                                register_op_strategy)
 
 from shardfx.moe import EXPERTS, EXPERTS_BACKWARD
 from shardfx.rules.attention import is_planning
