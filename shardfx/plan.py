@@ -20,7 +20,6 @@ from shardfx.budget import Candidate, fit_budget
 from shardfx.codegen.linear_ce import LinearCrossEntropy
 from shardfx.codegen import zero as zero_codegen
 from shardfx.codegen.program import Program
-from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.codegen.triton import FusedKernel
 from shardfx.device_model import DeviceModel, default_model
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
@@ -30,19 +29,20 @@ from shardfx.memory import DeviceMemory, optimizer_model, spmd_memory
 from shardfx.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
 from shardfx.moe.report import expert_layers, notes as expert_notes
+from shardfx.plan_notes import memory_notes
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.fused_loss import FusedLoss, fusable, fusing_reason
 from shardfx.ir.frozen import freeze
 from shardfx.passes.manager import Options, PassRecord, record
-from shardfx.passes.remat import Choice, by_module, group_name
+from shardfx.passes.remat import Choice
 from shardfx.passes.shard_annotate import sequence_split
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.passes.zero import zero_layouts
 from shardfx.runtime.device import place
 from shardfx.pipeline import compile_ir, deferred_codegen
-from shardfx.report import flops, nbytes, render
+from shardfx.report import render
 from shardfx.runtime.compiled import StageProgram
 from shardfx.runtime.loss_scale import LossScaling
 from shardfx.runtime.pipeline import PipelineRunner
@@ -320,7 +320,7 @@ class Plan:
         return render(self.summary, str(self.mesh), self.collectives, self.replicated_ops(),
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self.memory_rows(),
-                      notes=self._auto_notes() + self._memory_notes() + self._sequence_notes()
+                      notes=self._auto_notes() + memory_notes(self) + self._sequence_notes()
                       + expert_notes(self),
                       compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1,
@@ -420,75 +420,6 @@ class Plan:
             rows[f"pp rank {rank}"] = (fwd * m, bwd * m)
         return rows
 
-    def _memory_notes(self) -> list[str]:
-        opt = self.options.optimizer if self.mode is M.Mode.TRAIN else None
-        notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
-                 f"Precision: {self.precision}"]
-        if self.mode is M.Mode.TRAIN:
-            notes.append("Training state per device (parameters / gradients as stepped / "
-                         "optimizer state): " + "; ".join(
-                             f"{label}: {nbytes(p)} / {nbytes(g)} / {nbytes(o)}"
-                             for label, (p, g, o) in self.state_rows().items()))
-        if self.zero_chosen and self.mesh.axis("dp") > 1:
-            notes.append(zero_stage.why(self.options.zero, self.mesh.axis("dp")))
-        if self.options.zero:
-            k, dp = self.options.zero, self.mesh.axis("dp")
-            held = {1: "the optimizer state", 2: "the optimizer state and gradients",
-                    3: "the optimizer state, gradients and parameters"}[k]
-            gathers = [c for c in self.collectives if c.kind == "all_gather" and "ZeRO" in c.reason]
-            notes.append(f"ZeRO-{k} over dp={dp}: each rank keeps 1/{dp} of {held} ("
-                         f"{len(self.zero_layouts)} parameters, dim-0 rows, padded)"
-                         + (f"; {len(gathers)} parameter all-gathers per step, a block at a "
-                            "time, each issued before the previous one is waited for"
-                            if k == 3 else "; updated rows all-gathered after the optimizer "
-                            "step"))
-        if self.options.optimizer_in_backward and self.program is not None:
-            steps = self.program.module.graph.find_nodes(op="call_function",
-                                                         target=step_parameters)
-            notes.append(f"Optimizer in the backward: {len(steps)} steps, each block's "
-                         "parameters (any other parameter alone) stepped where their "
-                         "gradients are final, the gradients freed there: the step never "
-                         "holds them all")
-        kernels = self.kernels()
-        if kernels:
-            ops = sum(len(k.group.ops) for k in kernels)
-            moved = sum(k.group.fused_bytes for k in kernels)
-            unfused = sum(k.group.unfused_bytes for k in kernels)
-            notes.append(f"Kernels: {len(kernels)} fused Triton kernels of {ops} ops, moving "
-                         f"{nbytes(moved)} where the ops one by one move {nbytes(unfused)} "
-                         "(plan.dump: kernels/, kernels.txt)")
-        for f in self.fused_losses():
-            notes.append(
-                f"Linear + cross-entropy fused: {f.weight} ({f.tokens} tokens x {f.hidden} -> "
-                f"{f.vocab}) in {f.chunks} chunks of {f.rows} rows, forward and backward: the "
-                f"{nbytes(f.logits_bytes)} of logits, their log-softmax and their gradient are "
-                f"never materialised; "
-                + ("its gradients are computed in the forward, nothing recomputed "
-                   if f.early else "the backward recomputes a chunk's logits ")
-                + (f"(fused_loss=\"auto\" fused it: {self.fused_loss_reason})"
-                   if self.fused_loss_reason else
-                   "(partition(..., fused_loss=False) keeps the ATen ops)"))
-        budget = self.options.memory_budget
-        if budget is not None:
-            if self.remat is None:
-                notes.append(f"memory_budget {nbytes(budget)}: fits without recomputing")
-            else:
-                r = self.remat
-                share = r.flops / max(1, self.summary.flops_fwd)
-                kept = ", ".join(f"{group_name(g)}: {nbytes(r.saved_before[g])} -> "
-                                 f"{nbytes(r.saved_after.get(g, 0))}" for g in r.saved_before)
-                notes.append(f"Rematerialization under memory_budget {nbytes(budget)}: "
-                             f"{len(r.recomputed)} ops recomputed in the backward, "
-                             f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
-                             f"for the backward {kept}; recomputed, by module: "
-                             f"{by_module(self.ir, r.recomputed)}")
-            if self.budget_candidates:
-                notes.append("Schedules tried under memory_budget (the fastest that fits is "
-                             "run):\n" + "\n".join(
-                                 f"  {'->' if c.schedule is self.schedule else '  '} {c.name}: "
-                                 + _candidate(c) for c in self.budget_candidates))
-        return notes
-
     def kernels(self) -> list[FusedKernel]:
         """The fused Triton kernels the programs call (``passes.fusion``), in program order."""
         return [n.target for n in self._program_nodes() if isinstance(n.target, FusedKernel)]
@@ -560,15 +491,6 @@ def _kernel_line(k: FusedKernel) -> str:
     g = k.group
     ops = ", ".join(f"{o.source}={str(o.target).removeprefix('aten.')}" for o in g.ops)
     return f"{g.name} {list(g.shape)}: {ops}; moves {g.fused_bytes} B, unfused {g.unfused_bytes} B"
-
-
-def _candidate(c: Candidate) -> str:
-    """One schedule tried under memory_budget, for ``print(plan)``."""
-    if c.skipped:
-        return f"not fitted: step {c.step * 1e3:.3g} ms simulated recomputing nothing, slower"
-    if not c.fits:
-        return "does not fit"
-    return f"step {c.step * 1e3:.3g} ms simulated, recomputing {flops(c.recompute_flops)} FLOPs"
 
 
 def _structure(spec: pytree.TreeSpec) -> str:

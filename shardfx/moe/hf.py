@@ -27,15 +27,12 @@ from shardfx.moe import ACTIVATIONS, experts
 
 @dataclass(frozen=True)
 class Recognised:
-    """One experts module: its FQN, its weights' FQNs, the activation's name and layout."""
+    """One experts module: its FQN, the activation's name and the weights' layout."""
 
     path: str
-    w_in: str
-    w_out: str
     act: str
     gated: bool
     transposed: bool
-    count: int  # experts
 
 
 def declared(module: torch.nn.Module) -> bool:
@@ -86,10 +83,8 @@ def recognise(model: torch.nn.Module) -> tuple[list[Recognised], list[tuple[str,
         if why := why_not(module):
             missed.append((path, why))
             continue
-        w_in = "gate_up_proj" if module.has_gate else "up_proj"
-        found.append(Recognised(path, f"{path}.{w_in}", f"{path}.down_proj", _activation(module),
-                                bool(module.has_gate), bool(module.is_transposed),
-                                module.down_proj.shape[0]))
+        found.append(Recognised(path, _activation(module), bool(module.has_gate),
+                                bool(module.is_transposed)))
     return found, missed
 
 
@@ -106,7 +101,7 @@ def traced_as_shardfx_experts(model: torch.nn.Module):
     for cls in classes:
         cls.forward = _forward(cls.forward, ours)
     try:
-        yield found
+        yield
     finally:
         for cls, f in before.items():
             if f is None:

@@ -3,8 +3,9 @@
 Each mixture-of-experts layer's forward records, on the rank that runs it, how many of its
 tokens' (token, slot) pairs chose each expert and how many a capacity dropped (``record``, from
 ``moe.compute.forward``). A runner's step starts a new record (``start``) and keeps what the
-step recorded (``taken``): that rank's tokens, summed over microbatches and accumulated batches.
-``runner.expert_load()`` sums them over the ranks that split the batch.
+step recorded (``stepped``): that rank's tokens, summed over microbatches and accumulated
+batches. ``runner.expert_load()`` sums them over the ranks that split the batch (``over_batch``).
+Both leave what they return on the plan, for ``print(plan)`` and ``plan.html``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ def record(layer: str, counts: torch.Tensor, dropped: int, capacity: int) -> Non
 def taken() -> dict[str, Routed]:
     """This step's routing so far, by layer."""
     return {k: Routed(list(v.tokens), v.dropped, v.capacity) for k, v in _STEP.items()}
+
+
+def stepped(plan) -> dict[str, Routed]:
+    """The step just run's routing (this rank's), also left on ``plan`` for ``print(plan)``."""
+    routed = taken()
+    if routed:
+        plan.routing = ("this rank's tokens", routed)
+    return routed
+
+
+def over_batch(plan, routed: dict[str, Routed], groups: list) -> dict[str, Routed]:
+    """``summed``, also left on ``plan`` for ``print(plan)``."""
+    out = summed(routed, groups)
+    if out:
+        plan.routing = ("the whole batch", out)
+    return out
 
 
 def summed(routed: dict[str, Routed], groups: list) -> dict[str, Routed]:

@@ -51,10 +51,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import PipelineError
-from shardfx.moe import load
-from shardfx.moe.load import BATCH_SPLIT
 from shardfx.ir import meta as M
 from shardfx.measure import mark
+from shardfx.moe import load
+from shardfx.moe.load import BATCH_SPLIT
 from shardfx.memory import check_optimizer
 from shardfx.memory_pipeline import owned_gradients
 from shardfx.runtime.accumulate import accumulated, mean_loss
@@ -187,9 +187,7 @@ class PipelineRunner(PipelineState):
             self._batch = index
             losses.append(self._backward(args, targets, trained))
         self.step_count += 1
-        self.routed = load.taken()
-        if self.routed:
-            self._plan.routing = ("this rank's tokens", self.routed)
+        self.routed = load.stepped(self._plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
                                      self.clip_grad_norm)
@@ -206,10 +204,7 @@ class PipelineRunner(PipelineState):
         if self._tp is not None:
             groups += [self._tp.mesh.get_group(a) for a in BATCH_SPLIT
                        if self._tp.spec.axis(a) > 1]
-        summed = load.summed(self.routed, groups)
-        if summed:
-            self._plan.routing = ("the whole batch", summed)
-        return summed
+        return load.over_batch(self._plan, self.routed, groups)
 
     def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
         """One batch through the schedule: its gradients added to the ``.grad`` of what this

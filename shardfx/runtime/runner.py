@@ -24,10 +24,10 @@ from shardfx.codegen.accumulate_into import Accumulating, accumulating
 from shardfx.codegen.program import Program
 from shardfx.codegen.step_in_backward import stepping
 from shardfx.errors import InputError
-from shardfx.moe import load
-from shardfx.moe.load import BATCH_SPLIT
 from shardfx.ir import meta as M
 from shardfx.measure import mark
+from shardfx.moe import load
+from shardfx.moe.load import BATCH_SPLIT
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
@@ -136,9 +136,7 @@ class Runner:
                                       if r.kind is M.OutputKind.GRAD and r.name not in into})
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
-        self.routed = load.taken()
-        if self.routed:
-            self._plan.routing = ("this rank's tokens", self.routed)
+        self.routed = load.stepped(self._plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
         if not self._in_backward:  # else each block stepped in the program (step_in_backward)
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
@@ -262,10 +260,7 @@ class Runner:
         dropped), over the whole batch: every rank calls it (``moe.load``)."""
         batch = [self._shards.mesh.get_group(a) for a in BATCH_SPLIT
                  if self._plan.mesh.axis(a) > 1]
-        summed = load.summed(self.routed, batch)
-        if summed:
-            self._plan.routing = ("the whole batch", summed)
-        return summed
+        return load.over_batch(self._plan, self.routed, batch)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own FQNs (tied weights under each of their names)."""
