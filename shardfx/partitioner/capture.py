@@ -3,7 +3,9 @@
 Two torch steps, then our naming:
 
 1. ``torch.export.export(strict=False)`` traces the Python model (Hugging Face models included)
-   into a functional graph, lifting parameters and buffers to inputs.
+   into a functional graph, lifting parameters and buffers to inputs. Each custom
+   ``autograd.Function`` call is one carrier node there (``functions``), so that its own
+   backward, not its forward's derivative, is what the next step traces.
 2. ``aot_export_joint_with_descriptors`` re-traces that graph at ATen level with autograd, giving
    the joint forward+backward graph. Every input and output carries a descriptor saying what it is
    (parameter FQN, user input index, gradient of which parameter, mutated buffer).
@@ -46,6 +48,7 @@ from shardfx.ir.graph import copy_ir, fake_mode_of, insert_op, placeholder_name
 from shardfx.partitioner.constants import (UserConstant, as_buffers, mutated_constant,
                                            user_constants)
 from shardfx.partitioner.fake import on_meta, run_device, traced_as
+from shardfx.partitioner.functions import routed_through_carrier
 from shardfx.partitioner.gradients import check_gradients, no_silent_backward
 from shardfx.partitioner.microbatching import output_of
 from shardfx.partitioner.repeats import (Reads, Repeat, cut_to_traced, differing_reads,
@@ -182,7 +185,8 @@ def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode
     with cut as reads, traced_as_shardfx_experts(model), capacity_while_tracing(capacity):
         device = run_device(model, example)  # on meta or a GPU: trace as on the CPU
         fakes = traced_as(model, example, device) if device else contextlib.nullcontext(example)
-        with _hf_cache_off(model), fakes as fake_example, no_silent_backward(model):
+        with _hf_cache_off(model), fakes as fake_example, no_silent_backward(model), \
+                routed_through_carrier():  # autograd.Functions keep their own backward
             ep = _export(traced, fake_example, model)
             _check_static(ep, model)
             prefix = "" if mode is M.Mode.INFER else _LossOf.PREFIX

@@ -1,0 +1,131 @@
+"""What users write inside a forward that tracing used to change in silence: a custom
+``torch.autograd.Function`` keeps its own backward, and reentrant activation checkpointing
+trains (it is traced as the function it recomputes). Each against eager PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint
+
+import shardfx
+from shardfx.errors import CaptureError
+from shardfx.testing import compare_training
+
+from models import lm_loss, tiny, token_batches
+
+
+class RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: round forward, identity backward (the forward's own
+    derivative is 0 everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ScaledProduct(torch.autograd.Function):
+    """New style (``setup_context``): non-tensor arguments, two outputs, a tensor kept on ctx
+    as an attribute, and a backward that is deliberately not the forward's derivative."""
+
+    @staticmethod
+    def forward(x, w, scale, name):
+        return x * w * scale, (x * w).sum(-1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, scale, _ = inputs
+        ctx.save_for_backward(x, w)
+        ctx.scale, ctx.positive = scale, x > 0
+
+    @staticmethod
+    def backward(ctx, grad, grad_sum):
+        x, w = ctx.saved_tensors
+        grad = grad * ctx.scale * 0.5 * ctx.positive
+        return grad * w + grad_sum[..., None] * w, (grad * x).sum(0), None, None
+
+
+class Quantized(torch.nn.Module):
+    """Linear, the two Functions, linear; the middle optionally under activation
+    checkpointing (``reentrant`` True / False)."""
+
+    def __init__(self, reentrant: bool | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.w = torch.nn.Parameter(torch.randn(8))
+        self.reentrant = reentrant
+
+    def middle(self, h):
+        y, total = ScaledProduct.apply(RoundSTE.apply(h * 3), self.w, 2.0, "scaled")
+        return y + total[..., None]  # (B, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.reentrant is None:
+            h = self.middle(h)
+        else:
+            h = checkpoint.checkpoint(self.middle, h, use_reentrant=self.reentrant)
+        return self.b(h)
+
+
+def mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def batches(n: int = 2):
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randn(4, 8, generator=g),), (torch.randn(4, 4, generator=g),))
+            for _ in range(n)]
+
+
+def test_straight_through_estimator_trains_the_layer_before_it():
+    """The bug: the forward's derivative (round: 0) gave ``a`` a gradient of exactly 0."""
+    report = compare_training(Quantized(), batches(), mse, mesh={})
+    assert report.runner.grads()["a.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_region_trains_as_without_checkpointing(reentrant):
+    """The bug: under ``use_reentrant=True`` the step returned the right loss but no
+    parameter had a gradient, not even ``b`` outside the region."""
+    report = compare_training(Quantized(reentrant), batches(), mse, mesh={})
+    assert set(report.runner.grads()) == {"a.weight", "a.bias", "b.weight", "b.bias", "w"}
+
+
+def test_hugging_face_reentrant_gradient_checkpointing_equals_eager():
+    model = tiny("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    report = compare_training(model, token_batches(2), lm_loss, mesh={})
+    assert len(report.runner.grads()) == len(list(model.parameters()))
+
+
+def test_function_that_writes_its_input_in_place_is_named():
+    class Clamp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x.clamp_(min=0)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return Clamp.apply(self.a(x))
+
+    (x,), (y,) = batches(1)[0]
+    with pytest.raises(CaptureError, match=r"Clamp changes one of its inputs in place") as e:
+        shardfx.partition(Model(), (x,), mse, (y,), mesh={})
+    assert "test_functions.py:" in e.value.where
+
