@@ -108,6 +108,40 @@ def _zero(zero: object, spec: MeshSpec) -> int | str:
     return zero
 
 
+def _check_shard(shard: object, spec: MeshSpec) -> None:
+    """``shard="megatron-sp"`` splits the tokens over tp: without a tp axis it would do
+    nothing (``shard_annotate.sequence_parallel``)."""
+    if shard == "megatron-sp" and spec.axis("tp") == 1:
+        raise InputError(
+            'shard="megatron-sp" splits the tokens over the tp axis between the parallel '
+            "matmuls, and the mesh has no tp axis of more than one device: it would do "
+            "nothing",
+            where=f'partition(..., shard="megatron-sp") on mesh {spec}',
+            fix='add a tp axis to the mesh, e.g. mesh={"tp": 2}, or use shard="megatron" or '
+                '"auto"')
+
+
+def _check_inference_request(loss_fn: Callable | None, zero: object,
+                             optimizer_in_backward: object) -> None:
+    """Without ``loss_fn`` the plan runs inference: a training setting it would ignore is an
+    error. (``zero="auto"``, the default, is 0 there; ``fused_loss`` keeps the ATen ops where
+    no cross-entropy follows the head, as in training.)"""
+    if loss_fn is not None:
+        return
+    train = "or pass a loss_fn (and its example_targets) to plan training"
+    if zero in (1, 2, 3) and not isinstance(zero, bool):
+        raise InputError(f"zero={zero} shards the training state over dp, and this plan is for "
+                         "inference (no loss_fn): it has no optimizer state or gradients, and "
+                         "would do nothing", where=f"partition(..., zero={zero}) without loss_fn",
+                         fix=f"drop zero= (inference keeps the parameters whole), {train}")
+    if optimizer_in_backward is True:
+        raise InputError("optimizer_in_backward=True steps the optimizer in the backward, and "
+                         "this plan is for inference (no loss_fn): it has no backward and no "
+                         "optimizer step", where="partition(..., optimizer_in_backward=True) "
+                                                "without loss_fn",
+                         fix=f"drop optimizer_in_backward, {train}")
+
+
 def _capacity(factor: object) -> float | None:
     """``capacity_factor`` is None (dropless) or a positive number."""
     if factor is None:
@@ -221,11 +255,14 @@ def partition(
     pass, and the runners compare every step's batch across ranks (else the first step's);
     ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
     the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
-    (microbatches without a pp axis, an unknown schedule name) is an error.
+    (microbatches without a pp axis, an unknown schedule name, ``"megatron-sp"`` without a tp
+    axis, ``zero=1-3`` or ``optimizer_in_backward`` without a loss_fn) is an error.
     """
     check_model(model)  # before anything reads its parameters (choose_device does)
     spec = MeshSpec.parse(mesh)
     _check_pipeline_request(spec, microbatches, schedule, virtual_stages)
+    _check_shard(shard, spec)
+    _check_inference_request(loss_fn, zero, optimizer_in_backward)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     if virtual_stages is None:
         virtual_stages = 2 if schedule == "interleaved-1f1b" else 1

@@ -52,6 +52,32 @@ def test_pipeline_settings_are_checked(kwargs, cause, where):
     assert_explained(info.value, cause=cause, where=where)
 
 
+@pytest.mark.parametrize("mesh", [None, {"dp": 2}, {"dp": 2, "tp": 1}])
+def test_sequence_parallel_without_a_tp_axis_is_refused(mesh):
+    """megatron-sp splits the tokens over tp: with no tp axis it would do nothing."""
+    with pytest.raises(InputError) as info:
+        plan(mesh=mesh, shard="megatron-sp")
+    assert_explained(info.value, cause=("megatron-sp", "no tp axis"), where='shard="megatron-sp"')
+    assert 'mesh={"tp": 2}' in info.value.fix and '"megatron"' in info.value.fix
+
+
+@pytest.mark.parametrize("kwargs, cause", [
+    ({"mesh": {"dp": 2}, "zero": 1}, "zero=1"),
+    ({"mesh": {"dp": 2}, "zero": 3}, "zero=3"),
+    ({"optimizer_in_backward": True}, "optimizer_in_backward=True"),
+])
+def test_training_settings_on_an_inference_plan_are_refused(kwargs, cause):
+    with pytest.raises(InputError) as info:
+        shardfx.partition(mlp(), (X,), **kwargs)  # no loss_fn: an inference plan
+    assert_explained(info.value, cause=(cause, "inference (no loss_fn)"), where="without loss_fn")
+    assert "drop" in info.value.fix and "loss_fn" in info.value.fix
+
+
+def test_inference_plan_takes_zero_auto_and_zero_0():
+    for zero in ("auto", 0):
+        assert shardfx.partition(mlp(), (X,), mesh={"dp": 2}, zero=zero).options.zero == 0
+
+
 def test_an_expert_parallel_axis_on_a_model_without_experts_is_refused():
     with pytest.raises(MeshError) as info:
         plan(mesh={"ep": 2})

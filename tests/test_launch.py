@@ -6,6 +6,7 @@ Failure tests also check the clock: a failed or stuck run must come back in seco
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ import shardfx
 from shardfx.errors import InputError, MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
 from shardfx.runtime.launch import (CONSEQUENCE_S, LaunchError, _communication_error,
-                                    _first_failure, _Outcome, launch, rank, world_size)
+                                    _first_failure, _Outcome, _results, launch, rank,
+                                    world_size)
 from shardfx.runtime.mesh import coordinate, device_mesh
 
 # ---- run on the ranks ---------------------------------------------------------------------------
@@ -173,6 +175,45 @@ def test_a_native_crash_writes_the_ranks_python_stack():
     assert "rank 1 was killed by signal SIGABRT" in done.stderr, done.stderr[-2000:]
     assert "Fatal Python error: Aborted" in done.stderr
     assert 'in abort_on_rank_1' in done.stderr  # the frame the rank died in
+
+
+_NO_MAIN_GUARD = """\
+import shardfx
+
+
+def work():
+    return 1
+
+
+print(shardfx.launch(work, nprocs=2, timeout=30, deadline=60))
+"""
+
+
+def test_a_script_that_launches_at_import_time_is_told_to_guard_the_call(tmp_path):
+    """Each rank imports the main module as it starts: without a main guard the script would
+    launch again in every rank. The error says so, where, and how to fix it, not "exited with
+    code 1" with a guess at a native crash."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(_NO_MAIN_GUARD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode != 0
+    err = done.stderr
+    assert f"LaunchError: {script} calls shardfx.launch at import time" in err, err[-3000:]
+    assert "finished its bootstrapping phase" in err  # multiprocessing's own words, named
+    assert f"where: {script}:8; shardfx.launch('work', nprocs=2)" in err
+    assert 'fix:   put the call under if __name__ == "__main__":' in err
+    assert "exited with code" not in err and "RuntimeError" not in err
+
+
+def test_a_rank_that_exits_while_starting_is_told_from_a_crash():
+    """A rank that exits before fn runs (the main module or fn cannot be imported there) is
+    not blamed on a native crash or the out-of-memory killer."""
+    with pytest.raises(LaunchError) as err:
+        _results([_Outcome("exited", exitcode=1, at=1.0), _Outcome("exited", exitcode=1, at=2.0)],
+                 {}, "shardfx.launch('f', nprocs=2)", math.inf, 60.0, [False, False])
+    assert "while its process was starting, before fn ran" in err.value.fix
+    assert "out-of-memory" not in err.value.fix
 
 
 def test_rank_dying_during_a_collective_is_blamed_not_the_survivor():

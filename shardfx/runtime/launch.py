@@ -19,7 +19,11 @@ pipe and exit sentinel at once, so nothing can hang:
   Python stacks, and killed;
 - ``deadline`` (default: none) bounds the whole run: past it every rank is killed and
   ``LaunchError("timed out ...")`` is raised;
-- a rank whose parent dies exits too, so no process is left behind.
+- a rank whose parent dies exits too, so no process is left behind;
+- a script that calls ``launch`` at import time, with no ``if __name__ == "__main__":`` guard,
+  would launch again in every rank (each imports the main module anew as it starts): the rank
+  exits at once with ``IMPORT_TIME_EXIT`` and the launcher raises a ``LaunchError`` that says
+  so (``_launched_at_import``), not multiprocessing's bootstrapping error from every rank.
 
 Each rank runs ``max(1, cores // nprocs)`` intra-op threads, so the ranks do not oversubscribe
 the machine, unless the user chose a count (``_set_threads``).
@@ -45,6 +49,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -68,6 +73,8 @@ GRACE_S = 2.0  # how long the other ranks may run on after the first one fails
 KILL_WAIT_S = 1.0  # between SIGTERM and SIGKILL
 CONSEQUENCE_S = 1.0  # a communication error this long before another failure is its consequence
 HEAD_START_S = 3.0  # under torchrun, how long the first rank has to report an error alone
+IMPORT_TIME_EXIT = 86  # a rank's exit code when starting it re-ran a script's launch call
+RANK_NAME = "shardfx-rank"  # a rank's process name: RANK_NAME + its rank
 
 
 class LaunchError(ShardfxError):
@@ -123,9 +130,10 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive int, got {nprocs!r}",
                           where="shardfx.launch(..., nprocs=...)", fix="e.g. nprocs=4")
+    where = f"shardfx.launch({getattr(fn, '__qualname__', fn)!r}, nprocs={nprocs})"
+    _check_not_starting(where)
     if under_torchrun():
         return _run_in_process(fn, args, nprocs, backend, timeout)
-    where = f"shardfx.launch({getattr(fn, '__qualname__', fn)!r}, nprocs={nprocs})"
     backend = backend or _default_backend(nprocs)
     deadline = math.inf if deadline is None else deadline
     ctx = _context()
@@ -135,7 +143,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
         try:
             for r in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, name=f"shardfx-rank{r}", args=(
+                proc = ctx.Process(target=_worker, name=f"{RANK_NAME}{r}", args=(
                     r, nprocs, port, backend, timeout, torch.get_num_threads(), fn, args,
                     writer, _stack_file(folder, r), dict(os.environ)))
                 try:
@@ -150,9 +158,11 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
                 pipes.append(reader)
             outcomes = _collect(procs, pipes, time.monotonic() + deadline)
             stacks = _stacks(procs, outcomes, folder)
+            started = [os.path.exists(_stack_file(folder, r)) for r in range(nprocs)]
         finally:
             _stop(procs, [r for r, o in enumerate(outcomes) if o is not None])
-    return _results(outcomes, stacks, where, deadline, timeout)
+    _launched_at_import(outcomes, started, where)
+    return _results(outcomes, stacks, where, deadline, timeout, started)
 
 
 @dataclass(frozen=True)
@@ -236,8 +246,9 @@ def _first_failure(outcomes: list[_Outcome | None]) -> int:
 
 
 def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str,
-             deadline: float, timeout: float):
-    """The ranks' values in order, or the LaunchError for the first rank that failed."""
+             deadline: float, timeout: float, started: list[bool]):
+    """The ranks' values in order, or the LaunchError for the first rank that failed
+    (``started``: by rank, whether it got as far as ``_worker``)."""
     failed = [r for r, o in enumerate(outcomes) if o is not None and o.kind != "ok"]
     if not failed and None not in outcomes:
         return [o.value for o in outcomes]
@@ -257,6 +268,10 @@ def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str
     fix = f"see rank {r}'s traceback below" if o.kind == "raised" else (
         f"see rank {r}'s output above: os._exit, a native crash or the out-of-memory killer "
         "end a process without a Python traceback")
+    if o.kind == "exited" and not started[r]:
+        fix = (f"see rank {r}'s output above: it exited while its process was starting, "
+               "before fn ran: importing the main module again or unpickling fn and its args "
+               "failed there (define fn in a module the ranks can import)")
     if stacks and o.communication:
         running = ", ".join(map(str, sorted(stacks)))
         fix = (f"rank(s) {running} still ran {GRACE_S:g} s after rank {r}'s collective failed: "
@@ -266,6 +281,49 @@ def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str
         raise LaunchError(f"rank {r} {o}", where=where, fix=fix, rank=r, tb=o.tb, stacks=stacks)
     raise LaunchError(f"rank {r} {o} without returning a result", where=where, fix=fix, rank=r,
                       exitcode=o.exitcode, stacks=stacks)
+
+
+def _check_not_starting(where: str) -> None:
+    """``launch`` called in a process multiprocessing is still starting: the process is
+    importing the launching script as its main module, and the script launches at import time.
+    A rank of ours exits at once with IMPORT_TIME_EXIT, which its launcher explains
+    (``_launched_at_import``); any other process raises the error itself."""
+    current = mp.current_process()
+    if not getattr(current, "_inheriting", False):  # set by multiprocessing while it starts
+        return
+    if current.name.startswith(RANK_NAME):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(IMPORT_TIME_EXIT)
+    raise _import_time_error(where)
+
+
+def _launched_at_import(outcomes: list[_Outcome | None], started: list[bool],
+                        where: str) -> None:
+    """A rank that exited with IMPORT_TIME_EXIT before reaching ``_worker``: the script
+    launches at import time (``_check_not_starting``)."""
+    if any(o is not None and o.kind == "exited" and o.exitcode == IMPORT_TIME_EXIT
+           and not started[r] for r, o in enumerate(outcomes)):
+        raise _import_time_error(where)
+
+
+def _import_time_error(where: str) -> LaunchError:
+    """The script launches at import time: named with the line of the main module that led to
+    the call, when this process has it on its stack."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) or "the main module"
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    line = f"{script}:{frame.f_lineno}" if frame is not None else script
+    return LaunchError(
+        f"{script} calls shardfx.launch at import time: every rank's process imports the main "
+        "module again as it starts, so each rank would launch again (multiprocessing's "
+        "\"An attempt has been made to start a new process before the current process has "
+        "finished its bootstrapping phase\"); the ranks stopped", where=f"{line}; {where}",
+        fix='put the call under if __name__ == "__main__": (with whatever only the launching '
+            "process should run), so the ranks import the script without launching")
 
 
 def _stacks(procs: list, outcomes: list[_Outcome | None], folder: str) -> dict[int, str]:
