@@ -28,7 +28,7 @@ from shardfx.passes.manager import (Options, PassRecord, captured_record, run_pa
 from shardfx.passes.mixed_precision import mixed_precision
 from shardfx.passes.program import program_passes
 from shardfx.passes.causal_mask import causal_mask
-from shardfx.passes.rng import rng_dropout
+from shardfx.passes.rng import rng_stream
 from shardfx.passes.shard_annotate import shard_annotate
 from shardfx.passes.shard_propagate import shard_propagate
 from shardfx.passes.stage_cut import stage_cut
@@ -70,7 +70,7 @@ def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
         return _compile_pipeline(gm, options, history)
     sharded = options.mesh.size > 1
     gm = run_passes(gm, [
-        rng_dropout,      # dropout masks from each element's global place: the same on any mesh
+        rng_stream,       # random values from each element's global place: the same on any mesh
         *([causal_mask]   # a traced causal mask as is_causal: ring attention needs to know
           if options.mesh.axis("cp") > 1 else []),
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
@@ -136,7 +136,7 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     sharded = inner.size > 1
     staged = dataclasses.replace(options, mesh=inner, held_by=options.stages, whole_mesh=options.mesh)
     gm = run_passes(gm, [
-        rng_dropout,     # dropout masks from each element's global place, per slice
+        rng_stream,      # random values from each element's global place, per slice
         *([causal_mask] if inner.axis("cp") > 1 else []),  # for ring attention, as above
         assign_phase,    # forward vs backward
         mixed_precision,  # each op's dtype: what the cutter, the shards and remat measure

@@ -321,7 +321,7 @@ class Plan:
                       stage_report(self.ir) if self.options.stages > 1 else (),
                       traced=self.capture_path, memory=self.memory_rows(),
                       notes=self._auto_notes() + memory_notes(self) + self._sequence_notes()
-                      + expert_notes(self),
+                      + expert_notes(self) + self._random_notes(),
                       compute=self.compute_rows(),
                       slices=self.options.slices if self.stage_program is not None else 1,
                       predicted=str(self.predicted_step))
@@ -343,6 +343,10 @@ class Plan:
             return []
         megatron = megatron_placements(self.ir, self.options) if "tp" in report.axes else None
         return notes(report, megatron)
+
+    def _random_notes(self) -> list[str]:
+        report = self.ir.meta.get(M.RANDOM)  # passes.rng: what draws random values, and how
+        return [str(report)] if report is not None else []
 
     def _sequence_notes(self) -> list[str]:
         split = sequence_split(self.options)

@@ -82,10 +82,14 @@ autocast sums in bf16; tp rounds partial sums before adding them). Measured over
 tiny models (Llama, GPT-2, Mixtral, nanoGPT, Qwen3-MoE, Gemma 3, OLMo 2, DeepSeek-V3,
 GPT-NeoX), two steps on one device in bf16 and fp16: every error is under 0.42 of its bound.
 
-Dropout: shardfx draws its own masks (``shardfx.passes.rng``), not eager's, so a model with
-active dropout (training mode, p > 0) computes another function than eager; ``compare_training``
-refuses it (``InputError``). Set dropout to 0 to compare with eager, or compare two shardfx
-plans with each other.
+Random ops: shardfx draws dropout masks and other random values (a router's Gumbel noise, jitter)
+from its own stream (``shardfx.passes.rng``), not eager's generator. So that eager computes the
+same function, both eager copies run each step's forward on that stream too
+(``random_draws.on_stream_eagerly``, with the runner's seed and step): the same values, numbered
+in the order the forward draws them. A random op off the stream (randint, randperm,
+multinomial...) draws from the device's generator in both runs, which no rule can relate:
+``compare_training`` refuses it (``InputError`` naming the op and its line), as it does random
+ops with ``accumulate > 1`` (the batches of a step each draw their own slice).
 
 Limitations. A small tensor (a bias) whose every true gradient is near zero has an error made
 of one or a few elements' luck; when eager fp32 happens to round those almost exactly and
@@ -97,6 +101,7 @@ no more.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Mapping
@@ -107,7 +112,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from shardfx.errors import InputError
-from shardfx.passes.rng import reads_rng
+from shardfx.passes.random_draws import on_stream_eagerly
+from shardfx.passes.rng import describe_off_stream, off_stream, reads_rng
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -249,7 +255,8 @@ def compare_training(
 
     Raises AssertionError naming the step and the tensors beyond their bound: ``factor`` x
     eager fp32's own error plus ``rtol`` (the floor), or ``REPLAY_RTOL`` for the update.
-    Raises InputError if the plan draws dropout masks (they are not eager's). With
+    Raises InputError if the plan draws random values off shardfx's stream (they cannot
+    be eager's); those on it are replayed in eager (see the module docstring). With
     ``precision`` bf16 or fp16 among ``partition_kwargs`` the eager fp32 copy runs its forward
     under ``torch.autocast`` to that dtype, and it is autocast's error that bounds shardfx's;
     ``loss_scaling`` goes to ``plan.runner`` (a step the fp16 loss scale skips has inf
@@ -268,7 +275,7 @@ def compare_training(
     replay = optimizer(list(eager.parameters()))
     args0, targets0 = batches[0]
     plan = shardfx.partition(compiled, args0, loss_fn, targets0, **partition_kwargs)
-    _refuse_dropout(plan, model)
+    stream = _random_stream(plan, model, accumulate)
     runner = plan.runner(optimizer=optimizer, loss_scaling=loss_scaling,
                          clip_grad_norm=clip_grad_norm, keep_grads=True)
     reference = f"autocast {precision.compute}" if precision.low else "eager fp32"
@@ -278,9 +285,11 @@ def compare_training(
     for step, group in enumerate(steps):
         for m in (eager, truth):  # shardfx's weights and buffers (cast to double in the truth)
             m.load_state_dict(state)
-        base = _forward_backward(eager, loss_fn, group, low, clip=clip_grad_norm)
+        draws = stream and (runner.rng_seed, runner.step_count)  # this step's random values
+        base = _forward_backward(eager, loss_fn, group, low, clip=clip_grad_norm, draws=draws)
         want = _run_float64(truth, lambda m: _forward_backward(
-            m, loss_fn, [(_double(a), _double(t)) for a, t in group], clip=clip_grad_norm))
+            m, loss_fn, [(_double(a), _double(t)) for a, t in group], clip=clip_grad_norm,
+            draws=draws))
         loss = runner.step(*group[0]) if accumulate == 1 else runner.step_batches(group)
         got = (loss, runner.grads(), runner.state_dict())
         _check_step(report, step, got, base, want)
@@ -322,21 +331,30 @@ def compare_inference(model: torch.nn.Module, args: tuple, rtol: float = 1e-5, *
 # --- the runs -----------------------------------------------------------------------------------
 
 
-def _refuse_dropout(plan, model: torch.nn.Module) -> None:
-    """Raise if ``plan``'s training program draws dropout masks: shardfx's stream, not eager's
-    (``shardfx.passes.rng``), so no rounding rule can relate the two runs."""
+def _random_stream(plan, model: torch.nn.Module, accumulate: int) -> bool:
+    """Whether ``plan``'s training program draws random values, all on shardfx's stream (which
+    eager then replays). Raises if one is off the stream, or with ``accumulate > 1``."""
     program = plan.program.module if plan.program is not None else plan.stage_program
-    if program is None or not reads_rng(program):
-        return
-    drops = [name or type(m).__name__ for name, m in model.named_modules()
-             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
-    where = f"dropout modules {drops}" if drops else \
-        f"a functional dropout in {type(model).__name__}.forward (F.dropout with p > 0)"
-    raise InputError(
-        "the model applies dropout in training mode: shardfx draws its own dropout masks, not "
-        "eager PyTorch's, so its losses and gradients cannot match an eager run",
-        where=where, fix="set dropout to 0 (p=0, or the config's dropout fields) to compare "
-        "with eager, or compare two shardfx plans with each other")
+    if program is None or not reads_rng(program) and not off_stream(program):
+        return False
+    if off := off_stream(program):
+        raise InputError(
+            f"{type(model).__name__} draws random values shardfx does not draw from its own "
+            "stream; they come from each device's generator, so neither a mesh nor this "
+            "comparison can reproduce one device's draws",
+            where=describe_off_stream(off),
+            fix="compare with those ops out of the training step (eval-mode branches, a fixed "
+                "tensor), or compare two shardfx plans with each other")
+    if accumulate > 1:
+        drops = [name or type(m).__name__ for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+        raise InputError(
+            "the model draws random values (dropout or other random ops) and the step "
+            "accumulates several batches: the eager replay of shardfx's stream covers one batch "
+            "a step", where=f"dropout modules {drops}" if drops else
+            f"random ops in {type(model).__name__}.forward",
+            fix="compare with accumulate=1, or with dropout set to 0")
+    return True
 
 
 def _float64(model: torch.nn.Module) -> torch.nn.Module:
@@ -371,17 +389,20 @@ def _run_float64(truth: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -
 
 
 def _forward_backward(model: torch.nn.Module, loss_fn, batches: list[tuple[tuple, tuple]],
-                      autocast: torch.dtype = torch.float32, clip: float | None = None) -> tuple:
+                      autocast: torch.dtype = torch.float32, clip: float | None = None,
+                      draws: tuple[int, int] | None = None) -> tuple:
     """Eager forwards and backwards of each batch's loss / k (k batches), then clipping:
     (mean loss, gradients by FQN, buffers after the last forward, global norm before
-    clipping); the forwards and losses under ``torch.autocast`` to ``autocast`` unless fp32."""
+    clipping); the forwards and losses under ``torch.autocast`` to ``autocast`` unless fp32,
+    and on shardfx's random stream at ``draws`` = (seed, step) when given."""
     for p in model.parameters():
         p.grad = None
     device = next((t.device.type for t in pytree.tree_leaves(batches[0][0])
                    if isinstance(t, torch.Tensor)), "cpu")
     total = 0.0
-    for args, targets in batches:
-        with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32):
+    for piece, (args, targets) in enumerate(batches):
+        stream = on_stream_eagerly(*draws, piece) if draws else contextlib.nullcontext()
+        with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32), stream:
             loss = loss_fn(model(*args), *targets) / len(batches)
         loss.backward()
         total = total + loss.detach()

@@ -45,7 +45,7 @@ def tiny(name: str, layers: int = 2) -> torch.nn.Module:
 def hf(name: str, layers: int = 2) -> torch.nn.Module:
     """A seeded tiny Hugging Face model: hidden 32, ``layers`` layers, 4 heads (2 kv heads where
     the architecture has them), vocabulary 64, few experts: ``qwen3_moe`` | ``qwen2_moe`` | ``gemma3`` |
-    ``olmo2`` | ``deepseek_v3`` | ``qwen2`` | ``gpt_neox`` | ``bert``."""
+    ``olmo2`` | ``deepseek_v3`` | ``qwen2`` | ``gpt_neox`` | ``bert`` | ``phimoe``."""
     import transformers as T
 
     torch.manual_seed(0)
@@ -73,6 +73,10 @@ def hf(name: str, layers: int = 2) -> torch.nn.Module:
         return T.Qwen2ForCausalLM(T.Qwen2Config(**common, num_key_value_heads=2))
     if name == "gpt_neox":
         return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common, max_position_embeddings=64))
+    if name == "phimoe":  # router: Gumbel sampling, a custom autograd.Function, input jitter
+        return T.PhimoeForCausalLM(T.PhimoeConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=64, input_jitter_noise=0.01))
     if name == "bert":
         return T.BertForMaskedLM(T.BertConfig(**common, max_position_embeddings=64,
                                               hidden_dropout_prob=0,

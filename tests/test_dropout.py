@@ -1,10 +1,12 @@
-"""Dropout: masks from each element's global place (passes.rng), so every mesh trains alike."""
+"""Dropout and other random ops: values from each element's global place (passes.rng), so every
+mesh trains alike."""
 
 from __future__ import annotations
 
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from torch.distributed.tensor import Shard
 import shardfx
 from shardfx.ir import meta as M
 from shardfx.ir.text import ir_to_text
+from shardfx.passes.random_draws import on_stream_eagerly, sample
 from shardfx.passes.rng import _fmix32, call, keep_mask, rng_value
 
 P = 0.5
@@ -52,6 +55,37 @@ def sgd(params):
 
 
 # --- the masks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op,args,mean,std", [
+    (torch.ops.aten.rand_like.default, (), 0.5, math.sqrt(1 / 12)),
+    (torch.ops.aten.uniform.default, (-2.0, 4.0), 1.0, 6 * math.sqrt(1 / 12)),
+    (torch.ops.aten.exponential.default, (4.0,), 0.25, 0.25),
+    (torch.ops.aten.randn_like.default, (), 0.0, 1.0),
+    (torch.ops.aten.normal_functional.default, (3.0, 0.5), 3.0, 0.5),
+    (torch.ops.aten.bernoulli.p, (0.3,), 0.3, math.sqrt(0.3 * 0.7)),
+], ids=lambda v: getattr(v, "__name__", None) if callable(v) else None)
+def test_each_random_op_draws_its_distribution(op, args, mean, std):
+    """Moments over 2**18 draws within 5 standard errors; two steps draw apart."""
+    n = 1 << 18
+    like = torch.empty(n)
+    draws = [sample(call, op, (like, *args), {}, rng_value(9, step), 0, (n,), torch.float32)
+             for step in (0, 1)]
+    got = draws[0].double()
+    assert abs(got.mean().item() - mean) < 5 * std / math.sqrt(n), got.mean()
+    assert abs(got.std().item() - std) < 0.01 * std, got.std()
+    assert not torch.equal(draws[0], draws[1])
+    assert sample(call, op, (like, *args), {}, rng_value(9, 0), 0, (n,), torch.float64) \
+        .float().equal(draws[0])  # fp64 draws fp32's values
+
+
+def test_cpu_eager_dropout_is_the_programs_mask():
+    """CPU eager dropout draws ``bernoulli_(1 - p)``: on the stream it keeps what
+    ``native_dropout`` (the traced op) keeps."""
+    x = torch.ones(4096)
+    with on_stream_eagerly(3, 2):
+        eager = F.dropout(x, 0.3, True)
+    assert torch.equal(eager != 0, keep_mask(call, rng_value(3, 2), (4096,), 0.3, 0))
 
 def test_masks_keep_one_minus_p_of_the_elements():
     n = 1 << 20

@@ -290,6 +290,7 @@ def test_two_ranks_ep2_dropless_capacity_and_bf16():
         ("qwen2_moe", {"ep": 2}, {}, False),
         ("deepseek_v3", {"ep": 2}, {"precision": "bf16"}, False),
         ("mixtral", {"ep": 2}, {"capacity_factor": 1.0}, False),
+        ("phimoe", {"ep": 2}, {}, False),  # random routing on shardfx's stream, its own backward
     ], nprocs=2, timeout=120, deadline=600))
 
 

@@ -296,7 +296,7 @@ def test_one_row_microbatch_under_batchnorm_says_so():
 
 @pytest.fixture
 def failing_pass(monkeypatch):
-    """estimate_cost (after rng_dropout and assign_phase) fails as a shardfx bug would."""
+    """estimate_cost (after rng_stream and assign_phase) fails as a shardfx bug would."""
     def estimate_cost(gm, options):
         raise RuntimeError("boom")
 

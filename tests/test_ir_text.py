@@ -249,7 +249,7 @@ def test_dump_says_where_each_op_comes_from_and_what_each_pass_did(tmp_path):
     cost = headers["04-estimate_cost.txt"]
     assert cost[0] == "# after estimate_cost: 0 nodes added, 0 removed"
     assert cost[1].startswith("#   wrote cost on ") and ": fwd " in cost[1] and "FLOP" in cost[1]
-    assert headers["01-rng_dropout.txt"][1] == "#   the IR is unchanged"  # no dropout in it
+    assert headers["01-rng_stream.txt"][1] == "#   the IR is unchanged"  # nothing random in it
     assert "without a rule run replicated" in headers["06-shard_propagate.txt"][1]
     # the IR under the header parses back: the header and the text after | are for people
     assert len(text_to_ir(text).graph.nodes) == len(plan.ir.graph.nodes)

@@ -337,17 +337,51 @@ class Dropped(torch.nn.Module):
         return self.head(h)
 
 
-def test_active_dropout_is_refused_naming_the_modules():
-    with pytest.raises(InputError, match="shardfx draws its own dropout masks") as info:
-        compare_training(Dropped(0.1), batches(2), F.mse_loss)
-    assert "dropout modules ['drop']" in info.value.where, info.value
-    assert "set dropout to 0" in info.value.fix and "two shardfx plans" in info.value.fix
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_active_dropout_is_compared_with_eager_on_shardfx_stream(functional):
+    """Eager replays shardfx's masks (``random_draws.on_stream_eagerly``), so a model with
+    dropout is checked against eager like any other."""
+    report = compare_training(Dropped(0.5, functional), batches(3), F.mse_loss)
+    assert "native_dropout x1 on shardfx's stream" in str(report.plan) and report.max() == 0
 
 
-def test_functional_dropout_is_refused():
-    with pytest.raises(InputError, match="shardfx draws its own dropout masks") as info:
-        compare_training(Dropped(0.1, functional=True), batches(2), F.mse_loss)
-    assert "functional dropout in Dropped.forward" in info.value.where, info.value
+def test_replay_of_the_wrong_draws_is_caught(monkeypatch):
+    """Eager drawing the next op's mask (or any other) fails the comparison: the replay is a
+    real check, not a pass-through."""
+    from shardfx.passes import random_draws
+
+    real = random_draws.sample
+    monkeypatch.setattr(random_draws, "sample", lambda f, t, a, k, rng, op, *rest:
+                        real(f, t, a, k, rng, op + 1, *rest))
+    with pytest.raises(AssertionError, match="shardfx differs from eager"):
+        compare_training(Dropped(0.5), batches(2), F.mse_loss)
+
+
+class Shuffled(torch.nn.Module):
+    """Rows in a random order (``randperm``: off shardfx's stream) plus Gaussian noise (on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x[torch.randperm(x.shape[0])] + 0.1 * torch.randn_like(x))
+
+
+def test_random_ops_off_the_stream_are_refused_naming_them():
+    with pytest.raises(InputError, match="does not draw from its own stream") as info:
+        compare_training(Shuffled(), batches(2), F.mse_loss)
+    assert "randperm at " in info.value.where and "test_testing.py" in info.value.where
+    assert "randn_like at" not in info.value.where  # on the stream: replayed, not refused
+    x, y = batches(1)[0]
+    text = str(shardfx.partition(Shuffled(), x, F.mse_loss, y))
+    assert "randn_like x1 on shardfx's stream" in text and "randperm at " in text, text
+
+
+def test_random_ops_with_accumulated_batches_are_refused():
+    with pytest.raises(InputError, match="accumulates several batches") as info:
+        compare_training(Dropped(0.1), batches(4), F.mse_loss, accumulate=2)
+    assert "dropout modules ['drop']" in info.value.where and "accumulate=1" in info.value.fix
 
 
 @pytest.mark.parametrize("eval_mode", [False, True])

@@ -46,6 +46,7 @@ GRAPH = "shardfx.graph"
 BLOCK = "shardfx.block"
 CHOICE = "shardfx.choice"
 PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
+RANDOM = "shardfx.random"  # gm.meta: passes.rng.RandomReport
 
 
 class Mode(str, enum.Enum):

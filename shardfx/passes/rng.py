@@ -1,80 +1,117 @@
-"""rng_dropout: dropout masks from each element's place in the batch, not from the mesh.
+"""rng_stream: random values from each element's place in the batch, not from the mesh.
 
 Requires: VAL on every value node; ``gm.meta[GRAPH].mode``.
-Ensures:  in a training graph, no ``native_dropout(x, p, True)`` with ``0 < p < 1`` (p = 0 keeps
-          and p = 1 drops every element: nothing random is left there): each is replaced
-          by ordinary ATen ops computing its mask from an RNG input (a placeholder of kind RNG,
-          ``i64[3]`` = ``[seed, step, slice]``, which the runner feeds) and the element's global
-          position; VAL on every node added. Other graphs are returned unchanged.
+Ensures:  in a training graph, every random op on shardfx's stream (``random_draws.ON_STREAM``:
+          dropout with ``0 < p < 1`` in training, bernoulli, rand, uniform, exponential, randn,
+          normal) is replaced by ordinary ATen ops computing its value from an RNG input (a
+          placeholder of kind RNG, ``i64[3]`` = ``[seed, step, slice]``, which the runner
+          feeds), its op number (program order) and the element's global position; VAL on
+          every node added. Random ops off the stream (randint, randperm, multinomial...) stay
+          as they are: ``off_stream`` names them, ``print(plan)`` lists them and
+          ``shardfx.testing`` refuses them. ``gm.meta[RANDOM]``: a ``RandomReport`` of both,
+          when there is any. Other graphs are returned unchanged.
 
-Eager dropout draws its mask from the device's generator, one element after another, over the
-tensor it sees. On a mesh each device sees a part of the tensor: dp replicas would draw the
-same masks for their own rows and a pipeline draws microbatch by microbatch, so the mesh would
-change the masks a batch gets. Here the keep/drop decision of an element is a pure function of
-(seed, step, which dropout op, the element's linear index in the one-device tensor) -- a
-counter-based generator, as Philox is -- so a model with dropout trains to the same losses,
-gradients and parameters (to fp32 rounding) on one device, dp, tp and pp.
+Eager PyTorch draws from the device's generator, one element after another, over the tensor
+it sees. On a mesh each device sees a part of the tensor: dp replicas would draw the same
+values for their own rows and a pipeline draws microbatch by microbatch, so the mesh would
+change what a batch draws. Here each value is a pure function of (seed, step, which random
+op, the element's linear index in the one-device tensor) -- ``random_draws`` -- so a model with
+dropout, a router's Gumbel noise (PhiMoE's ``exponential_``) or jitter trains to the same
+losses, gradients and parameters (to fp32 rounding) on one device, dp, tp, pp and ep.
 
-The masks are shardfx's own stream (as torch.compile's Inductor draws from its own RNG by
-default): not eager's masks bit for bit, but statistically the same: each element kept with
-probability 1 - p (to 2**-32), kept ones scaled by 1 / (1 - p), the mask returned as
-native_dropout returns it so ``native_dropout_backward`` stays as it is.
+The values are shardfx's own stream (as torch.compile's Inductor draws from its own RNG by
+default): not eager's bit for bit, but statistically the same. ``random_draws.on_stream_eagerly``
+makes eager PyTorch draw the same values, which is how ``shardfx.testing`` compares a model
+with random ops against eager.
 
 How the position is found: the pass builds ``arange(numel).view(shape)`` at the traced shape,
-an ordinary replicated value. Under dp and tp, ``shard_propagate`` gives the mask the
-placement of the tensor it multiplies, so every device keeps its own part of the one-device
-mask (it computes the whole index and hash, then slices: simple, and O(numel) integer work).
+an ordinary replicated value. Under dp and tp, ``shard_propagate`` gives the value the
+placement of the tensor it meets, so every device keeps its own part of the one-device draw
+(it computes the whole index and hash, then slices: simple, and O(numel) integer work).
 A pipeline traces one slice of the batch (``Options.slices``: a microbatch of one dp replica)
 and the runner feeds the slice's number, so the index is ``local + slice * numel``: the
-one-device index of a batch-first tensor. A dropout on a tensor whose first dimension is not
-the batch still gets independent masks per slice in a pipeline, but not one device's.
-
-The hash: murmur3's 32-bit finalizer (``fmix32``: xor-shift, multiply, full avalanche), keyed
-per op and step, two rounds with a key word in each. Philox4x32-10 needs the high half of
-32x32-bit products, which overflow int64 (C++ signed overflow: undefined) or take several
-times the ops in exact 16-bit limbs; every product here is exact in int64 (``_mul32``), so the
-masks are the same on every backend and machine. Two keyed rounds of a bijective mixer are
-plenty for a Bernoulli mask; the two key words come from four more rounds over (seed, step,
-op). The runner feeds the RNG input: the seed is ``draw_seed``'s (``torch.manual_seed``
-before ``plan.runner()`` reproduces a run), the step counts its training steps from 0.
+one-device index of a batch-first tensor. A random op over a tensor whose first dimension is
+not the batch still draws independently per slice in a pipeline, but not one device's values.
+The runner's seed is ``draw_seed``'s (``torch.manual_seed`` before ``plan.runner()``
+reproduces a run), the step counts its training steps from 0.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from shardfx.errors import user_line
 from shardfx.ir import meta as M
+from shardfx.passes.random_draws import (call, draws, fmix32, is_random, keep_mask, on_stream,
+                                         sample, shape_of)
 
 aten = torch.ops.aten
-M32 = 0xFFFFFFFF
-GOLDEN = 0x9E3779B9  # 2**32 / phi: spreads small op numbers over the key space
 RNG_NAME = "rng"  # the RNG input's name: [seed, step, slice]
+_fmix32 = fmix32  # the hash's finalizer, by its old name (tests check its avalanche)
+__all__ = ["call", "keep_mask", "rng_stream", "off_stream", "reads_rng", "draw_seed", "rng_value"]
 
 
-def rng_dropout(gm: fx.GraphModule, options) -> fx.GraphModule:
+@dataclass(frozen=True)
+class RandomReport:
+    """What ``rng_stream`` found, for ``print(plan)``: op name -> count, on the stream and off
+    it (with where each off-stream op is in the user's code)."""
+
+    on: tuple[tuple[str, int], ...]
+    off: tuple[tuple[str, int], ...]
+    off_where: str
+
+    def __str__(self) -> str:
+        line = "Random: " + (", ".join(f"{name} x{n}" for name, n in self.on) or "nothing")
+        line += " on shardfx's stream (the same draws on any mesh)"
+        if self.off:
+            line += "; OFF the stream, drawn by each device's generator (a mesh does not " \
+                    f"draw what one device draws): {self.off_where}"
+        return line
+
+
+def rng_stream(gm: fx.GraphModule, options) -> fx.GraphModule:
     if gm.meta[M.GRAPH].mode is not M.Mode.TRAIN:
         return gm
-    drops = [n for n in gm.graph.nodes if n.op == "call_function"
-             and n.target is aten.native_dropout.default and _train(n) and 0 < _p(n) < 1]
-    if not drops:
+    drawn = [n for n in gm.graph.nodes if n.op == "call_function" and is_random(n.target)
+             and draws(n.target, n.args, n.kwargs) and on_stream(n.target)]
+    off = off_stream(gm)
+    if off or drawn:
+        gm.meta[M.RANDOM] = RandomReport(_counts(drawn), _counts(off), describe_off_stream(off))
+    if not drawn:
         return gm
     rng = _rng_input(gm)
-    for op, node in enumerate(drops):
+    for op, node in enumerate(drawn):
         _rewrite(gm.graph, node, rng, op)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _p(node: fx.Node) -> float:
-    return float(node.args[1] if len(node.args) > 1 else node.kwargs["p"])
+def _counts(nodes: list[fx.Node]) -> tuple[tuple[str, int], ...]:
+    return tuple(Counter(n.target.overloadpacket.__name__ for n in nodes).items())
 
 
-def _train(node: fx.Node) -> bool:
-    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
-    return bool(train)  # None: not training, as ATen's native_dropout reads it
+def off_stream(gm: fx.GraphModule) -> list[fx.Node]:
+    """The random ops of a program that draw from the device's generator, not shardfx's
+    stream: a mesh does not draw what one device draws there."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and is_random(n.target)
+            and draws(n.target, n.args, n.kwargs) and not on_stream(n.target)]
+
+
+def describe_off_stream(nodes: list[fx.Node]) -> str:
+    """``exponential (2x) at file:line, ...`` for messages: each op and place once."""
+    counts: dict[str, int] = {}
+    for n in nodes:
+        key = f"{n.target.overloadpacket.__name__} at " \
+              f"{user_line(n.meta.get('stack_trace')) or n.name}"
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(k if c == 1 else k.replace(" at ", f" ({c}x) at ", 1)
+                     for k, c in counts.items())
 
 
 def _rng_input(gm: fx.GraphModule) -> fx.Node:
@@ -90,11 +127,12 @@ def _rng_input(gm: fx.GraphModule) -> fx.Node:
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, rng: fx.Node, op: int) -> None:
-    """``native_dropout(x, p, True)`` -> ``(x * mask * 1/(1-p), mask)``, the mask from
-    ``keep_mask``; its getitem users are rewired to the two values."""
-    x, p = node.args[0], _p(node)
-    val = x.meta[M.VAL]
-    fake = val.fake_mode
+    """A random op -> the ATen ops of its value on the stream (``random_draws.sample``). For
+    ``native_dropout``, ``(x * mask * 1/(1-p), mask)``: its getitem users are rewired to the two
+    values, so ``native_dropout_backward`` stays as it is."""
+    val = node.meta[M.VAL]
+    first = val[0] if isinstance(val, (tuple, list)) else val
+    fake = first.fake_mode
     emitted: list[fx.Node] = []
 
     def emit(target, *args, **kwargs) -> fx.Node:
@@ -107,64 +145,27 @@ def _rewrite(graph: fx.Graph, node: fx.Node, rng: fx.Node, op: int) -> None:
         emitted.append(new)
         return new
 
+    shape = shape_of(node.target, node.args, lambda a: a.meta[M.VAL])
     with graph.inserting_before(node):
-        mask = keep_mask(emit, rng, tuple(val.shape), p, op, val.device)
-        out = emit(aten.mul.Tensor, emit(aten.mul.Tensor, x, mask), 1.0 / (1.0 - p))
+        value = sample(emit, node.target, node.args, node.kwargs, rng, op, shape, first.dtype,
+                       first.device)
     index = next(n for n in emitted if n.target is aten.add.Tensor
                  and n.args[0].target is aten.arange.default)  # arange + slice * numel
-    bits = mask.args[0].args[0]  # view(ge(bits, threshold))
-    for value, what in ((index, "index"), (bits, "bits"), (mask, "mask"), (out, "out")):
-        value._rename(f"{node.name}_{what}")  # names a reader of the dump can follow
-    for user in list(node.users):  # getitem(native_dropout, 0 | 1)
-        user.replace_all_uses_with(out if user.args[1] == 0 else mask)
-        graph.erase_node(user)
+    index._rename(f"{node.name}_index")  # names a reader of the dump can follow
+    if isinstance(value, tuple):  # native_dropout: (out, mask)
+        for v, what in zip(value, ("out", "mask")):
+            v._rename(f"{node.name}_{what}")
+        for user in list(node.users):  # getitem(native_dropout, 0 | 1)
+            user.replace_all_uses_with(value[user.args[1]])
+            graph.erase_node(user)
+    else:
+        value._rename(f"{node.name}_value")
+        node.replace_all_uses_with(value)
+    shaped_by = node.args[0] if isinstance(node.args[0], fx.Node) else None
     graph.erase_node(node)
-
-
-def keep_mask(f, rng, shape: tuple[int, ...], p: float, op: int, device=None):
-    """The bool mask of dropout number ``op`` (True: kept) over a tensor of ``shape``, given
-    ``rng`` = ``[seed, step, slice]`` (int64). ``f(target, *args)`` applies an ATen op: ``call``
-    to compute it, or the pass's emitter to build it into the graph; the same function both
-    ways, so tests compare the program with this one."""
-    n = 1
-    for s in shape:
-        n *= s
-    seed, step, piece = (f(aten.select.int, rng, 0, i) for i in range(3))
-    salt = (op + 1) * GOLDEN & M32
-    seed_lo = f(aten.bitwise_and.Scalar, seed, M32)
-    seed_hi = f(aten.bitwise_and.Scalar, f(aten.bitwise_right_shift.Tensor_Scalar, seed, 32), M32)
-    a = _fmix32(f, f(aten.bitwise_xor.Scalar, seed_hi, salt))
-    a = _fmix32(f, f(aten.bitwise_xor.Tensor, seed_lo, a))
-    k0 = _fmix32(f, f(aten.bitwise_xor.Tensor, a, f(aten.bitwise_and.Scalar, step, M32)))
-    k1 = _fmix32(f, f(aten.bitwise_xor.Scalar, k0, GOLDEN))
-    index = f(aten.arange.default, n, dtype=torch.int64, device=device)
-    index = f(aten.add.Tensor, index, f(aten.mul.Tensor, piece, n))  # the global position
-    h = _fmix32(f, f(aten.bitwise_xor.Tensor, f(aten.bitwise_and.Scalar, index, M32), k0))
-    high = f(aten.bitwise_right_shift.Tensor_Scalar, index, 32)  # nonzero past 2**32 elements
-    h = _fmix32(f, f(aten.bitwise_xor.Tensor, f(aten.bitwise_xor.Tensor, h, high), k1))
-    threshold = round(p * 2**32)  # uniform(h) >= p, in integers
-    return f(aten.view.default, f(aten.ge.Scalar, h, threshold), list(shape))
-
-
-def call(target, *args, **kwargs):
-    """``keep_mask``'s ``f`` for computing the mask eagerly."""
-    return target(*args, **kwargs)
-
-
-def _fmix32(f, h):
-    """murmur3's finalizer on values in [0, 2**32) held in int64."""
-    h = f(aten.bitwise_xor.Tensor, h, f(aten.bitwise_right_shift.Tensor_Scalar, h, 16))
-    h = _mul32(f, h, 0x85EBCA6B)
-    h = f(aten.bitwise_xor.Tensor, h, f(aten.bitwise_right_shift.Tensor_Scalar, h, 13))
-    h = _mul32(f, h, 0xC2B2AE35)
-    return f(aten.bitwise_xor.Tensor, h, f(aten.bitwise_right_shift.Tensor_Scalar, h, 16))
-
-
-def _mul32(f, x, c: int):
-    """``x * c mod 2**32`` for ``x`` in [0, 2**32), exact in int64: no product passes 2**48."""
-    lo = f(aten.mul.Tensor, x, c & 0xFFFF)
-    hi = f(aten.bitwise_and.Scalar, f(aten.mul.Tensor, x, c >> 16), 0xFFFF)
-    return f(aten.bitwise_and.Scalar, f(aten.add.Tensor, lo, f(aten.mul.Tensor, hi, 1 << 16)), M32)
+    if shaped_by is not None and not shaped_by.users and \
+            shaped_by.target in (aten.empty_like.default, aten.empty.memory_format):
+        graph.erase_node(shaped_by)  # exponential_'s empty_like: only its shape was read
 
 
 def draw_seed() -> int:

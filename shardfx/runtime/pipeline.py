@@ -127,7 +127,7 @@ class PipelineRunner(PipelineState):
         same_plan(plan)  # runtime.checks: every rank would issue the same collectives
         # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
-        self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
+        self.step_count = 0  # steps taken: random draws depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
@@ -148,6 +148,12 @@ class PipelineRunner(PipelineState):
     def loss_scale(self) -> float | None:
         """The current loss scale (fp16 plans; ``shardfx.runtime.loss_scale``), else None."""
         return None if self.loss_scaler is None else self.loss_scaler.scale
+
+    @property
+    def rng_seed(self) -> int:
+        """The seed of this runner's random stream (``passes.rng``; 0 when the program draws
+        nothing): with ``step_count``, what ``random_draws.on_stream_eagerly`` replays."""
+        return self._seed
 
     def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """This rank's tp shard of a parameter, or the model's own when the stage is whole

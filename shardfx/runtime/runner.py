@@ -96,7 +96,7 @@ class Runner:
         self._same_batch = SameBatch(plan)
         # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.program.module) else 0
-        self.step_count = 0  # steps taken: dropout masks depend on it; set it when resuming
+        self.step_count = 0  # steps taken: random draws depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
         self._tangent, self._batch = 1.0, 0  # of the batch running: its share, its index
@@ -180,6 +180,12 @@ class Runner:
     def loss_scale(self) -> float | None:
         """The current loss scale (fp16 plans; ``shardfx.runtime.loss_scale``), else None."""
         return None if self.loss_scaler is None else self.loss_scaler.scale
+
+    @property
+    def rng_seed(self) -> int:
+        """The seed of this runner's random stream (``passes.rng``; 0 when the program draws
+        nothing): with ``step_count``, what ``random_draws.on_stream_eagerly`` replays."""
+        return self._seed
 
     def forward(self, args: tuple) -> Any:
         """The model's output for ``args``, computed by the inference program."""
