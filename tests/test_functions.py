@@ -4,6 +4,8 @@ trains (it is traced as the function it recomputes). Each against eager PyTorch.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
@@ -140,3 +142,40 @@ def test_phimoe_router_trains_as_eager_one_device():
     routers = [k for k in report.runner.grads() if "router" in k or "gate.weight" in k]
     assert routers, sorted(report.runner.grads())
     assert "exponential x" in str(report.plan) and "OFF the stream" not in str(report.plan)
+
+
+def test_a_function_that_takes_a_module_is_named():
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, layer, x):
+            return layer(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(Recompute.apply(self.a, x))
+
+    (x,), (y,) = batches(1)[0]
+    with pytest.raises(CaptureError, match=r"Recompute takes a module \(Linear\)") as e:
+        shardfx.partition(Model(), (x,), mse, (y,), mesh={})
+    assert "test_functions.py:" in e.value.where and "layer.weight" in e.value.fix
+
+
+def test_a_parameter_eager_trains_and_the_trace_does_not_is_named(monkeypatch):
+    """The safety net at planning: a trainable parameter the traced step gives no gradient
+    while eager autograd (run on fake tensors) gives it one. Shown by tracing reentrant
+    checkpointing the way torch.export alone does (the forward under no_grad: no gradient
+    anywhere), which is what shardfx did before."""
+    from shardfx.partitioner import capture
+
+    monkeypatch.setattr(capture, "routed_through_carrier", contextlib.nullcontext)
+    (x,), (y,) = batches(1)[0]
+    with pytest.raises(CaptureError, match=r"no gradient for .*eager PyTorch gives it one"):
+        shardfx.partition(Quantized(reentrant=True), (x,), mse, (y,), mesh={})

@@ -203,8 +203,29 @@ def _trace(model: torch.nn.Module, traced: torch.nn.Module, example: tuple, mode
     weighted_means_as_sums(gm.graph)  # a weighted mean loss split over dp is not a mean of means
     _merge_tied_parameters(gm, model)
     if mode is M.Mode.TRAIN:
-        check_gradients(gm, ep, model, prefix)
+        check_gradients(gm, ep, model, prefix, lambda: _eager_graded(traced, example, ep, prefix))
     return gm, reads, ep.call_spec.out_spec
+
+
+def _eager_graded(traced: "_LossOf", example: tuple, ep: torch.export.ExportedProgram,
+                  prefix: str) -> set[str]:
+    """The parameters the traced program reads to which eager autograd gives a gradient:
+    ``loss_fn(model(*args), *targets)`` and its backward run eagerly on fake tensors (shapes
+    only, no memory), the user's own autograd Functions and checkpointing included."""
+    model = traced.model
+    wanted = {n.removeprefix(prefix) for n in ep.graph_signature.inputs_to_parameters.values()}
+    with _hf_cache_off(model), traced_as(model, example, torch.device("cpu")) as fakes:
+        args, targets = fakes
+        params = [(n, p) for n, p in model.named_parameters() if n in wanted and p.requires_grad]
+        mode = params[0][1].fake_mode if params else None
+        if mode is None:
+            return set()
+        with mode, torch.enable_grad():
+            loss = traced.loss_fn(model(*args), *targets)
+            if not loss.requires_grad:
+                return set()
+            loss.backward()  # not autograd.grad: reentrant checkpointing refuses it
+        return {n for n, p in params if p.grad is not None}  # the fakes' grads, dropped on exit
 
 
 def capture_leaves(args: tuple, targets: tuple) -> tuple[LeafSpec, ...]:

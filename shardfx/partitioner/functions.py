@@ -21,9 +21,10 @@ Two torch Functions are special:
   is a forward without gradients. Checkpointing changes what is kept, not what is computed,
   and what to keep is shardfx's own decision (``remat``): the function is traced as plainly
   called, with the same gradients.
-- A Function that changes an input in place (``ctx.mark_dirty``) is refused, naming the
-  Function and its file:line: the carrier op is functional, and later readers of that input
-  would not see the change.
+- A Function that changes an input in place (``ctx.mark_dirty``), or takes a module as an
+  argument (its parameters are not the traced program's), is refused, naming the Function and
+  its file:line: the carrier op is functional, and later readers of that input would not see
+  the change. So is any Function whose forward or backward fails to trace.
 """
 
 from __future__ import annotations
@@ -93,8 +94,19 @@ _ROUTING = [False]  # while tracing: Function.apply goes through the carrier op
 
 def _autograd_kernel(tensors: list[torch.Tensor], key: int) -> list[torch.Tensor]:
     """The carrier op above autograd: the user's Function, forward and backward."""
-    with _direct():
-        return _CALLS[key].run(list(tensors))
+    call = _CALLS[key]
+    try:
+        with _direct():
+            return call.run(list(tensors))
+    except CaptureError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CaptureError(
+            f"the autograd.Function {call.function.__qualname__} could not be traced with its "
+            f"own backward: {type(e).__name__}: {first}", where=_where(call.function),
+            fix="pass every tensor its forward reads as an argument of apply (not inside a "
+                "module or a closure), and keep its forward to tensor ops") from e
 
 
 _LIB.impl("autograd_function", _autograd_kernel, "Autograd")
@@ -118,6 +130,14 @@ def _routed_apply(cls, *args, **kwargs):
     if cls is CheckpointFunction:  # (run_function, preserve_rng_state, *args)
         return args[0](*args[2:])
     leaves, spec = pytree.tree_flatten((args, kwargs))
+    if modules := [type(v).__name__ for v in leaves if isinstance(v, torch.nn.Module)]:
+        raise CaptureError(
+            f"the autograd.Function {cls.__qualname__} takes a module ({modules[0]}) as an "
+            "argument: the tensors it reads inside are not the traced program's, so its own "
+            "backward cannot be kept", where=_where(cls),
+            fix="pass the module's parameters to apply as tensors (e.g. F.apply(x, "
+                "layer.weight, layer.bias)) and compute with them, or use torch.utils.checkpoint "
+                "for recomputation")
     tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     if not tensor_at:
         with _direct():

@@ -11,6 +11,11 @@ checks make it an error instead:
   the loss through floating-point ops has a gradient output. Which parameters reach it is read
   off torch.export's graph, where ``detach`` and ``torch.no_grad()`` regions are still visible
   (the joint graph has neither): a parameter used only there gets no gradient in eager either.
+  Where a traced parameter still has no gradient output, eager autograd is asked (the step
+  run eagerly on fake tensors: no memory, no arithmetic): a parameter eager would train and
+  the program would not is an error too, whatever made the trace lose it (code that turns
+  gradients off in a way the exported graph does not show, such as an autograd.Function
+  that runs its forward under ``no_grad`` and its own backward).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -53,10 +58,13 @@ def no_silent_backward(model: torch.nn.Module) -> Iterator[None]:
 
 
 def check_gradients(gm: fx.GraphModule, ep: torch.export.ExportedProgram,
-                    model: torch.nn.Module, prefix: str) -> None:
+                    model: torch.nn.Module, prefix: str,
+                    eager_graded: Callable[[], set[str]] | None = None) -> None:
     """Requires: ROLE on placeholders, OUTPUTS on the output (capture); ``ep`` the exported
     training callable (its parameters named ``prefix`` + FQN). Raises CaptureError naming the
-    first trainable parameter the loss depends on that has no gradient output."""
+    first trainable parameter the loss depends on that has no gradient output, or, where
+    some traced parameter has none, that ``eager_graded()`` (the parameters eager autograd
+    gives a gradient) has."""
     roles = gm.graph.output_node().meta[M.OUTPUTS]
     graded = {r.name for r in roles if r.kind is M.OutputKind.GRAD}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -64,12 +72,18 @@ def check_gradients(gm: fx.GraphModule, ep: torch.export.ExportedProgram,
     reached = {param_of[n.name].removeprefix(prefix) for n in _reaching(ep.graph.output_node())
                if n.name in param_of}
     missing = [name for name in trainable if name in reached and name not in graded]
+    traced = {name.removeprefix(prefix) for name in param_of.values()}
+    depends = "the loss depends on it"
+    if not missing and eager_graded is not None and \
+            any(name in traced and name not in graded for name in trainable):
+        missing = [name for name in trainable if name in eager_graded() and name not in graded]
+        depends = "eager PyTorch gives it one from the same step"
     if not missing:
         return
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     raise CaptureError(
-        f"the traced training step has no gradient for {missing[0]}{more}, although the loss "
-        f"depends on it ({len(graded)} of the trainable parameters have one)",
+        f"the traced training step has no gradient for {missing[0]}{more}, although {depends} "
+        f"({len(graded)} of the trainable parameters have one)",
         where=f"{type(model).__name__}.{missing[0]}",
         fix="if forward uses it under torch.no_grad() or .detach() on purpose, set "
             f"requires_grad_(False) on it; otherwise an op on its path has no backward in "
