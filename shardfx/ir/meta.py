@@ -77,7 +77,7 @@ class InputKind(str, enum.Enum):
     MESH = "mesh"  # per-rank facts of a per-device program: a process group name, a coordinate
     CONSTANT = "constant"  # a tensor the model makes from Python values (x[:, [0, 1]]'s index),
     # or reads from outside the model (a global, a tensor loss_fn closes over)
-    RNG = "rng"  # i64[3] [seed, step, slice]: the random state of dropout masks (passes.rng)
+    RNG = "rng"  # i64[3] [seed, step, slice]: the random stream's state (passes.rng)
 
     def __str__(self) -> str:
         return self.value

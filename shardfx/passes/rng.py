@@ -169,7 +169,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, rng: fx.Node, op: int) -> None:
 
 
 def draw_seed() -> int:
-    """The seed of a runner's dropout masks: ``torch.initial_seed()`` (so ``torch.manual_seed``
+    """The seed of a runner's random stream: ``torch.initial_seed()`` (so ``torch.manual_seed``
     before ``plan.runner()`` reproduces the masks), rank 0's when torch.distributed runs, so
     every device of the mesh agrees even when the ranks were seeded apart. Collective when
     torch.distributed is initialized: call it on every rank."""

@@ -125,7 +125,7 @@ class PipelineRunner(PipelineState):
         self._reduce_dtype = plan.options.precision.narrower_reduce
         self._same_batch = SameBatch(plan)
         same_plan(plan)  # runtime.checks: every rank would issue the same collectives
-        # dropout masks: [seed, step, slice] (passes.rng); the seed agreed once by every rank
+        # random draws (dropout, noise): [seed, step, slice] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
         self.step_count = 0  # steps taken: random draws depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)

@@ -94,7 +94,7 @@ class Runner:
             check_optimizer(plan.options.optimizer, self.optimizer)
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
         self._same_batch = SameBatch(plan)
-        # dropout masks: [seed, step, 0] (passes.rng); the seed agreed once by every rank
+        # random draws (dropout, noise): [seed, step, 0] (passes.rng); the seed agreed once by every rank
         self._seed = draw_seed() if reads_rng(plan.program.module) else 0
         self.step_count = 0  # steps taken: random draws depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)
@@ -128,7 +128,7 @@ class Runner:
         for index, (args, targets) in enumerate(batches):
             flat = self._plan.check_inputs(args, targets)
             self._same_batch(flat)
-            self._batch = index  # its dropout masks are its own
+            self._batch = index  # its random draws are its own
             into = self._accumulators(trained) if index else {}
             outs = self._run(self._plan.program, flat, into)
             losses.append(next(v for r, v in outs if r.kind is M.OutputKind.LOSS))
