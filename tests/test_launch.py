@@ -465,3 +465,41 @@ def test_ranks_start_with_the_modules_the_fork_server_preloaded():
     forks with them imported, this module imports none of them."""
     assert "transformers.models.llama.modeling_llama" in os.environ["SHARDFX_PRELOAD"]
     assert shardfx.launch(_preloaded, nprocs=2) == [True, True]
+
+
+def trace_a_plan() -> int:
+    """Plan and step a tiny nanoGPT on dp=2: torch.fx's interpreter makes a tqdm bar while
+    tracing it."""
+    from models import lm_loss, tiny, token_batches
+
+    (ids,), (labels,) = token_batches(1)[0]
+    plan = shardfx.partition(tiny("nanogpt"), (ids,), lm_loss, (labels,), mesh={"dp": 2})
+    plan.runner(optimizer=lambda p: torch.optim.SGD(p, lr=0.1)).step((ids,), (labels,))
+    return dist.get_rank()
+
+
+def test_a_clean_launch_leaves_no_leaked_semaphore_warning(tmp_path):
+    """tqdm's process-shared lock, made while ranks trace, made Python's resource tracker warn
+    "There appear to be N leaked semaphore objects" after every launch whose function lives in
+    the user's script (make demo's too)."""
+    script = tmp_path / "train.py"
+    script.write_text(f"import sys; sys.path.insert(0, {TESTS!r})\n" + _TRACE_IN_MAIN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip().endswith("[0, 1]"), done.stderr[-2000:]
+    assert "leaked semaphore" not in done.stderr, done.stderr[-2000:]
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+_TRACE_IN_MAIN = """\
+import shardfx
+
+
+def work():
+    from test_launch import trace_a_plan
+    return trace_a_plan()
+
+
+if __name__ == "__main__":
+    print(shardfx.launch(work, nprocs=2))
+"""

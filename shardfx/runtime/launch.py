@@ -364,6 +364,7 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs))
     try:
         _set_threads(nprocs, launcher_threads)
+        _no_process_locks()
         gpu = _gpu(backend, r)
         dist.init_process_group(backend, init_method="env://", rank=r, world_size=nprocs,
                                 timeout=timedelta(seconds=timeout), device_id=gpu)
@@ -383,6 +384,20 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
     if dist.is_initialized():
         _leave_together(nprocs, timeout)
         _destroy_groups()
+
+
+def _no_process_locks() -> None:
+    """In a rank: tqdm's write lock without its multiprocessing half. torch.fx's interpreter
+    makes a (disabled) tqdm bar while tracing, whose first use creates a process-shared
+    semaphore for bars printed from several processes; a rank prints none, and the semaphore,
+    never unlinked, made Python's resource tracker warn of "leaked semaphore objects" at the
+    end of every launch."""
+    try:
+        from tqdm.std import TqdmDefaultWriteLock
+    except ImportError:
+        return
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = None  # create_mp_lock() keeps it: the thread lock only
 
 
 def _import_before_groups() -> None:
