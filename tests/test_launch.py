@@ -503,3 +503,21 @@ def work():
 if __name__ == "__main__":
     print(shardfx.launch(work, nprocs=2))
 """
+
+
+def plan_for_two_devices() -> None:
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    shardfx.partition(model, (x,), torch.nn.functional.mse_loss, (y,), mesh={"dp": 2}).runner()
+
+
+def test_the_same_error_on_every_rank_is_said_once_without_a_traceback():
+    """A plan for 2 devices run on 4 processes: every rank meets the same MeshError; the
+    launch says it once, with its fix, and no traceback from inside shardfx."""
+    with pytest.raises(LaunchError) as err:
+        launch(plan_for_two_devices, nprocs=4, timeout=60)
+    text = str(err.value)
+    assert text.startswith("every rank raised MeshError: mesh dp=2 needs 2 processes, "
+                           "this run has 4"), text
+    assert "shardfx.launch(..., nprocs=2)" in text and "plan for a mesh of 4 devices" in text
+    assert "Traceback" not in text and "rank 3" not in text

@@ -245,6 +245,22 @@ def _first_failure(outcomes: list[_Outcome | None]) -> int:
     return first
 
 
+def _same_shardfx_error(outcomes: list[_Outcome | None]) -> str | None:
+    """The summary every rank raised, when it is one and the same shardfx error (bad input
+    every rank met alike: a mesh that does not match nprocs, a plan that cannot be made):
+    said once, with its own where and fix, without tracebacks from inside shardfx."""
+    summaries = {o.summary if o is not None and o.kind == "raised" else None for o in outcomes}
+    if len(summaries) != 1 or None in summaries:
+        return None
+    summary = summaries.pop()
+    name = summary.split(":", 1)[0]
+    return summary if name in _error_names(ShardfxError) else None
+
+
+def _error_names(cls: type) -> set[str]:
+    return {cls.__name__, *(n for sub in cls.__subclasses__() for n in _error_names(sub))}
+
+
 def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str,
              deadline: float, timeout: float, started: list[bool]):
     """The ranks' values in order, or the LaunchError for the first rank that failed
@@ -261,6 +277,8 @@ def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str
             fix=f"look for a rank stuck outside a collective (collectives fail after "
             f"timeout={timeout:g} s; their stacks are below); for long runs pass a larger "
             "deadline=")
+    if same := _same_shardfx_error(outcomes):
+        raise LaunchError(f"every rank raised {same}", where=where)
     r = _first_failure(outcomes)
     o = outcomes[r]
     where = "; ".join([where, *(f"rank {i} {other or 'was killed while still running'}"

@@ -53,7 +53,9 @@ def device_mesh(spec: MeshSpec | dict[str, int] | str) -> DeviceMesh:
     world = dist.get_world_size()
     if world != spec.size:
         raise MeshError(f"mesh {spec} needs {spec.size} processes, this run has {world}",
-                        where="shardfx.runtime.mesh.device_mesh", fix=run_with)
+                        where=f"plan.runner() of a plan for mesh {spec} (partition(..., "
+                              f"mesh=...)), in a run of {world} processes",
+                        fix=f"{run_with}, or plan for a mesh of {world} devices")
     _check_nodes(spec)
     # A one-device spec has no axes, but a DeviceMesh needs one dimension: give it dp=1.
     names, sizes = zip(*(spec.axes or (("dp", 1),)))
