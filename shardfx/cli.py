@@ -36,13 +36,14 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardfx.config import zero_stage
-from shardfx.errors import MeshError, ShardfxError
+from shardfx.errors import InputError, MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
 
 if TYPE_CHECKING:
@@ -280,7 +281,15 @@ def load_job(spec: str) -> Job:
                         where=spec, fix=f"name a function that takes no arguments and will "
                         f"{FACTORY_SHAPE}")
     _check_no_required_args(factory, spec)
-    return _job(factory(), spec)
+    try:
+        made = factory()
+    except OSError as e:  # a data file not made yet (examples/prepare_text.py), unreadable
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise InputError(f"the factory could not read what it needs: {type(e).__name__}: {e}",
+                        where=f"{spec} ({frame.filename}:{frame.lineno} in {frame.name})",
+                        fix="make or point to the file it reads (its message above says how), "
+                            "then run again") from None
+    return _job(made, spec)
 
 
 def _import(name: str) -> ModuleType:

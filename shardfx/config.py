@@ -231,7 +231,7 @@ def _checked(f: dataclasses.Field, value: Any, where: str) -> Any:
 
 def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> None:
     """Options the mesh has no axis for: ``pipeline`` options given (field names) without a
-    pp axis, a ZeRO stage without dp."""
+    pp axis, a ZeRO stage without dp; ZeRO-3 with pp."""
     where = f"--mesh {mesh_text or '(one device)'}"
     flags = " and ".join(f"--{n.replace('_', '-')}" for n in pipeline)
     if pipeline and mesh.axis("pp") <= 1:
@@ -242,6 +242,10 @@ def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> No
         raise InputError(f"--zero {zero} shards the training state over dp, and the mesh {mesh} "
                          "has no dp axis", where=where,
                          fix="add a dp axis (--mesh dp=2,...) or drop --zero")
+    if zero == 3 and mesh.axis("pp") > 1:
+        raise InputError(f"--zero 3 inside a pipeline is not supported (mesh {mesh}): each "
+                         "stage would gather its parameters once per microbatch", where=where,
+                         fix="use --zero 1 or --zero 2 with pp, or drop the pp axis for --zero 3")
 
 
 def _close(word: str, known) -> str:

@@ -127,7 +127,8 @@ def _check_fields(config: RunConfig, mesh: MeshSpec) -> None:
 
 
 def _check_batch(job, config: RunConfig, mesh: MeshSpec) -> None:
-    """A global batch the mesh cannot divide: its rows over dp, then over microbatches."""
+    """A global batch the mesh cannot divide: its rows over dp, then over microbatches; its
+    sequences into 2*cp chunks."""
     leaves = [t for t in pytree.tree_leaves((job.args, job.targets))
               if isinstance(t, torch.Tensor) and t.dim()]
     if not leaves:
@@ -139,6 +140,14 @@ def _check_batch(job, config: RunConfig, mesh: MeshSpec) -> None:
         raise InputError(f"the factory's batch has {rows} rows, which {parts} cannot divide "
                          "evenly", where=f"{config.spec}, args[0].shape[0] on --mesh {mesh}",
                          fix=f"make the batch a multiple of {dp * m} rows, or change the mesh")
+    cp = mesh.axis("cp")
+    if cp > 1 and leaves[0].dim() >= 2 and leaves[0].shape[1] % (2 * cp):
+        length = leaves[0].shape[1]
+        raise InputError(f"the factory's sequences have {length} tokens, which cp={cp} cannot "
+                         f"split: each rank holds 2 of 2*cp={2 * cp} equal chunks (one from the "
+                         "front, one from the back, so causal attention is balanced)",
+                         where=f"{config.spec}, args[0].shape[1] on --mesh {mesh}",
+                         fix=f"make the sequence a multiple of {2 * cp} tokens, or change cp")
 
 
 # --- one rank ---------------------------------------------------------------------------------

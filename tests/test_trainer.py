@@ -69,6 +69,8 @@ def test_command_line_flags_override_the_file(monkeypatch):
     (["--every", "5"], "every is 5, with no save directory"),
     (["--warmup", "10", "--steps", "5"], "warmup is 10 steps of a 5-step run"),
     (["--tokens", "nowhere.bin"], "no token file 'nowhere.bin'"),
+    (["--mesh", "cp=3"], "sequences have 64 tokens, which cp=3 cannot split"),
+    (["--mesh", "dp=2,pp=2", "--zero", "3"], "--zero 3 inside a pipeline is not supported"),
     (["--tensorboard", "tb"], None),
     (["--gpu", "tpu9"], "no peak FLOP/s preset for the GPU 'tpu9'"),
 ])
@@ -162,6 +164,21 @@ def test_a_run_killed_between_checkpoints_resumes_with_the_same_losses(tmp_path)
     subprocess.run([sys.executable, "examples/plot_metrics.py", str(tmp_path / "a.jsonl"),
                     str(log), "--out", str(page)], cwd=REPO, check=True, capture_output=True)
     assert page.read_text().count("<polyline") >= 2
+
+
+def test_a_factory_whose_data_file_is_missing_says_so_once(capsys, monkeypatch, tmp_path):
+    """The likeliest first mistake: the Shakespeare config run before prepare_text.py."""
+    from shardfx import cli
+
+    monkeypatch.setattr(shardfx, "launch", lambda *a, **k: pytest.fail("spawned"))
+    script = tmp_path / "needs_data.py"
+    script.write_text("def make():\n"
+                      "    raise FileNotFoundError('data/meta.json is missing: run "
+                      "python examples/prepare_text.py first')\n")
+    assert cli.main(["run", f"{script}:make"]) == 1
+    err = capsys.readouterr().err
+    assert "FileNotFoundError: data/meta.json is missing: run python examples/prepare_text.py" \
+        in err and f"{script}:2 in make" in err and "Traceback" not in err, err
 
 
 def test_inspect_refuses_a_schedule_without_a_pp_axis(capsys):
