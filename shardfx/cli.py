@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="what matmuls and attention compute in; softmax, norms and the loss "
                    "stay fp32 (default: fp32)")
+    p.add_argument("--shard", choices=["auto", "megatron", "megatron-sp", "replicate"],
+                   default="auto", help="how weights split over tp: auto (a solver picks by "
+                   "the device model), megatron, megatron-sp (and the sequence over tp), "
+                   "replicate (default auto)")
     p.add_argument("--zero", type=zero_stage, choices=[0, 1, 2, 3, "auto"], default="auto",
                    help="shard the training state over dp (ZeRO): 1 the optimizer state, 2 "
                    "and the gradients, 3 and the parameters; auto: the cheapest stage that "
@@ -213,7 +217,8 @@ def inspect_command(ns: argparse.Namespace) -> int:
         job.model, job.args,
         loss_fn=None if ns.infer else job.loss_fn,
         example_targets=() if ns.infer else job.targets,
-        mesh=dict(ns.mesh.axes), precision=ns.precision, memory_budget=ns.budget,
+        mesh=dict(ns.mesh.axes), shard=ns.shard, precision=ns.precision,
+        memory_budget=ns.budget,
         zero=ns.zero, device_model=ns.device_model, **pipeline_kwargs(ns))
     print(str(plan).rstrip("\n"))
     if plan.schedule is not None:

@@ -8,7 +8,7 @@ name with dashes: ``[training] clip_grad_norm`` is ``--clip-grad-norm``); a flag
 over the file, the file over the default. The tree, section by section:
 
     [run]         spec (MODULE:FACTORY), seed
-    [parallel]    mesh, zero, precision, microbatches, schedule, virtual_stages,
+    [parallel]    mesh, shard, zero, precision, microbatches, schedule, virtual_stages,
                   capacity_factor
     [optimizer]   lr, weight_decay, beta1, beta2, eps            (AdamW)
     [lr_schedule] warmup, decay (constant | cosine | linear), final_lr   (a fraction of lr)
@@ -55,6 +55,10 @@ class Run:
 @dataclass
 class Parallel:
     mesh: str = _f("", "device mesh, e.g. dp=2,tp=2 (default: one device)")
+    shard: str = _f("auto", "how weights split over tp: auto (a solver picks by the device "
+                            "model), megatron, megatron-sp (and the sequence over tp), "
+                            "replicate (tp ranks as data parallel)",
+                    choices=("auto", "megatron", "megatron-sp", "replicate"))
     zero: int | str = _f("auto", "ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and "
                                  "parameters; auto: the cheapest that fits the memory",
                          object, (0, 1, 2, 3, "auto"), zero_stage)

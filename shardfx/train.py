@@ -122,6 +122,10 @@ def _check_fields(config: RunConfig, mesh: MeshSpec) -> None:
     given = [n for n in ("microbatches", "schedule", "virtual_stages")
              if getattr(config.parallel, n) is not None]
     check_axes(given, config.zero, mesh, config.mesh)
+    need(config.shard != "megatron-sp" or mesh.axis("tp") > 1, f"--shard megatron-sp splits "
+         f"the sequence over tp, and the mesh {mesh} has no tp axis",
+         f"--mesh {config.mesh or '(one device)'}",
+         "add a tp axis (--mesh tp=2,...) or use --shard megatron or auto")
     need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
          "directory", "--every", "give --save DIR, where the checkpoints go")
 
@@ -163,7 +167,7 @@ def train(config: RunConfig) -> list[float]:
     pipeline = {k: v for k in ("microbatches", "schedule", "virtual_stages")
                 if (v := getattr(config.parallel, k)) is not None}
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
-                             precision=config.precision, zero=config.zero,
+                             shard=config.shard, precision=config.precision, zero=config.zero,
                              capacity_factor=config.capacity_factor, **pipeline)
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")

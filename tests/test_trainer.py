@@ -60,6 +60,24 @@ def test_command_line_flags_override_the_file(monkeypatch):
     assert config.spec == "examples/nanogpt.py:shakespeare"
 
 
+def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
+    """``shard="auto"`` is the default; a run can leave it (``--shard``, ``[parallel] shard``)."""
+    from shardfx import cli, train
+
+    seen = []
+    monkeypatch.setattr("shardfx.train.run", seen.append)
+    toml = tmp_path / "r.toml"
+    toml.write_text(f'[run]\nspec = "{SPEC}"\n[parallel]\nshard = "replicate"\n')
+    assert cli.main(["run", "--config", str(toml)]) == 0
+    assert cli.main(["run", "--config", str(toml), "--shard", "megatron"]) == 0
+    assert [c.shard for c in seen] == ["replicate", "megatron"]
+    planned = []
+    monkeypatch.setattr(shardfx, "partition", lambda *a, **k: planned.append(k) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train.train(seen[1])
+    assert planned[0]["shard"] == "megatron"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "dp=2", "--schedule", "gpipe"], "--schedule given, but the mesh dp=2 has no pp"),
     (["--microbatches", "2"], "--microbatches given, but the mesh 1 device has no pp"),
@@ -70,6 +88,7 @@ def test_command_line_flags_override_the_file(monkeypatch):
     (["--warmup", "10", "--steps", "5"], "warmup is 10 steps of a 5-step run"),
     (["--tokens", "nowhere.bin"], "no token file 'nowhere.bin'"),
     (["--mesh", "cp=3"], "sequences have 64 tokens, which cp=3 cannot split"),
+    (["--mesh", "dp=2", "--shard", "megatron-sp"], "--shard megatron-sp splits the sequence"),
     (["--mesh", "dp=2,pp=2", "--zero", "3"], "--zero 3 inside a pipeline is not supported"),
     (["--tensorboard", "tb"], None),
     (["--gpu", "tpu9"], "no peak FLOP/s preset for the GPU 'tpu9'"),
