@@ -83,10 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardfx {ns.name}: error: {e}", file=sys.stderr)
         return 2
     except ShardfxError as e:
-        from shardfx.runtime.launch import record_for_torchrun
-
         print(f"shardfx {ns.name}: error: {e}", file=sys.stderr)
-        record_for_torchrun(e)  # torchrun's summary shows it, not "To enable traceback see"
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun (not importing torch)
+            from shardfx.runtime.launch import record_for_torchrun
+
+            record_for_torchrun(e)  # torchrun's summary shows it, not "To enable traceback see"
         return 1
 
 
@@ -246,12 +247,15 @@ def calibrate_command(ns: argparse.Namespace) -> int:
 
 
 def run_command(ns: argparse.Namespace) -> int:
-    from shardfx.config import RunConfig, load_toml, set_fields
-    from shardfx.train import run
+    from shardfx.config import RunConfig, check_fields, load_toml, set_fields
 
     config = load_toml(ns.config) if ns.config else RunConfig()
     given = {k: v for k, v in vars(ns).items() if k not in ("command", "name", "config")}
     set_fields(config, given, "the command line")
+    check_fields(config)  # a mistake in the file or the flags is said before torch loads
+
+    from shardfx.train import run  # imports torch
+
     run(config)
     return 0
 

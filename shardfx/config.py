@@ -233,6 +233,52 @@ def _checked(f: dataclasses.Field, value: Any, where: str) -> Any:
     return value
 
 
+def check_fields(config: "RunConfig") -> None:
+    """Every field's value alone and against the mesh (no torch, no model): an InputError in
+    the command line's terms. ``shardfx run`` calls it before importing torch."""
+    from shardfx.mesh import MeshSpec
+
+    mesh = MeshSpec.parse(config.mesh)
+
+    def need(ok: bool, what: str, where: str, fix: str) -> None:
+        if not ok:
+            raise InputError(what, where=where, fix=fix)
+
+    if not config.spec:
+        raise InputError("no model factory to train", where="shardfx run",
+                         fix="give MODULE:FACTORY on the command line, or [run] spec in --config")
+    for name in ("steps", "accumulate"):
+        need(getattr(config, name) >= 1, f"{name} is {getattr(config, name)}",
+             f"--{name}", "a positive integer")
+    for name in ("every", "keep", "warmup"):
+        need(getattr(config, name) >= 0, f"{name} is {getattr(config, name)}",
+             f"--{name}", "zero or a positive integer")
+    need(config.warmup < config.steps or config.warmup == 0,
+         f"warmup is {config.warmup} steps of a {config.steps}-step run", "--warmup",
+         "fewer warmup steps than steps")
+    need(0 <= config.final_lr <= 1, f"final_lr is {config.final_lr}", "--final-lr",
+         "a fraction of lr between 0 and 1")
+    need(config.lr > 0, f"lr is {config.lr}", "--lr", "a positive learning rate")
+    for name in ("beta1", "beta2"):
+        need(0 <= getattr(config, name) < 1, f"{name} is {getattr(config, name)}",
+             f"--{name}", "a decay rate in [0, 1), e.g. 0.9 (beta1) or 0.999 (beta2)")
+    need(config.eps > 0, f"eps is {config.eps}", "--eps", "a small positive number, e.g. 1e-8")
+    need(config.weight_decay >= 0, f"weight_decay is {config.weight_decay}", "--weight-decay",
+         "zero or a positive decay")
+    need(config.clip_grad_norm is None or config.clip_grad_norm > 0,
+         f"clip_grad_norm is {config.clip_grad_norm}", "--clip-grad-norm",
+         "a positive norm, or leave it out")
+    given = [n for n in ("microbatches", "schedule", "virtual_stages")
+             if getattr(config.parallel, n) is not None]
+    check_axes(given, config.zero, mesh, config.mesh)
+    need(config.shard != "megatron-sp" or mesh.axis("tp") > 1, f"--shard megatron-sp splits "
+         f"the sequence over tp, and the mesh {mesh} has no tp axis",
+         f"--mesh {config.mesh or '(one device)'}",
+         "add a tp axis (--mesh tp=2,...) or use --shard megatron or auto")
+    need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
+         "directory", "--every", "give --save DIR, where the checkpoints go")
+
+
 def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> None:
     """Options the mesh has no axis for: ``pipeline`` options given (field names) without a
     pp axis, a ZeRO stage without dp; ZeRO-3 with pp."""

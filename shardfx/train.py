@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 
 import shardfx
 from shardfx import run_checkpoints, step_trace
-from shardfx.config import RunConfig, check_axes
+from shardfx.config import RunConfig, check_fields
 from shardfx.data import batches as data_batches
 from shardfx.data import token_shape
 from shardfx.errors import InputError
@@ -81,7 +81,7 @@ def preflight(config: RunConfig) -> None:
 
     mesh = MeshSpec.parse(config.mesh)
     check_world(mesh.size, where=f"--mesh {config.mesh or '(one device)'}")  # under torchrun
-    _check_fields(config, mesh)
+    check_fields(config)  # again: under torchrun no command line checked it first
     check_tensorboard(config.metrics.tensorboard)
     peak_flops(config.metrics.peak_tflops, config.metrics.gpu, config.precision)
     if config.resume:
@@ -94,40 +94,6 @@ def preflight(config: RunConfig) -> None:
 
         rows, length, dtype = token_shape(job)
         TokenFile(config.data.tokens, rows, length, config.seed, dtype)  # exists, long enough
-
-
-def _check_fields(config: RunConfig, mesh: MeshSpec) -> None:
-    def need(ok: bool, what: str, where: str, fix: str) -> None:
-        if not ok:
-            raise InputError(what, where=where, fix=fix)
-
-    if not config.spec:
-        raise InputError("no model factory to train", where="shardfx run",
-                         fix="give MODULE:FACTORY on the command line, or [run] spec in --config")
-    for name in ("steps", "accumulate"):
-        need(getattr(config, name) >= 1, f"{name} is {getattr(config, name)}",
-             f"--{name}", "a positive integer")
-    for name in ("every", "keep", "warmup"):
-        need(getattr(config, name) >= 0, f"{name} is {getattr(config, name)}",
-             f"--{name}", "zero or a positive integer")
-    need(config.warmup < config.steps or config.warmup == 0,
-         f"warmup is {config.warmup} steps of a {config.steps}-step run", "--warmup",
-         "fewer warmup steps than steps")
-    need(0 <= config.final_lr <= 1, f"final_lr is {config.final_lr}", "--final-lr",
-         "a fraction of lr between 0 and 1")
-    need(config.lr > 0, f"lr is {config.lr}", "--lr", "a positive learning rate")
-    need(config.clip_grad_norm is None or config.clip_grad_norm > 0,
-         f"clip_grad_norm is {config.clip_grad_norm}", "--clip-grad-norm",
-         "a positive norm, or leave it out")
-    given = [n for n in ("microbatches", "schedule", "virtual_stages")
-             if getattr(config.parallel, n) is not None]
-    check_axes(given, config.zero, mesh, config.mesh)
-    need(config.shard != "megatron-sp" or mesh.axis("tp") > 1, f"--shard megatron-sp splits "
-         f"the sequence over tp, and the mesh {mesh} has no tp axis",
-         f"--mesh {config.mesh or '(one device)'}",
-         "add a tp axis (--mesh tp=2,...) or use --shard megatron or auto")
-    need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
-         "directory", "--every", "give --save DIR, where the checkpoints go")
 
 
 def _check_batch(job, config: RunConfig, mesh: MeshSpec) -> None:

@@ -54,7 +54,8 @@ def test_command_line_flags_override_the_file(monkeypatch):
 
     seen = []
     monkeypatch.setattr("shardfx.train.run", seen.append)
-    assert cli.main(["run", "--config", str(CONFIG), "--steps", "7", "--mesh", "dp=2"]) == 0
+    assert cli.main(["run", "--config", str(CONFIG), "--steps", "7", "--mesh", "dp=2",
+                     "--warmup", "2"]) == 0  # the file's 30 warmup steps: more than 7
     (config,) = seen
     assert (config.steps, config.mesh, config.accumulate) == (7, "dp=2", 2)
     assert config.spec == "examples/nanogpt.py:shakespeare"
@@ -89,6 +90,8 @@ def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
     (["--tokens", "nowhere.bin"], "no token file 'nowhere.bin'"),
     (["--mesh", "cp=3"], "sequences have 64 tokens, which cp=3 cannot split"),
     (["--mesh", "dp=2", "--shard", "megatron-sp"], "--shard megatron-sp splits the sequence"),
+    (["--beta1", "1.5"], "beta1 is 1.5"),
+    (["--eps", "0"], "eps is 0.0"),
     (["--mesh", "dp=2,pp=2", "--zero", "3"], "--zero 3 inside a pipeline is not supported"),
     (["--tensorboard", "tb"], None),
     (["--gpu", "tpu9"], "no peak FLOP/s preset for the GPU 'tpu9'"),
@@ -183,6 +186,19 @@ def test_a_run_killed_between_checkpoints_resumes_with_the_same_losses(tmp_path)
     subprocess.run([sys.executable, "examples/plot_metrics.py", str(tmp_path / "a.jsonl"),
                     str(log), "--out", str(page)], cwd=REPO, check=True, capture_output=True)
     assert page.read_text().count("<polyline") >= 2
+
+
+def test_a_mistake_in_the_config_is_said_before_torch_is_imported(tmp_path):
+    """A wrong key or value in the TOML costs no torch import (seconds of CPU) to report."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[run]\nspec = "{SPEC}"\n[optimizer]\nbeta1 = 1.5\n')
+    code = ("import sys; from shardfx import cli; "
+            f"code = cli.main(['run', '--config', {str(bad)!r}]); "
+            "print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.stdout.split() == ["1", "False"], (done.stdout, done.stderr)
+    assert "beta1 is 1.5" in done.stderr and "where: --beta1" in done.stderr
 
 
 def test_a_factory_whose_data_file_is_missing_says_so_once(capsys, monkeypatch, tmp_path):
