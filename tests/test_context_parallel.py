@@ -193,7 +193,58 @@ def _partition(model, batch: int = 1, seq: int = SEQ, **kw):
 def test_a_mask_the_ring_cannot_split_is_refused():
     with pytest.raises(shardfx.ShardingError) as e:
         _partition(_Encoder(window=2), mesh={"cp": 2})
-    assert "dense mask" in str(e.value) and "drop the cp axis" in str(e.value)
+    assert "dense mask, a (8, 8) pattern that is neither causal, full nor a sliding window" \
+        in str(e.value) and "drop the cp axis" in str(e.value)
+
+
+def test_a_sliding_window_is_named_with_its_width_and_a_fix_for_it():
+    """Mistral's sliding window: not "pass no attention_mask" (the user passed none)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.MistralForCausalLM(T.MistralConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, sliding_window=4))
+    with pytest.raises(shardfx.ShardingError) as e:
+        _partition(model, mesh={"cp": 2})
+    assert "a sliding window: each query attends to its own key and the 3 before it" in \
+        str(e.value) and "sliding_window=None" in e.value.fix, e.value
+
+
+def test_a_mask_from_the_inputs_is_named_as_such():
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny("llama")
+
+        def forward(self, ids, keep):
+            return self.model(ids, attention_mask=keep)
+
+    (x,), (y,) = token_batches(1, 2)[0]
+    with pytest.raises(shardfx.ShardingError) as e:
+        shardfx.partition(Padded(), (x, torch.ones_like(x)), lm_loss, (y,), mesh={"cp": 2})
+    assert "computed from the model's inputs" in str(e.value)
+    assert "without attention_mask" in e.value.fix
+
+
+def _bert_cp2() -> float:
+    from models import hf
+
+    return compare_training(hf("bert"), token_batches(2), lm_loss, mesh={"cp": 2}).max()
+
+
+def test_bert_on_cp2_is_full_attention_and_equals_one_device():
+    """BERT's traced mask lets every token attend to every other (no sequence padded): full
+    attention, which the ring runs, not a dense mask it refuses."""
+    (x,), (y,) = token_batches(1)[0]
+    from models import hf
+    from shardfx.passes import causal_mask
+
+    plan = shardfx.partition(hf("bert"), (x,), lm_loss, (y,), mesh={"cp": 2})
+    flash = [n for n in plan.ir.graph.nodes if n.target in (causal_mask.FLASH,
+                                                            causal_mask.FLASH_BACKWARD)]
+    assert flash and all("attn_mask" not in n.kwargs for n in flash)
+    assert max(shardfx.launch(_bert_cp2, nprocs=2, timeout=120)) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "nanogpt"])
@@ -205,8 +256,8 @@ def test_a_long_mask_is_checked_a_few_rows_at_a_time(monkeypatch, name):
 
     monkeypatch.setattr(causal_mask, "BLOCK", 16)
     checked = []
-    monkeypatch.setattr(causal_mask, "_is_causal",
-                        lambda m, check=causal_mask._is_causal: checked.append(m) or check(m))
+    monkeypatch.setattr(causal_mask, "_classify",
+                        lambda m, check=causal_mask._classify: checked.append(m) or check(m))
     plan = _partition(tiny(name), mesh={"cp": 2})
     assert len(checked) <= 1, checked
     flash = [n for n in plan.ir.graph.nodes if n.target in (causal_mask.FLASH,

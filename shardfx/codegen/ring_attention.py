@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
 from shardfx.errors import PassError, ShardingError, user_line
+from shardfx.passes.causal_mask import mask_refusal
 from shardfx.runtime.attention import attention, attention_backward  # the plan's device's kernel
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -259,11 +260,7 @@ def ring_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict)
     given = dict(zip(names, args)) | dict(kwargs)
     where = f"{node.name} ({user_line(node.meta.get('stack_trace')) or 'attention'})"
     if given.get("attn_mask") is not None:
-        raise ShardingError(
-            "this attention has a dense mask: ring attention (the cp axis) computes causal or "
-            "full attention only", where=where,
-            fix="pass no attention_mask when every token attends to the ones before it (the "
-            "model's causal attention), or drop the cp axis")
+        raise mask_refusal(node)
     if given.get("dropout_p", 0.0):
         raise ShardingError(
             f"this attention has dropout_p={given['dropout_p']}: ring attention (the cp axis) "

@@ -47,6 +47,7 @@ BLOCK = "shardfx.block"
 CHOICE = "shardfx.choice"
 PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 RANDOM = "shardfx.random"  # gm.meta: passes.rng.RandomReport
+MASK = "shardfx.mask"  # attention ops: passes.causal_mask's AttentionMask
 
 
 class Mode(str, enum.Enum):
@@ -57,6 +58,15 @@ class Mode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What an attention op's dense mask is (``passes.causal_mask``): ``kind`` causal | full |
+    window | input | other, and ``detail`` in words, for messages."""
+
+    kind: str
+    detail: str
 
 
 @dataclass(frozen=True)

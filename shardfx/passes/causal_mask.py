@@ -1,12 +1,19 @@
-"""causal_mask: an attention whose mask is the causal one computes with ``is_causal`` instead.
+"""causal_mask: an attention whose mask is the causal one computes with ``is_causal`` instead,
+and one whose mask lets every query attend to every key computes without it.
 
 Requires: VAL on every node; the CPU flash attention op (and its backward) as capture leaves
           ``F.scaled_dot_product_attention``.
 Ensures:  each such op whose ``attn_mask`` is computed from constants alone (no model input,
           parameter or buffer) and is the causal mask -- every query attends to the keys at
           its position and before, ``0``/``-inf`` (or True/False) -- takes ``is_causal=True``
-          and no mask, and so does its backward; the mask's ops, unread, are gone. Other ops
-          and graphs are unchanged.
+          and no mask, and so does its backward; one whose mask allows every key (``0``
+          everywhere, or True: Hugging Face BERT's mask when no sequence is padded) takes no
+          mask; the mask's ops, unread, are gone. Every other masked one gets ``MASK``: what
+          its mask is (a sliding window of W keys, one made from the model's inputs such as
+          a padding ``attention_mask``, or another pattern), and the pass refuses it
+          (``mask_refusal``: ring attention runs causal or full attention only, and a
+          ShardingError naming the mask and a fix for it beats a failure further on). Other
+          ops and graphs are unchanged.
 
 Why: Hugging Face models build their attention mask in the traced forward (from
 ``cache_position``: aranges, comparisons, a cumsum telling packed sequences apart), so the
@@ -29,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from shardfx.errors import ShardingError, user_line
 from shardfx.ir import meta as M
 from shardfx.ir.graph import hashable
 
@@ -56,20 +64,41 @@ def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
         if not isinstance(mask, fx.Node):
             continue
         key = _same_ops(mask)  # each stamped block computes the same mask again: check once
-        causal = answers[key] if key in answers else _is_causal(mask)
+        seen = answers[key] if key in answers else _classify(mask)
         if key is not None:
-            answers[key] = causal
-        if causal:
-            _drop_mask(node, mask)
+            answers[key] = seen
+        if seen.kind in ("causal", "full"):
+            _drop_mask(mask, causal=seen.kind == "causal")
             changed = True
+        else:
+            for user in mask.users:
+                if user.target in (FLASH, FLASH_BACKWARD):
+                    user.meta[M.MASK] = seen
+            raise mask_refusal(node)
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
 
 
-def _drop_mask(forward: fx.Node, mask: fx.Node) -> None:
-    """The forward and every backward op reading the same mask: causal, unmasked."""
+def mask_refusal(node: fx.Node) -> ShardingError:
+    """The error for an attention op whose mask ring attention cannot run: the mask this pass
+    saw on it (``MASK``) and a fix that applies to that mask."""
+    seen = node.meta.get(M.MASK) or M.AttentionMask("other", "of a pattern not checked")
+    fix = {"input": "when no sequence is padded, call the model without attention_mask (its "
+                    "attention is then causal or full, which cp runs); otherwise drop the cp "
+                    "axis",
+           "window": "ring attention has no sliding window yet: drop the cp axis, or train "
+                     "with full causal attention (the config's sliding_window=None)"}
+    return ShardingError(
+        f"this attention has a dense mask, {seen.detail}: ring attention (the cp axis) "
+        "computes causal or full attention only",
+        where=f"{node.name} ({user_line(node.meta.get('stack_trace')) or 'attention'})",
+        fix=fix.get(seen.kind, "drop the cp axis, or attend causally or to every key"))
+
+
+def _drop_mask(mask: fx.Node, causal: bool) -> None:
+    """Every attention op (forward and backward) reading ``mask``: unmasked, causal or not."""
     for node in list(mask.users):
         if node.target not in (FLASH, FLASH_BACKWARD):
             continue
@@ -78,48 +107,79 @@ def _drop_mask(forward: fx.Node, mask: fx.Node) -> None:
         at = names.index("is_causal")
         while len(args) <= at:  # defaults made explicit: dropout_p 0.0
             args.append(node.target._schema.arguments[len(args)].default_value)
-        args[at] = True
+        args[at] = causal
         node.args = tuple(args)
         node.kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
 
 
-def _is_causal(mask: fx.Node) -> bool:
+def _classify(mask: fx.Node) -> M.AttentionMask:
+    """What ``mask`` is: causal, full, a sliding window, from the inputs, or other."""
     val = mask.meta.get(M.VAL)
-    if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        return False
-    q, k = val.shape[-2:]
-    if q != k:
-        return False
     order = _constant_ops(mask)
     if order is None:
-        return False
+        return M.AttentionMask("input", "computed from the model's inputs (an attention_mask "
+                                        "passed to forward: padding, or packed sequences)")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return M.AttentionMask("other", "not a (query, key) mask")
+    q, k = val.shape[-2:]
+    blocks = _row_blocks(mask, order, val)
+    if blocks is None:
+        return M.AttentionMask("other", f"a ({q}, {k}) mask too large to check")
+    last = blocks(q - 1, q)
+    if last is None:
+        return M.AttentionMask("other", "an additive bias (values other than 0 and -inf)")
+    window = int(last[..., -1, :].sum(-1).max())  # keys the last query may attend to
+    kinds = {"full": lambda a, start: bool(a.all()),
+             "causal": lambda a, start: q == k and bool((a == _band(start, a, k)).all()),
+             "window": lambda a, start: q == k and bool((a == _band(start, a, window)).all())}
+    rows = max(1, BLOCK * q // max(1, val.numel()))
+    for start in range(0, q, rows):
+        allowed = blocks(start, min(q, start + rows))
+        if allowed is None:
+            return M.AttentionMask("other", "an additive bias (values other than 0 and -inf)")
+        kinds = {name: ok for name, ok in kinds.items() if ok(allowed, start)}
+        if not kinds:
+            return M.AttentionMask("other", f"a ({q}, {k}) pattern that is neither causal, "
+                                            "full nor a sliding window")
+    if "full" in kinds:
+        return M.AttentionMask("full", "every query attends to every key")
+    if "causal" in kinds:
+        return M.AttentionMask("causal", "each query attends to the keys up to its own")
+    return M.AttentionMask("window", f"a sliding window: each query attends to its own key "
+                                     f"and the {window - 1} before it")
+
+
+def _band(start: int, allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows ``start ..`` of the causal mask limited to ``width`` keys back (``width`` >= the
+    row count: the causal mask itself)."""
+    rows, k = allowed.shape[-2:]
+    keys, queries = torch.arange(k), torch.arange(start, start + rows).unsqueeze(1)
+    return (keys <= queries) & (keys > queries - max(width, 1))
+
+
+def _row_blocks(mask: fx.Node, order: list[fx.Node], val: torch.Tensor):
+    """A function (start, stop) -> the allowed (bool) query rows ``start:stop`` of ``mask``
+    (None for an additive bias); None when the mask is too large and not computed row-wise."""
+    q, k = val.shape[-2:]
     if val.numel() <= BLOCK:
-        return _causal_rows(_run(order, {}, None)[mask], 0)
+        whole = _allowed(_run(order, {}, None)[mask])
+        return lambda start, stop: None if whole is None else whole[..., start:stop, :]
     pairwise = [n for n in order if _rows_of(n, q) and n.meta[M.VAL].shape[-1] == k]
     split = set(pairwise)
     if any(n.op != "call_function" or n.target not in ROWWISE for n in pairwise) or any(
             a in split for n in order if n not in split for a in n.all_input_nodes):
-        return False  # a value that does not keep the rows apart
+        return None  # a value that does not keep the rows apart
     small = _run([n for n in order if n not in split], {}, None)
-    rows = max(1, BLOCK * q // val.numel())
-    for start in range(0, q, rows):
-        block = _run(pairwise, small, (start, min(q, start + rows), q))
-        if not _causal_rows(block[mask], start):
-            return False
-    return True
+    return lambda start, stop: _allowed(_run(pairwise, small, (start, stop, q))[mask])
 
 
-def _causal_rows(value: torch.Tensor, start: int) -> bool:
-    """Rows ``start ..`` of the causal mask: row i allows the keys 0 .. i."""
+def _allowed(value: torch.Tensor) -> torch.Tensor | None:
+    """Where a mask lets a query attend: True, or 0 of a 0/-inf mask; None for another bias."""
     if value.dtype == torch.bool:
-        allowed = value
-    else:
-        allowed = value == 0
-        if not bool(((value == 0) | (value == float("-inf"))).all()):
-            return False
-    rows, k = allowed.shape[-2:]
-    causal = torch.arange(k) <= torch.arange(start, start + rows).unsqueeze(1)
-    return bool((allowed == causal).all())
+        return value
+    if not bool(((value == 0) | (value == float("-inf"))).all()):
+        return None
+    return value == 0
 
 
 def _same_ops(mask: fx.Node):
