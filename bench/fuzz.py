@@ -2,9 +2,10 @@
 
 Model ``k`` of a run with ``--seed S`` is ``random_spec(S * 1000 + k)`` of
 ``tests/fuzz_draw.py`` (Linear, activations, residuals, LayerNorm / RMSNorm, softmax,
-transposes, reshapes; 2-3 blocks, the cut points of a pipeline), the same on every machine. Every
-mesh gets the same models; each is trained 3 AdamW steps eagerly and through shardfx and
-compared by ``shardfx.testing.compare_training``. Meshes: ``one`` (one device, this process),
+transposes, reshapes, custom autograd.Functions, checkpointed regions, dropout and noise; 2-3
+blocks, the cut points of a pipeline), the same on every machine. Every mesh gets the same
+models; each is trained 3 AdamW steps eagerly and through shardfx and compared by
+``shardfx.testing.compare_training``. Meshes: ``one`` (one device, this process),
 ``dp2``, ``tp2`` (Megatron's plan), ``tp2-globs`` (random placements per parameter), ``pp2``
 (2 microbatches), and with four processes ``dp2-tp2``, ``pp2-tp2``, ``dp2-pp2``.
 
@@ -14,10 +15,12 @@ compared by ``shardfx.testing.compare_training``. Meshes: ``one`` (one device, t
                          --meshes pp2 [--reduce]
 
 Prints, per mesh, how many models passed, differed from eager (mismatch), failed to plan and
-failed to run (by exception type), hung or crashed; then each distinct failure (kind, exception,
+failed to run (by exception type), hung or crashed; per op, how many models have it and how many
+of those passed on each mesh; then each distinct failure (kind, exception,
 message) with its count and first model, and with ``--reduce`` the smallest model found that
-fails the same way (greedy: drop blocks, ops, shard entries; inline residuals; simplify). Appends
-the table to bench/RESULTS.md with the machine and date unless ``--no-append`` or ``--repro``.
+fails the same way (greedy: drop blocks, ops, shard entries; inline residuals and checkpoints;
+simplify). Appends the table to bench/RESULTS.md with the machine and date unless
+``--no-append`` or ``--repro``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import torch  # noqa: E402
 from bench.common import append_results, machine  # noqa: E402
 from fuzz_check import MESHES, Result, run  # noqa: E402
 from fuzz_draw import random_spec  # noqa: E402
-from fuzz_models import DIMS, SEQS, ModelSpec, Op, build, out_shape  # noqa: E402
+from fuzz_models import (DIMS, NESTED, SEQS, ModelSpec, Op, body_of, build,  # noqa: E402
+                         out_shape)
 
 DEFAULT_MESHES = "one,dp2,tp2,tp2-globs,pp2"
 
@@ -74,7 +78,8 @@ def main() -> None:
         seconds[mesh] = time.perf_counter() - start
     models = "1 model" if a.repro else f"{len(specs)} random models per mesh (seed {a.seed})"
     title = f"fuzz: {models}, {a.steps} AdamW steps each, compare_training against eager"
-    table = "\n".join([title, "", *counts_table(results, seconds), "", *failure_list(results)])
+    table = "\n".join([title, "", *counts_table(results, seconds), "", *ops_table(results), "",
+                       *failure_list(results)])
     print("\n" + table)
     if a.reduce:
         for mesh, key, first in distinct_failures(results):
@@ -107,6 +112,37 @@ def _by_type(results: list[Result], kind: str) -> str:
     if not types:
         return "0"
     return f"{sum(types.values())} (" + ", ".join(f"{t} {n}" for t, n in types.most_common()) + ")"
+
+
+def ops_table(results: dict[str, list[Result]]) -> list[str]:
+    """Per op (Linears by any name as one, activations as one, noise per kind; nested ones
+    included): the models that have it, and how many of those passed on each mesh."""
+    meshes = list(results)
+    by_op: dict[str, set[str]] = {}
+    for rs in results.values():
+        for r in rs:
+            for name in _op_names(ModelSpec.parse(r.spec).blocks):
+                by_op.setdefault(name, set()).add(r.spec)
+    passed = {m: {r.spec for r in rs if r.ok} for m, rs in results.items()}
+    rows = ["| op | models | " + " | ".join(f"passed {m}" for m in meshes) + " |",
+            "|---|---:|" + "---:|" * len(meshes)]
+    for name, specs in sorted(by_op.items()):
+        ran = [{r.spec for r in results[m]} & specs for m in meshes]
+        rows.append(f"| {name} | {len(specs)} | " + " | ".join(
+            f"{len(s & passed[m])}/{len(s)}" for m, s in zip(meshes, ran)) + " |")
+    return rows
+
+
+def _op_names(blocks) -> Iterator[str]:
+    for ops in blocks:
+        for op in ops:
+            if op[0] in ("norm", "fn"):  # layernorm, rmsnorm; ste, clampste
+                yield op[1]
+            elif op[0] == "noise":
+                yield f"noise({op[2]})"
+            else:
+                yield "activation" if op[0] == "act" else op[0]
+            yield from _op_names([body_of(op)])
 
 
 def distinct_failures(results: dict[str, list[Result]]) -> Iterator[tuple[str, str, Result]]:
@@ -189,11 +225,11 @@ def _smaller(spec: ModelSpec) -> Iterator[ModelSpec]:
 def _smaller_ops(ops: tuple[Op, ...]) -> Iterator[tuple[Op, ...]]:
     for i, op in enumerate(ops):
         yield ops[:i] + ops[i + 1:]
-        if op[0] == "res":
+        if op[0] in NESTED:
             yield ops[:i] + op[1] + ops[i + 1:]
             for body in _smaller_ops(op[1]):
                 if body:
-                    yield ops[:i] + (("res", body),) + ops[i + 1:]
+                    yield ops[:i] + ((op[0], body),) + ops[i + 1:]
         for simpler in _simpler_op(op):
             yield ops[:i] + (simpler,) + ops[i + 1:]
 
@@ -211,6 +247,10 @@ def _simpler_op(op: Op) -> Iterator[Op]:
         yield ("norm", op[1], False)
     elif kind == "act" and op[1] != "relu":
         yield ("act", "relu")
+    elif kind == "noise" and op[2] != "normal":
+        yield ("noise", op[1], "normal")
+    elif kind == "ckpt":  # non-reentrant: no autograd.Function of torch's own
+        yield ("ckptnr", op[1])
 
 
 def _keep(spec: ModelSpec, blocks: tuple) -> tuple[tuple[str, str], ...]:

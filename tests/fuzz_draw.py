@@ -4,6 +4,11 @@
 numbered models (benchmarks, reproducible by number), ``model_specs()`` for hypothesis, which
 shrinks a failing spec towards fewer and simpler ops. Every spec also carries random tp
 placements for the "tp2-globs" mesh.
+
+About one op in seven (``SPECIAL``) is a custom autograd.Function, a checkpointed region, dropout
+or noise, so that most models have one. Two combinations are not drawn, each where eager
+PyTorch is not a reference shardfx can equal (see ``_random_special``): a reentrant checkpoint
+whose input has no gradient, and a random op inside a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from collections.abc import Sequence
 
 import torch
 
-from fuzz_models import (ACTIVATIONS, DIMS, LINEAR_NAMES, NORMS, PLACEMENTS, SCALES, SEQS,
-                         ModelSpec, Op, build, shape_after)
+from fuzz_models import (ACTIVATIONS, DIMS, DROPOUTS, FUNCTIONS, LINEAR_NAMES, NOISE_SCALES,
+                         NOISES, NORMS, PLACEMENTS, SCALES, SEQS, ModelSpec, Op, body_of, build,
+                         shape_after)
+
+SPECIAL = 0.15  # per op: a Function, a checkpoint, dropout or noise instead of the ops above
 
 
 class RandomPicker:
@@ -62,12 +70,13 @@ def generate(pick, blocks: tuple[int, int] = (2, 3), ops: tuple[int, int] = (1, 
     ``ops`` ops each, and placements for some of its parameters."""
     seq, dim = pick.choice(SEQS), pick.choice(DIMS)
     seed = pick.integer(0, 999)
-    shape, drawn = (seq, dim), []
+    shape, drawn, trained = (seq, dim), [], False
     for _ in range(pick.integer(*blocks)):
         block = []
         for _ in range(pick.integer(*ops)):
-            op = _random_op(pick, shape)
+            op = _random_op(pick, shape, trained)
             shape = shape_after(op, shape)
+            trained = trained or _trains(op)
             block.append(op)
         drawn.append(tuple(block))
     if not any(_count_linears(b) for b in drawn):  # something to train
@@ -77,7 +86,12 @@ def generate(pick, blocks: tuple[int, int] = (2, 3), ops: tuple[int, int] = (1, 
 
 
 def _count_linears(ops: Sequence[Op]) -> int:
-    return sum(_count_linears(op[1]) if op[0] == "res" else op[0] == "linear" for op in ops)
+    return sum((op[0] == "linear") + _count_linears(body_of(op)) for op in ops)
+
+
+def _trains(op: Op) -> bool:
+    """Whether ``op`` has parameters (so what comes after it has a gradient)."""
+    return op[0] == "linear" or op[0] == "norm" and op[2] or any(map(_trains, body_of(op)))
 
 
 def random_spec(seed: int) -> ModelSpec:
@@ -92,7 +106,10 @@ def model_specs():
     return st.composite(lambda draw: generate(DrawPicker(draw)))()
 
 
-def _random_op(pick, shape: tuple[int, ...]) -> Op:
+def _random_op(pick, shape: tuple[int, ...], trained: bool) -> Op:
+    """An op taking ``shape``; ``trained``: whether the ops before it have parameters."""
+    if pick.chance(SPECIAL):
+        return _random_special(pick, shape, trained)
     d = shape[-1]
     splits = [a for a in (2, 4, 6) if d % a == 0 and (d // a) % 2 == 0 and d // a >= 2]
     kinds = ["act", "linear", "norm", "scale", "softmax", "transpose", "res", "linear",
@@ -122,11 +139,43 @@ def _random_linear(pick, out: int, names: Sequence[str] = LINEAR_NAMES) -> Op:
     return ("linear", pick.choice(names), out, pick.chance(0.5))
 
 
-def random_body(pick, shape: tuple[int, ...]) -> tuple[Op, ...]:
+def _random_special(pick, shape: tuple[int, ...], trained: bool, checkpoint: bool = True,
+                    random: bool = True) -> Op:
+    """A custom autograd.Function, dropout, noise, or (``checkpoint``) a checkpointed body;
+    ``random``: whether dropout and noise may be drawn.
+
+    Not drawn, where eager PyTorch is no reference to equal:
+    - a reentrant checkpoint before any parameter (``trained`` False): eager's
+      ``CheckpointFunction`` gives the parameters inside no gradient when no input requires one
+      (PyTorch warns "None of the inputs have requires_grad=True"); shardfx traces the body as
+      a plain call and trains them.
+    - a random op inside a checkpoint: ``compare_training``'s eager copies draw the forward on
+      shardfx's stream, but checkpointing recomputes the body in the backward, outside that
+      replay, from torch's generator: eager's gradient comes from another mask than its loss.
+      shardfx's gradient is the consistent one (equal to eager without checkpointing); see
+      ``test_fuzz.test_random_op_inside_a_checkpoint``.
+    """
+    kinds = ["fn"] + ["dropout", "noise"] * random + ["checkpoint"] * checkpoint
+    kind = pick.choice(kinds)
+    if kind == "fn":
+        return ("fn", pick.choice(FUNCTIONS))
+    if kind == "dropout":
+        return ("dropout", pick.choice(DROPOUTS))
+    if kind == "noise":
+        return ("noise", pick.choice(NOISE_SCALES), pick.choice(NOISES))
+    reentrant = trained and pick.chance(0.7)  # reentrant: torch's own autograd.Function
+    return ("ckpt" if reentrant else "ckptnr", random_body(pick, shape, random=False))
+
+
+def random_body(pick, shape: tuple[int, ...], random: bool = True) -> tuple[Op, ...]:
     """1-3 units that keep ``shape``: pointwise ops, norms, a Linear back to the same width, an
-    MLP (up, activation, down), or a Linear over the other axis (transpose, Linear, transpose)."""
+    MLP (up, activation, down), a Linear over the other axis (transpose, Linear, transpose), or
+    (``SPECIAL``) a Function, dropout or noise (``random``: dropout and noise allowed)."""
     body: list[Op] = []
     for _ in range(pick.integer(1, 3)):
+        if pick.chance(SPECIAL):
+            body.append(_random_special(pick, shape, False, checkpoint=False, random=random))
+            continue
         unit = pick.choice(["act", "linear", "norm", "mlp", "scale", "softmax", "other-axis"])
         if unit == "linear":
             body.append(_random_linear(pick, shape[-1]))

@@ -20,6 +20,18 @@ dimension unless said otherwise::
     transpose                          swap the last two dims (a view: not contiguous)
     split(A)  merge                    (.., D) -> (.., A, D/A); (.., A, B) -> (.., A*B)
     res[OPS]                           x + OPS(x), OPS keeping the shape
+    ste  clampste                      custom autograd.Functions whose backward is not their
+                                       forward's derivative: round(4x)/4 with the identity as
+                                       backward; clamp(-1, 1) with half the gradient everywhere
+    ckpt[OPS]  ckptnr[OPS]             OPS under torch.utils.checkpoint, use_reentrant=True /
+                                       False
+    dropout(P)                         nn.Dropout(P), in training
+    noise(C[,KIND])                    x + C * noise: randn_like (KIND normal, the default),
+                                       uniform_(-1, 1) (uniform) or exponential_ (exp)
+
+The last four are what capture used to change in silence (a Function's backward, a reentrant
+checkpoint's gradients) and random ops, which shardfx draws from its own stream on every mesh
+and ``compare_training`` replays in eager.
 
 Specs are drawn by ``fuzz_draw`` and checked through the meshes by ``fuzz_check``;
 ``bench/fuzz.py`` runs many and reduces failures.
@@ -33,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 BATCH = 8
 SEQS = (4, 6, 8)
@@ -44,12 +57,19 @@ NORMS = ("layernorm", "rmsnorm")
 LINEAR_NAMES = ("linear", "up_proj", "down_proj", "q_proj", "o_proj", "fc1", "fc2")
 SCALES = (-1.5, 0.5, 2.0)
 PLACEMENTS = ("R", "S0", "S1")
+FUNCTIONS = ("ste", "clampste")  # custom autograd.Functions (RoundSTE, HalfGradClamp)
+DROPOUTS = (0.1, 0.25, 0.5)
+NOISES = ("normal", "uniform", "exp")
+NOISE_SCALES = (0.1, 0.5)
+NESTED = ("res", "ckpt", "ckptnr")  # the ops with a body, written NAME[OPS]
 
 
 # --- the description -------------------------------------------------------------------------
 
 Op = tuple  # ("linear", name, out, bias) | ("act", kind) | ("norm", kind, affine) | ("softmax",)
 #             | ("scale", c) | ("transpose",) | ("split", a) | ("merge",) | ("res", ops)
+#             | ("fn", kind) | ("ckpt", ops) | ("ckptnr", ops) | ("dropout", p)
+#             | ("noise", c, kind)
 
 
 @dataclass(frozen=True)
@@ -88,7 +108,12 @@ class ModelSpec:
 
 
 def _count(ops: Sequence[Op]) -> int:
-    return sum(1 + (_count(op[1]) if op[0] == "res" else 0) for op in ops)
+    return sum(1 + _count(body_of(op)) for op in ops)
+
+
+def body_of(op: Op) -> tuple[Op, ...]:
+    """The ops nested in ``op`` (a residual's or a checkpoint's body); () for the others."""
+    return op[1] if op[0] in NESTED else ()
 
 
 def format_ops(ops: Sequence[Op]) -> str:
@@ -104,14 +129,18 @@ def _format_op(op: Op) -> str:
         return op[1]
     if kind == "norm":
         return op[1] + ("" if op[2] else "(plain)")
-    if kind in ("scale", "split"):
+    if kind in ("scale", "split", "dropout"):
         return f"{kind}({op[1]:g})"
-    if kind == "res":
-        return f"res[{format_ops(op[1])}]"
+    if kind == "noise":
+        return f"noise({op[1]:g}{'' if op[2] == 'normal' else ',' + op[2]})"
+    if kind == "fn":
+        return op[1]
+    if kind in NESTED:
+        return f"{kind}[{format_ops(op[1])}]"
     return kind
 
 
-_TOKEN = re.compile(r"res\[|\]|(\w+)(?:\(([^)]*)\))?")
+_TOKEN = re.compile(r"(\w+)\[|\]|(\w+)(?:\(([^)]*)\))?")
 
 
 def parse_ops(text: str) -> tuple[Op, ...]:
@@ -125,12 +154,12 @@ def parse_ops(text: str) -> tuple[Op, ...]:
 def _parse_tokens(tokens: list[re.Match], i: int) -> tuple[tuple[Op, ...], int]:
     ops: list[Op] = []
     while i < len(tokens) and tokens[i][0] != "]":
-        word, args = tokens[i][1], tokens[i][2]
-        if tokens[i][0] == "res[":
+        opening, word, args = tokens[i][1], tokens[i][2], tokens[i][3]
+        if opening in NESTED:
             body, i = _parse_tokens(tokens, i + 1)
             if i == len(tokens):
-                raise ValueError("res[ without ]")
-            ops.append(("res", body))
+                raise ValueError(f"{opening}[ without ]")
+            ops.append((opening, body))
         elif word in LINEAR_NAMES:
             out, *flags = args.split(",")
             ops.append(("linear", word, int(out), flags == ["bias"]))
@@ -144,6 +173,15 @@ def _parse_tokens(tokens: list[re.Match], i: int) -> tuple[tuple[Op, ...], int]:
             ops.append(("split", int(args)))
         elif word in ("softmax", "transpose", "merge"):
             ops.append((word,))
+        elif word in FUNCTIONS:
+            ops.append(("fn", word))
+        elif word == "dropout":
+            ops.append(("dropout", float(args)))
+        elif word == "noise":
+            c, *kind = args.split(",")
+            if kind and kind[0] not in NOISES[1:]:
+                raise ValueError(f"unknown noise {kind[0]!r} in {tokens[i][0]!r}")
+            ops.append(("noise", float(c), kind[0] if kind else "normal"))
         else:
             raise ValueError(f"unknown op {tokens[i][0]!r}")
         i += 1
@@ -217,6 +255,76 @@ class Residual(nn.Module):
         return x + self.body(x)
 
 
+class Checkpointed(nn.Module):
+    """``body`` under activation checkpointing, reentrant (``CheckpointFunction``) or not."""
+
+    def __init__(self, body: Ops, reentrant: bool):
+        super().__init__()
+        self.body = body
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.reentrant)
+
+
+class RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: ``round(4x) / 4`` forward, the identity backward (the
+    forward's own derivative is 0 everywhere: traced without it, what comes before gets no
+    gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class HalfGradClamp(torch.autograd.Function):
+    """``clamp(-1, 1)`` forward; backward half the gradient, everywhere (the forward's
+    derivative is 1 inside the range and 0 outside: a different gradient, continuous forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clamp(-1, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class CustomFunction(nn.Module):
+    """``RoundSTE`` or ``HalfGradClamp`` applied to the input."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.function = {"ste": RoundSTE, "clampste": HalfGradClamp}[kind]
+
+    def forward(self, x):
+        return self.function.apply(x)
+
+
+class Noise(nn.Module):
+    """``x + c * noise`` in training, the noise drawn by ``randn_like``, ``uniform_(-1, 1)`` or
+    ``exponential_``."""
+
+    def __init__(self, c: float, kind: str):
+        super().__init__()
+        self.c, self.kind = c, kind
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        if self.kind == "normal":
+            noise = torch.randn_like(x)
+        elif self.kind == "uniform":
+            noise = torch.empty_like(x).uniform_(-1, 1)
+        else:
+            noise = torch.empty_like(x).exponential_()
+        return x + self.c * noise
+
+
 class FuzzModel(nn.Module):
     def __init__(self, blocks: list[Ops]):
         super().__init__()
@@ -285,6 +393,14 @@ def _build_op(op: Op, shape: tuple[int, ...]) -> nn.Module:
         return Merge()
     if kind == "res":
         return Residual(_build_ops(op[1], shape)[0])
+    if kind in ("ckpt", "ckptnr"):
+        return Checkpointed(_build_ops(op[1], shape)[0], reentrant=kind == "ckpt")
+    if kind == "fn":
+        return CustomFunction(op[1])
+    if kind == "dropout":
+        return nn.Dropout(op[1])
+    if kind == "noise":
+        return Noise(op[1], op[2])
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -308,6 +424,9 @@ def shape_after(op: Op, shape: tuple[int, ...]) -> tuple[int, ...]:
             inner = shape_after(o, inner)
         if inner != shape:
             raise ValueError(f"residual body maps {shape} to {inner}")
+    if kind in ("ckpt", "ckptnr"):
+        for o in op[1]:
+            shape = shape_after(o, shape)
     return shape
 
 
