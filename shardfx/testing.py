@@ -402,9 +402,10 @@ def _forward_backward(model: torch.nn.Module, loss_fn, batches: list[tuple[tuple
     total = 0.0
     for piece, (args, targets) in enumerate(batches):
         stream = on_stream_eagerly(*draws, piece) if draws else contextlib.nullcontext()
-        with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32), stream:
-            loss = loss_fn(model(*args), *targets) / len(batches)
-        loss.backward()
+        with stream:  # the backward too: checkpointing draws its region's values again there
+            with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32):
+                loss = loss_fn(model(*args), *targets) / len(batches)
+            loss.backward()
         total = total + loss.detach()
     norm = None
     if clip is not None:

@@ -6,9 +6,9 @@ shrinks a failing spec towards fewer and simpler ops. Every spec also carries ra
 placements for the "tp2-globs" mesh.
 
 About one op in seven (``SPECIAL``) is a custom autograd.Function, a checkpointed region, dropout
-or noise, so that most models have one. Two combinations are not drawn, each where eager
-PyTorch is not a reference shardfx can equal (see ``_random_special``): a reentrant checkpoint
-whose input has no gradient, and a random op inside a checkpoint.
+or noise, so that most models have one, in any combination: a random op inside a checkpointed
+region (eager replays shardfx's stream through the recompute too), a reentrant checkpoint
+before any parameter (whose region eager, and so shardfx, trains nothing in).
 """
 
 from __future__ import annotations
@@ -142,19 +142,9 @@ def _random_linear(pick, out: int, names: Sequence[str] = LINEAR_NAMES) -> Op:
 def _random_special(pick, shape: tuple[int, ...], trained: bool, checkpoint: bool = True,
                     random: bool = True) -> Op:
     """A custom autograd.Function, dropout, noise, or (``checkpoint``) a checkpointed body;
-    ``random``: whether dropout and noise may be drawn.
-
-    Not drawn, where eager PyTorch is no reference to equal:
-    - a reentrant checkpoint before any parameter (``trained`` False): eager's
-      ``CheckpointFunction`` gives the parameters inside no gradient when no input requires one
-      (PyTorch warns "None of the inputs have requires_grad=True"); shardfx traces the body as
-      a plain call and trains them.
-    - a random op inside a checkpoint: ``compare_training``'s eager copies draw the forward on
-      shardfx's stream, but checkpointing recomputes the body in the backward, outside that
-      replay, from torch's generator: eager's gradient comes from another mask than its loss.
-      shardfx's gradient is the consistent one (equal to eager without checkpointing); see
-      ``test_fuzz.test_random_op_inside_a_checkpoint``.
-    """
+    ``random``: whether dropout and noise may be drawn. A reentrant checkpoint is likelier
+    after a parameter (``trained``), where its input needs a gradient: before one, eager's
+    ``CheckpointFunction`` trains nothing inside (PyTorch warns), and shardfx the same."""
     kinds = ["fn"] + ["dropout", "noise"] * random + ["checkpoint"] * checkpoint
     kind = pick.choice(kinds)
     if kind == "fn":
@@ -163,8 +153,8 @@ def _random_special(pick, shape: tuple[int, ...], trained: bool, checkpoint: boo
         return ("dropout", pick.choice(DROPOUTS))
     if kind == "noise":
         return ("noise", pick.choice(NOISE_SCALES), pick.choice(NOISES))
-    reentrant = trained and pick.chance(0.7)  # reentrant: torch's own autograd.Function
-    return ("ckpt" if reentrant else "ckptnr", random_body(pick, shape, random=False))
+    reentrant = pick.chance(0.7 if trained else 0.2)  # reentrant: torch's own autograd.Function
+    return ("ckpt" if reentrant else "ckptnr", random_body(pick, shape, random=random))
 
 
 def random_body(pick, shape: tuple[int, ...], random: bool = True) -> tuple[Op, ...]:

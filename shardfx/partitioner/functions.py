@@ -20,7 +20,9 @@ Two torch Functions are special:
   ``no_grad`` and recomputes it in the backward with ``torch.autograd.backward``; traced, that
   is a forward without gradients. Checkpointing changes what is kept, not what is computed,
   and what to keep is shardfx's own decision (``remat``): the function is traced as plainly
-  called, with the same gradients.
+  called, with the same gradients. (When no input of the region needs a gradient, eager's
+  reentrant checkpoint gives the region's parameters none, and torch warns; the trace keeps
+  that.)
 - A Function that changes an input in place (``ctx.mark_dirty``), or takes a module as an
   argument (its parameters are not the traced program's), is refused, naming the Function and
   its file:line: the carrier op is functional, and later readers of that input would not see
@@ -128,7 +130,10 @@ def _routed_apply(cls, *args, **kwargs):
     if not _ROUTING[0]:
         return _APPLY.__func__(cls, *args, **kwargs)
     if cls is CheckpointFunction:  # (run_function, preserve_rng_state, *args)
-        return args[0](*args[2:])
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[2:]):
+            return args[0](*args[2:])
+        with torch.no_grad():  # no input needs a gradient: eager's region trains nothing
+            return args[0](*args[2:])  # (torch warns), and its output needs none
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if modules := [type(v).__name__ for v in leaves if isinstance(v, torch.nn.Module)]:
         raise CaptureError(

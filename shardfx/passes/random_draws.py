@@ -198,12 +198,24 @@ class on_stream_eagerly(TorchDispatchMode):
     they run, as step ``step`` of a program with ``seed`` (slice ``piece``) draws them. So an
     eager run of a model with dropout or other random ops computes what its shardfx program
     computes, and the two can be compared (``shardfx.testing``). A random op off the stream
-    raises: its values could not match."""
+    raises: its values could not match.
+
+    Activation checkpointing runs a region's forward again in the backward, after restoring
+    torch's generator to its state before the region (``preserve_rng_state``), so that it
+    draws the same values. The op numbers follow the same rule: each draw also advances the
+    CPU generator by one value, and an op number is given per generator state, so a replay
+    from a restored state gets the numbers (and the values) of the first run."""
 
     def __init__(self, seed: int, step: int, piece: int = 0):
         super().__init__()
         self.rng = torch.tensor([seed, step, piece], dtype=torch.int64)
-        self.op = 0
+        self.numbers: dict[bytes, int] = {}  # the generator's state at a draw -> its op number
+
+    def _number(self) -> int:
+        state = torch.get_rng_state().numpy().tobytes()
+        op = self.numbers.setdefault(state, len(self.numbers))
+        torch.empty(1).uniform_()  # the next draw sees another state (the mode is off here)
+        return op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -220,9 +232,8 @@ class on_stream_eagerly(TorchDispatchMode):
         if kwargs.get("dtype") is not None:
             dtype = kwargs["dtype"]
         shape = shape_of(func, args, lambda t: t)
-        value = sample(call, func, args, kwargs, self.rng.to(device), self.op, shape, dtype,
-                       device)
-        self.op += 1
+        value = sample(call, func, args, kwargs, self.rng.to(device), self._number(), shape,
+                       dtype, device)
         if func._schema.is_mutable:  # uniform_, exponential_, bernoulli_, normal_: in place
             return first.copy_(value)
         return value
