@@ -1,6 +1,7 @@
 """Checkpoints (``shardfx.runtime.checkpoint``): a round trip in one process, resharding from 4
 ranks to 2 and to 1, kill -9 at any moment of a save, and the errors for checkpoints that
-cannot be loaded. Real files and real processes throughout."""
+cannot be loaded (damaged and mixed-up files: tests/test_checkpoint_verify.py). Real files and
+real processes throughout."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from shardfx import launch
 from shardfx.errors import InputError
 from shardfx.runtime.checkpoint import PAUSE_ENV, Box, check, full_state_dict, load, save
+from shardfx.runtime.checkpoint_digest import Digest
 
 
 def whole(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -228,9 +230,9 @@ def small(tmp_path):
 
 
 def cut(path, how: str) -> None:
-    if how == "truncated":
+    if how == "truncated":  # into the tensors' bytes, not only the trailer
         data = path / "__0_0.distcp"
-        data.write_bytes(data.read_bytes()[:-10])
+        data.write_bytes(data.read_bytes()[:-300])
     else:
         (path / how).unlink()
 
@@ -239,7 +241,7 @@ def cut(path, how: str) -> None:
     (".metadata", r"incomplete: \.metadata missing"),
     ("shardfx.json", r"incomplete: shardfx.json missing"),
     ("__0_0.distcp", r"incomplete: __0_0.distcp is missing"),
-    ("truncated", r"incomplete: __0_0.distcp holds \d+ bytes, \.metadata says \d+")])
+    ("truncated", r"incomplete: __0_0.distcp holds \d+ bytes, shardfx.json says \d+")])
 def test_an_incomplete_checkpoint_is_refused(small, how, says):
     cut(small, how)
     with pytest.raises(InputError, match=says) as err:
@@ -291,12 +293,21 @@ def test_a_format_from_the_future_and_another_torch_are_named(small, caplog):
     with caplog.at_level(logging.WARNING, logger="shardfx.checkpoint"):
         assert check(small) == {"step": 1}  # this torch still reads it: a warning only
     assert f"written by torch 2.0.1; this is torch {torch.__version__}" in caplog.text
-    (small / ".metadata").write_bytes(b"a pickle of another torch's classes")
+    garbled = b"a pickle of another torch's classes"
+    (small / ".metadata").write_bytes(garbled)
+    with pytest.raises(InputError, match=r"\.metadata of the checkpoint .* is damaged: it does "
+                                         r"not match the checksum .* and \.metadata cannot be "
+                                         r"read"):
+        check(small)  # not what the save wrote: damaged, whichever torch reads it
+    digest = Digest()
+    digest.update(garbled)
+    files = {**record["files"], ".metadata": {"bytes": len(garbled), "digest": digest.hexdigest()}}
+    (small / "shardfx.json").write_text(json.dumps({**record, "torch": "2.0.1", "files": files}))
     with pytest.raises(InputError, match=r"written by torch 2.0.1 and this torch .* cannot read "
                                          r"it: \.metadata cannot be read"):
-        check(small)
+        check(small)  # what the save wrote, which this torch cannot unpickle
     (small / "shardfx.json").write_text(json.dumps({**record, "format": 99}))
-    with pytest.raises(InputError, match=r"checkpoint format 99 .* which reads format 1") as err:
+    with pytest.raises(InputError, match=r"checkpoint format 99 .* which reads format 2") as err:
         check(small)
     assert err.value.fix == "upgrade shardfx"
 

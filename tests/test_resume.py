@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import shardfx
 from shardfx.errors import InputError
@@ -120,3 +121,26 @@ def test_another_optimizer_is_refused_and_another_lr_is_kept_with_a_warning(tmp_
         runner.load(str(tmp_path / "ck"))
     assert "lr 0.001 -> 0.0005" in caplog.text and "keeping this run's" in caplog.text
     assert runner.optimizer.param_groups[0]["lr"] == 5e-4
+
+
+def test_a_damaged_checkpoint_is_refused_by_runner_load_naming_the_file_or_field(tmp_path):
+    """16 bytes flipped in the largest tensor of the one data file, or a step that is not a
+    whole number: an InputError that names them, and the runner still at step 0."""
+    path = tmp_path / "ck"
+    _save(str(path), "llama", {}, 0)
+    record = (path / "shardfx.json").read_text()
+    runner, _ = runner_on("llama", {})
+    data = path / "__0_0.distcp"
+    at = max(FileSystemReader(path).read_metadata().storage_data.values(),
+             key=lambda info: info.length)
+    damaged, middle = bytearray(data.read_bytes()), at.offset + at.length // 2
+    damaged[middle:middle + 16] = bytes(16)
+    data.write_bytes(bytes(damaged))
+    with pytest.raises(InputError, match=r"__0_0.distcp of the checkpoint .* is damaged: its "
+                                         r"\d+ bytes no longer match the checksum") as e:
+        runner.load(str(path))
+    assert e.value.where == str(data) and runner.step_count == 0
+    (path / "shardfx.json").write_text(record.replace('"step": 3', '"step": "three"'))
+    with pytest.raises(InputError, match=r"'meta\.step' is \"three\"") as e:
+        runner.load(str(path))
+    assert e.value.where.endswith("shardfx.json, field meta.step")

@@ -16,8 +16,14 @@ On disk a checkpoint is one directory:
       __0_0.distcp ...  each rank's boxes (DCP's data files, one per rank that wrote any)
       .metadata         DCP's index: each box's offsets and sizes, and the file, byte offset and
                         byte count that hold it; written once every rank's files are fsynced
-      shardfx.json      ours: FORMAT, shardfx's and torch's versions, the world size, each key's
-                        global shape and dtype, and the caller's ``meta``
+      shardfx.json      ours: FORMAT, shardfx's and torch's versions, the world size, the save's
+                        id, each file's length and checksum, each key's global shape and dtype,
+                        and the caller's ``meta``
+
+Every file is one save's: rank 0 draws the save's id and broadcasts it; DCP's index carries it
+(``storage_meta.save_id``), each data file ends with a line carrying it and the checksum of its
+bytes, computed as they were written (``checkpoint_digest``), and ``shardfx.json``, written
+last, records both for every file.
 
 Why a kill -9 at any moment leaves the previous checkpoint or the new one: a save writes all of
 it into ``ckpt.partial-<id>`` (``<id>`` drawn by rank 0), fsyncs it, and only then puts it in
@@ -32,13 +38,17 @@ so at every instant either
   in place.
 
 A save killed before the renames leaves a ``ckpt.partial-*``, which nothing reads and the next
-save deletes. ``check`` refuses what it cannot vouch for (``.metadata`` or ``shardfx.json``
-missing, a data file missing or shorter than ``.metadata`` says) before any tensor is read.
+save deletes. ``check`` refuses what it cannot vouch for (``checkpoint_files``: a file missing,
+cut short, damaged or from another save, a malformed field of ``shardfx.json``) before any
+tensor is read; ``load`` and ``full_state_dict`` check the same, reading the data files' bytes
+for their checksums on a thread while DCP reads the tensors (a rank its share of the files), and
+raise before they return.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import logging
@@ -47,6 +57,7 @@ import shutil
 import signal
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +65,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
                                                          _EmptyStateDictLoadPlanner)
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties)
+                                                   StorageMeta, TensorProperties)
 from torch.distributed.checkpoint.planner import (LoadPlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.futures import Future
 
 from shardfx import __version__
-from shardfx.errors import InputError
-from shardfx.runtime.checkpoint_files import (FORMAT, INDEX, RECORD, check_keys, old_path,
-                                              open_checkpoint)
+from shardfx.errors import InputError, ShardfxError
+from shardfx.runtime.checkpoint_digest import Digesting
+from shardfx.runtime.checkpoint_files import (FORMAT, INDEX, RECORD, check_keys, damaged,
+                                              data_files, old_path, open_checkpoint,
+                                              verify_contents)
 from shardfx.runtime.launch import rank, world_size
 
 PAUSE_ENV = "SHARDFX_CHECKPOINT_PAUSE"  # test hook, see _pause
@@ -150,26 +166,29 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
                                "dtype": str(v.dtype).removeprefix("torch.")}
                            for k, v in state.items()})
     record = {"format": FORMAT, "shardfx": __version__, "torch": torch.__version__,
-              "world_size": world_size(), "meta": dict(meta or {}),
-              "tensors": dict(sorted(tensors.items()))}
+              "world_size": world_size(), "save": None, "files": None,
+              "meta": dict(meta or {}), "tensors": dict(sorted(tensors.items()))}
     try:
-        text = json.dumps(record, indent=1)
+        json.dumps(record)
     except (TypeError, ValueError) as e:
         raise InputError(f"meta cannot be written as JSON: {e}", where=where,
                          fix="pass numbers, strings, lists and dicts in meta") from e
     agreed = [uuid.uuid4().hex[:12], _refusal(final)] if rank() == 0 else [None, None]
     if world_size() > 1:
-        dist.broadcast_object_list(agreed, src=0)  # every rank the same staging, or refusal
-    suffix, refusal = agreed
+        dist.broadcast_object_list(agreed, src=0)  # every rank the same id, or refusal
+    save_id, refusal = agreed
     if refusal:
         raise InputError(refusal, where=where,
                          fix="save to a new directory, or remove this one first")
-    staging = final.with_name(f"{final.name}.partial-{suffix}")
+    staging = final.with_name(f"{final.name}.partial-{save_id}")
+    writer = _Writer(staging, save_id)
     with _quiet():
-        dcp.save(_dcp_state(state), storage_writer=_Writer(staging), no_dist=world_size() == 1)
+        dcp.save(_dcp_state(state), storage_writer=writer, no_dist=world_size() == 1)
+    files = _every_rank(writer.written)  # each rank's data file; rank 0's .metadata
     if rank() == 0:
+        record.update(save=save_id, files=dict(sorted(files.items())))
         with open(staging / RECORD, "w") as f:
-            f.write(text)
+            f.write(json.dumps(record, indent=1))
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(staging)
@@ -179,11 +198,12 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
     return final
 
 
-def check(path: str | os.PathLike) -> dict[str, Any]:
+def check(path: str | os.PathLike, *, contents: bool = True) -> dict[str, Any]:
     """The ``meta`` saved with the complete checkpoint at ``path`` (or at ``path.old``, see the
-    module's docstring), or an ``InputError`` saying why it cannot be loaded. Reads no tensor
-    and needs no process group."""
-    return open_checkpoint(path)[1]["meta"]
+    module's docstring), or an ``InputError`` saying why it cannot be loaded: every file read and
+    checked against its checksum. ``contents=False``: every check but reading the data files
+    whole (``load`` does that as it reads them). Loads no tensor and needs no process group."""
+    return open_checkpoint(path, contents=contents)[1]["meta"]
 
 
 def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
@@ -195,23 +215,28 @@ def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
     stages' keys only) are checked against the checkpoint before anything is read.
     ``strict_optim=False``: keys under ``optim/`` may be missing from either side (a runner
     without an optimizer loads a training checkpoint); those the state has keep their values.
+
+    Every file is checked first (``check``), but for the data files' contents, which each rank
+    checks for its share of the files while DCP reads (every rank raises the same InputError):
+    a load refused for a damaged file has already written into ``state``, which is then not
+    to be used.
     """
     _check_values(state, f"shardfx load({str(path)!r}, state)")
-    folder, record, _ = open_checkpoint(path)
+    folder, record, _ = open_checkpoint(path, contents=False)
     saved = record["tensors"]
     check_keys(_every_rank({k: _global_shape(v) for k, v in state.items()}), saved,
                strict_optim, folder)
     wanted = {k: v for k, v in _dcp_state(state).items() if k in saved}
-    with _quiet():
-        dcp.load(wanted, storage_reader=FileSystemReader(folder), planner=_Planner(),
-                 no_dist=world_size() == 1)
+    _verified_read(folder, record, data_files(record)[rank()::world_size()], lambda: dcp.load(
+        wanted, storage_reader=_Reader(folder), planner=_Planner(), no_dist=world_size() == 1),
+        every_rank=True)
     return record["meta"]
 
 
 def full_state_dict(path: str | os.PathLike, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """The whole tensors under ``prefix`` in the checkpoint at ``path``, keyed without it:
     ``model.load_state_dict(full_state_dict("ckpt"))``. One process, no process group."""
-    folder, _, index = open_checkpoint(path)
+    folder, record, index = open_checkpoint(path, contents=False)
     keys = {k for k in index.state_dict_metadata if k.startswith(prefix)}
     if not keys:
         tops = sorted({k.split("/", 1)[0] + "/" for k in index.state_dict_metadata})
@@ -219,9 +244,10 @@ def full_state_dict(path: str | os.PathLike, prefix: str = "model/") -> dict[str
                          f"{', '.join(map(repr, tops)) or 'nothing'}", where=str(folder),
                          fix="pass one of those as prefix=")
     out: dict[str, Any] = {}
-    with _quiet():  # DCP's own helper for one process (format_utils.dcp_to_torch_save uses it)
-        _load_state_dict(out, storage_reader=FileSystemReader(folder),
-                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    # DCP's own helper for one process (format_utils.dcp_to_torch_save uses it)
+    _verified_read(folder, record, data_files(record), lambda: _load_state_dict(
+        out, storage_reader=_Reader(folder), planner=_EmptyStateDictLoadPlanner(keys=keys),
+        no_dist=True), every_rank=False)
     return {k[len(prefix):]: out[k] for k in sorted(out)}
 
 
@@ -230,17 +256,75 @@ def full_state_dict(path: str | os.PathLike, prefix: str = "model/") -> dict[str
 
 class _Writer(FileSystemWriter):
     """DCP's file writer (data files fsynced, ``.metadata`` written last through a temporary
-    file and a rename), with the test hook before ``.metadata``."""
+    file and a rename), each file digested as it is written and each data file ended by its
+    trailer (``checkpoint_digest.Digesting``), the save's id in ``.metadata``; with the test hook
+    before ``.metadata``. ``written``: file name -> {"bytes", "digest"} of what it wrote."""
+
+    def __init__(self, path: Path, save_id: str) -> None:
+        super().__init__(path)
+        self.save_id_ = save_id  # DCP's own ``save_id``, drawn per rank, is reset by each save
+        self.written: dict[str, dict[str, Any]] = {}
+        self.fs = _DigestedFiles(save_id, self.written)
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id_)
 
     def finish(self, metadata: Metadata, results) -> None:
         _pause("before-metadata")
         super().finish(metadata, results)
 
 
+class _DigestedFiles(FileSystem):
+    """DCP's file system, whose files opened for writing are digested as they are written."""
+
+    def __init__(self, save_id: str, written: dict[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self.save_id, self.written = save_id, written
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        with super().create_stream(path, mode) as raw:  # .metadata.tmp, renamed to .metadata
+            stream = Digesting(raw, path, self.save_id if path.suffix == ".distcp" else None,
+                               self._done)
+            yield stream
+            stream.close()
+
+    def _done(self, name: str, size: int, digest: str) -> None:
+        self.written[name.removesuffix(".tmp")] = {"bytes": size, "digest": digest}
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, one data file at a time, so that a file it cannot read is named."""
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                               []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:  # noqa: BLE001 - whatever DCP or torch.load raised
+                raise _Unreadable(name, f"{type(e).__name__}: {e}") from e
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+class _Unreadable(Exception):
+    """A data file DCP could not read (``_Reader``): its name and why. Plain arguments, as DCP
+    pickles each rank's failure to every rank."""
+
+
 class _Planner(DefaultLoadPlanner):
     """DCP's load planner, less its check that a tensor's ``size()`` is the saved global size
     (torch/distributed/checkpoint/default_planner.py, ``create_default_local_load_plan``): a
-    Box's is its box's. ``load`` has checked the global shapes before (``_check_keys``)."""
+    Box's is its box's. ``load`` has checked the global shapes before (``check_keys``)."""
 
     def create_local_plan(self) -> LoadPlan:
         saved = self.metadata.state_dict_metadata
@@ -281,6 +365,62 @@ def _pause(point: str) -> None:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _verified_read(folder: Path, record: dict[str, Any], files: list[str], read, *,
+                   every_rank: bool) -> None:
+    """``read()`` (DCP reading the checkpoint at ``folder``) while a thread checks the data
+    files ``files`` against their checksums (``verify_contents``). Raises, once both are done,
+    the InputError a damaged file gives, else the one naming a file DCP could not read;
+    ``every_rank``: on every rank alike (a collective), whichever rank found it."""
+    failed = None
+    with ThreadPoolExecutor(1, thread_name_prefix="shardfx-verify") as pool:
+        verified = pool.submit(verify_contents, folder, record, files)
+        try:
+            with _quiet():
+                read()
+        except CheckpointException as e:  # a BaseException: each rank's failures, by rank
+            failed = e
+        try:
+            verified.result()
+            found = None
+        except InputError as e:
+            found = (e.cause, e.where, e.fix)
+        except Exception as e:  # noqa: BLE001 - an OSError: every rank must hear of it
+            found = (f"the data files of {folder} cannot be read for their checksums "
+                     f"({type(e).__name__}: {e})", str(folder),
+                     "check that the directory is readable, or resume from an earlier checkpoint")
+    for problem in _gather(found) if every_rank else [found]:
+        if problem:
+            cause, where, fix = problem
+            raise InputError(cause, where=where, fix=fix) from failed
+    if failed is not None:
+        raise _unreadable(folder, failed) from failed
+
+
+def _unreadable(folder: Path, failed: CheckpointException) -> ShardfxError:
+    """One InputError for DCP's ``CheckpointException``: the data file it could not read."""
+    causes = [exc for exc, _ in failed.failures.values()]
+    for exc in causes:
+        if isinstance(exc, _Unreadable):
+            name, why = exc.args
+            return damaged(folder, name, f"DCP cannot read it ({why})")
+    for exc in causes:
+        if isinstance(exc, ShardfxError):
+            return exc
+    why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}"
+                    for r, (exc, _) in sorted(failed.failures.items()))
+    return InputError(f"DCP cannot read the checkpoint {folder}: {why}", where=str(folder),
+                      fix="resume from an earlier checkpoint")
+
+
+def _gather(mine: Any) -> list:
+    """``mine`` from every rank, by rank (a collective when the world has several)."""
+    if world_size() == 1:
+        return [mine]
+    every: list = [None] * world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _check_values(state: dict[str, Any], where: str) -> None:

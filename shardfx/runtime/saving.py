@@ -169,14 +169,21 @@ def save(runner, path, extra: dict[str, Any] | None = None):
 
 
 def load(runner, path) -> dict[str, Any]:
-    """Fill ``runner`` from the checkpoint at ``path`` (every rank); returns its meta."""
-    meta = checkpoint.check(path)
+    """Fill ``runner`` from the checkpoint at ``path`` (every rank); returns its meta. The
+    checkpoint is checked before anything is made (``checkpoint.check``; its data files' bytes
+    against their checksums as ``checkpoint.load`` reads them)."""
+    meta = checkpoint.check(path, contents=False)
+    if "step" not in meta:
+        raise InputError(f"{path} is a shardfx checkpoint, but not one runner.save wrote (its "
+                         "meta has no step)", where=f"runner.load({str(path)!r})",
+                         fix="load a directory runner.save wrote; a checkpoint.save of your own "
+                             "state loads with checkpoint.load")
     opt = runner.optimizer
     _check_optimizer(opt, meta.get("optimizer"), path)
     if opt is not None:
         _make_state(runner)
     meta = checkpoint.load(path, state(runner), strict_optim=opt is not None)
-    runner.step_count = int(meta["step"])
+    runner.step_count = meta["step"]  # a whole number >= 0 (checkpoint_files.META)
     runner._seed = meta.get("seed", runner._seed)
     if runner.loss_scaler is not None and meta.get("loss_scaler"):
         runner.loss_scaler.load_state_dict(meta["loss_scaler"])
