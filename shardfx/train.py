@@ -138,7 +138,8 @@ def train(config: RunConfig) -> list[float]:
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")
         print(str(plan).rstrip("\n"))  # what it decided, before it runs
-    meta = check(config.resume) if config.resume else None  # checked before spawning
+    # contents checked before spawning (preflight), and again as runner.load reads them
+    meta = check(config.resume, contents=False) if config.resume else None
     start = meta["step"] if meta else 0
     runner = plan.runner(optimizer=lambda ps: _adamw(ps, config),
                          clip_grad_norm=config.clip_grad_norm or math.inf)
