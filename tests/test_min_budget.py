@@ -59,7 +59,7 @@ def _recomputing_the_most(model, x, y) -> int:
     return memory["device"].total
 
 
-@pytest.mark.parametrize("seed", [10, 12])  # minima under both ends, recomputing some
+@pytest.mark.parametrize("seed", [4, 12, 13])  # recomputing some: noise, a Function
 def test_a_plan_at_the_stated_minimum_trains_as_eager(seed):
     spec = random_spec(seed)
     model, data = build(spec), batches(spec, 2)
