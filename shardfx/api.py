@@ -12,17 +12,21 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from shardfx.auto.finalists import fall_back, keep_best
 from shardfx.device_model import DeviceModel
 from shardfx.device_model import device_model as choose_device_model
-from shardfx.errors import InputError, LossError, PassError, PipelineError, ShardfxError
+from shardfx.errors import (InputError, LossError, MemoryBudgetError, PassError, PipelineError,
+                            ShardfxError)
 from shardfx.codegen.step_in_backward import check as check_optimizer_in_backward
 from shardfx.hints import check_hint_axes
+from shardfx.ir.graph import copy_ir
 from shardfx.ir.text import ir_to_text
 from shardfx.memory import optimizer_model
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, capture, capture_leaves, check_model,
                                          microbatch)
 from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
+from shardfx.passes.auto_shard import AUTO, solver
 from shardfx.passes.manager import Options, PassRecord, dump_failure
 from shardfx.pipeline import deferred_codegen, paused_gc
 from shardfx.plan import Plan
@@ -306,8 +310,23 @@ def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, sp
         check_hint_axes(captured.gm, [a for a, _ in sharded.axes], [a for a, _ in spec.axes])
     dump = os.environ.get("SHARDFX_DUMP")
     captured_ir = [PassRecord("capture", ir_to_text(captured.gm))] if dump else []
+    # shard="auto": the named plans the solver cannot tell from its choice are planned too,
+    # each from its own copy of the captured IR (planning rewrites the one it is given)
+    pristine = copy_ir(captured.gm) if options.shard == "auto" and solver(options) else None
+    def named(name: str) -> Plan:
+        return Plan(model, example_args, dataclasses.replace(captured, gm=copy_ir(pristine)),
+                    spec, dataclasses.replace(options, shard=name))
+
     try:
-        plan = Plan(model, example_args, captured, spec, options)
+        try:
+            plan = Plan(model, example_args, captured, spec, options)
+        except MemoryBudgetError as e:  # the solver's choice, planned, is over: a named one?
+            if pristine is None:
+                raise
+            plan = fall_back(e, captured.gm.meta.get(AUTO), named)
+        else:
+            if pristine is not None:
+                plan = keep_best(plan, named)
     except PassError as e:  # shardfx's fault: write what exists for the report
         dump_failure(e, captured_ir, captured.gm)
         raise

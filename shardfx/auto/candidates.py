@@ -69,6 +69,27 @@ class Candidates:
         return _ask(node, operands(node), given, self.mesh, self.memo)
 
 
+def confirm(cands: Candidates, choice: dict) -> int:
+    """Each chosen strategy asked of the whole mesh, as ``shard_propagate`` will ask it; where
+    the answer differs from the one priced (asked one axis at a time, ``_ask_by_axis``: a rule
+    whose strategies do not combine across axes, as the loss's over dp and tp), the whole
+    mesh's answer replaces it, so the program prices what planning will emit. Returns how many
+    were replaced: the choice is solved again while any is."""
+    replaced = 0
+    for key, j in choice.items():
+        given = cands.given[key][j]
+        node = cands.members[key][0]
+        if given is None or node.op != "call_function" or node.target in (HINT, PIPE_SPLIT):
+            continue
+        sharding, _ = SP._remembered(node, SP.chosen(node, given, cands.mesh), cands.mesh,
+                                     cands.memo)
+        whole = Strategy(sharding.out, tuple(sharding.inputs), sharding.replicated)
+        if whole != cands.classes[key][j]:
+            cands.classes[key][j] = whole
+            replaced += 1
+    return replaced
+
+
 def class_key(node: fx.Node, lists: set[str] = frozenset()):
     """Ops: their place in a stamped block, else themselves. Parameters: the same parameter of
     every block of a stamped list (``layers.{i}.mlp.up_proj.weight``, by name and shape)."""

@@ -18,8 +18,10 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.device_model import DeviceModel, node_work
 from shardfx.ir import meta as M
+from shardfx.ir.graph import operands
 from shardfx.passes.estimate_cost import is_view
 
 
@@ -50,11 +52,35 @@ def work_parts(out, inputs, sizes) -> int:
 
 
 def op_seconds(node: fx.Node, out, inputs, sizes, model: DeviceModel) -> float:
+    """The op's roofline on one rank: its FLOPs divided among ``work_parts``, the bytes of
+    each operand and result as the rank holds it (a replicated weight is read whole by each)."""
     flops, moved, dtype = node_work(node)
     if not flops and not moved:
         return 0.0
     k = work_parts(out, inputs, sizes)
-    return model.op_seconds(flops / k, moved / k, dtype)
+    local = _local_moved(node, out, inputs, sizes) if moved else 0.0
+    return model.op_seconds(flops / k, local, dtype)
+
+
+def _local_moved(node: fx.Node, out, inputs, sizes) -> float:
+    """Bytes an op of the IR reads and writes on one rank: ``node_work``'s count (each
+    tensor input read once, each output written once) on local shapes."""
+    ops = node.all_input_nodes
+    given = dict(zip(operands(node), inputs))
+    moved = 0.0
+    for u in ops:
+        vals = u.meta.get(M.VAL)
+        for v in (vals if isinstance(vals, (tuple, list)) else [vals]):
+            if isinstance(v, torch.Tensor):
+                moved += local_bytes(v, given.get(u) or (), sizes)
+    vals = node.meta.get(M.VAL)
+    vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    outs = flat(out) if out is not None else []
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor):
+            moved += local_bytes(v, outs[i] if i < len(outs) and len(outs) == len(vals)
+                                 else (outs[0] if len(outs) == 1 else ()), sizes)
+    return moved
 
 
 def fed_seconds(node: fx.Node, placements, sizes, model: DeviceModel) -> float:
@@ -95,6 +121,51 @@ def redistribute_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> floa
             total += model.collective_seconds(kind, nbytes, sizes[i], link)
         now[i] = b
     return total
+
+
+def reduced_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> float:
+    """Seconds to take a gradient from ``src`` to its parameter's placements ``dst``. Over dp,
+    none here: the ZeRO stage prices a parameter's gradient traffic (``auto.zero_stage``). A
+    partial sum on another axis is all-reduced in DDP's buckets (``codegen.bucketing``): its
+    bytes, and a bucket's latency shared by the bytes in it. Any other move is
+    ``redistribute_seconds``'s."""
+    if src is None or dst is None or src == dst or not isinstance(val, torch.Tensor):
+        return 0.0
+    names, sizes = [a for a, _ in axes], [n for _, n in axes]
+    src = tuple(b if a == "dp" else p for a, p, b in zip(names, src, dst))
+    reduced = [i for i, (p, b) in enumerate(zip(src, dst))
+               if isinstance(p, Partial) and isinstance(b, Replicate) and sizes[i] > 1]
+    rest = tuple(src[i] if i in reduced else b for i, b in enumerate(dst))
+    total = redistribute_seconds(src, rest, val, axes, model)
+    nbytes = local_bytes(val, rest, sizes)
+    for i in reduced:
+        link = model.link_of(axes, names[i])
+        once = model.collective_seconds("all_reduce", 0.0, sizes[i], link)
+        total += model.collective_seconds("all_reduce", nbytes, sizes[i], link) - once \
+            + once * nbytes / BUCKET_BYTES
+    return total
+
+
+def bucketed_axes(src, dst, axes: tuple) -> list[int]:
+    """The axes (not dp) on which a gradient placed ``src`` is all-reduced to reach its
+    parameter's ``dst``: in a bucket (``codegen.bucketing``)."""
+    if src is None or dst is None:
+        return []
+    return [i for i, ((a, n), p, b) in enumerate(zip(axes, src, dst))
+            if a != "dp" and n > 1 and isinstance(p, Partial) and isinstance(b, Replicate)]
+
+
+def bucket_latency(i: int, axes: tuple, model: DeviceModel) -> float:
+    """The latency of the first bucket of gradients reduced on axis ``i`` (the rest of each
+    bucket's is in ``reduced_seconds``, by the byte). Over dp too the gradients reduced on
+    both get a bucket of their own (its latency: here, the stage counts one dp bucket)."""
+    names = [a for a, _ in axes]
+    sizes = dict(axes)
+    out = model.collective_seconds("all_reduce", 0.0, sizes[names[i]],
+                                   model.link_of(axes, names[i]))
+    if sizes.get("dp", 1) > 1:
+        out += model.collective_seconds("all_reduce", 0.0, sizes["dp"], model.link_of(axes, "dp"))
+    return out
 
 
 def _collective(a, b) -> str | None:

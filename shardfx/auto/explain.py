@@ -1,7 +1,8 @@
 """What the solver decided, and why, in words: ``print(plan)`` and ``plan.html`` show these lines.
 
 The why is the cost terms: the chosen plan's predicted compute and communication next to those
-of the named plans (``megatron``, ``replicate``) as shardfx would propagate them, and the
+of the named plans (``megatron``, ``replicate``): planned in full where the integer program
+priced them close to its choice (``auto.finalists``), else as it priced them; and the
 parameters where the choice departs from Megatron's, one line per parameter of a block (the
 same for every block of a stamped list).
 """
@@ -27,10 +28,29 @@ def notes(report, megatron: dict[str, M.Placements] | None = None) -> list[str]:
     """``report``: the ``AutoReport``; ``megatron``: Megatron's placements by FQN (None: the
     mesh has no tp)."""
     axes = ", ".join(report.axes)
-    lines = [f'Sharding chosen by the solver (shard="auto") on {axes}: predicted '
-             f"{_terms(report.seconds, report.compute)} a step"]
+    planned = report.planned
+    if report.kept != "auto" and "auto" not in planned:
+        lines = [f'Sharding (shard="auto") on {axes}: {report.kept}, predicted '
+                 f"{_terms(*planned[report.kept])} a step: the solver's choice (priced at "
+                 f"{_ms(report.seconds)}) did not fit the memory budget once planned"]
+    elif report.kept != "auto":
+        lines = [f'Sharding (shard="auto") on {axes}: {report.kept}, planned next to the '
+                 f"solver's choice and predicted faster: {_terms(*planned[report.kept])} a step",
+                 f"  the solver's choice, planned, would take {_terms(*planned['auto'])} (the "
+                 f"integer program priced it at {_ms(report.seconds)})"]
+    else:
+        lines = [f'Sharding chosen by the solver (shard="auto") on {axes}: predicted '
+                 f"{_terms(*planned.get('auto', (report.seconds, report.compute)))} a step"
+                 + (f" (the integer program priced it at {_ms(report.seconds)})"
+                    if "auto" in planned else "")]
     for name, (seconds, compute) in report.named.items():
-        lines.append(f"  {name:<9} would take {_terms(seconds, compute)}")
+        if name == report.kept:
+            continue
+        if name in planned:
+            lines.append(f"  {name:<9} would take {_terms(*planned[name])} (planned)")
+        else:
+            lines.append(f"  {name:<9} would take {_terms(seconds, compute)} (the integer "
+                         "program's price: not close enough to plan)")
     if report.budget is not None:
         lines.append(f"  memory: {nbytes(report.memory)} of parameters, gradients, optimizer "
                      f"state and saved activations per device, budget {nbytes(report.budget)}")
@@ -44,9 +64,38 @@ def notes(report, megatron: dict[str, M.Placements] | None = None) -> list[str]:
     if used:
         lines.append(f"  the batch is split over {used} as well: that axis serves as data "
                      "parallel")
-    if megatron is not None:
+    if idle_axes(report):
+        lines.append(f"  {idle_words(report)}")
+    if megatron is not None and report.kept == "auto":
         lines += departures(report.params, megatron)
     return lines
+
+
+def idle_axes(report) -> list[str]:
+    """The axes the solver decided on which the plan kept splits nothing: every parameter
+    whole and the batch not split either, so each rank of the axis does the same work."""
+    if report.kept == "replicate":
+        return list(report.axes)
+    if report.kept != "auto":
+        return []
+    idle = []
+    for i, axis in enumerate(report.mesh_axes):
+        if axis not in report.axes:
+            continue
+        placed = [*report.params.values(), *report.inputs.values()]
+        if all(type(p[i]).__name__ == "Replicate" for p in placed):
+            idle.append(axis)
+    return idle
+
+
+def idle_words(report) -> str:
+    """``print(plan)``'s line and the warning's text for ``idle_axes``."""
+    axes = idle_axes(report)
+    name = " and ".join(axes)
+    return (f"the {name} axis buys nothing: no plan the solver found splits a weight or the "
+            f"batch over it faster than keeping everything whole, so its ranks all do the same "
+            f"work; use those devices as dp (a larger dp axis, or no {name} axis) or with a "
+            f"model whose layers are wide enough to split") if axes else ""
 
 
 def _batch_axes(report) -> str:

@@ -57,10 +57,13 @@ class Problem:
 
     def at(self, stage) -> "Problem":
         """The problem under ZeRO ``stage`` (an ``auto.zero_stage.Stage``): each parameter byte
-        keeps ``stage.state`` bytes and costs ``stage.per_byte`` seconds over dp."""
-        cost = self.cost - self.synced + self.weights * stage.per_byte
+        keeps ``stage.state`` bytes and costs ``stage.per_byte`` seconds over dp, ``stage.copy``
+        into its bucket, and ``stage.step`` of the optimizer's (all its rows: the stages compare as the traffic they
+        need; ``auto_shard._finish`` takes off what ZeRO's rows save)."""
+        per_byte = stage.per_byte + stage.step + stage.copy
+        cost = self.cost - self.synced + self.weights * per_byte
         return dataclasses.replace(self, memory=self.weights * stage.state, cost=cost,
-                                   synced=self.weights * stage.per_byte)
+                                   synced=self.weights * per_byte)
 
     def size(self) -> str:
         return f"{self.binary} binary and {self.columns - self.binary} continuous variables, " \
@@ -113,13 +116,15 @@ def build(gm: fx.GraphModule, cands: Candidates, axes: tuple, model: DeviceModel
     edges = _edges(gm, cands)
     extra_cost: list[float] = []
     priced = 0
+    bucketed: dict[int, list[int]] = {}  # axis -> the columns that reduce a gradient on it
     for (src, dst, k), (m, u) in edges.items():
         src_outs = cands.outs(src) if src is not None else None
         need = _needs(cands, dst, k)
         col, added = _price(index, cands, src, src_outs, dst, need, m, u, axes, model,
-                            cost, rows, extra_cost, binary)
+                            cost, rows, extra_cost, binary, bucketed)
         priced += added
-    pad = [0.0] * len(extra_cost)  # the z: no work, no memory of their own
+    _buckets(bucketed, axes, model, rows, extra_cost, binary)
+    pad = [0.0] * len(extra_cost)  # the z and the buckets: no work, no memory of their own
     compute = np.array(compute + pad)
     cost = np.array(cost + extra_cost) + compute
     weights = np.array(memory + pad)
@@ -177,8 +182,23 @@ def _needs(cands: Candidates, dst, k: int) -> list | None:
     return [s.inputs[k] if k < len(s.inputs) else None for s in cands.classes[dst]]
 
 
-def _price(index, cands, src, src_outs, dst, need, m, u, axes, model, cost, rows, extra, start):
-    """Add the edge's seconds to the objective; returns (columns added, 1 if priced by z)."""
+def _buckets(bucketed: dict, axes: tuple, model: DeviceModel, rows: list, extra: list,
+             start: int) -> None:
+    """A gradient bucket's latency on each axis (not dp: the ZeRO stage's) where any column
+    of ``bucketed`` reduces a gradient on it: one more column per axis, at least each of them
+    (``costs.bucket_latency``)."""
+    for i, cols in bucketed.items():
+        y = start + len(extra)
+        extra.append(costs.bucket_latency(i, axes, model))
+        for c in set(cols):
+            rows.append(({y: 1.0, c: -1.0}, 0.0, np.inf))
+
+
+def _price(index, cands, src, src_outs, dst, need, m, u, axes, model, cost, rows, extra, start,
+           bucketed: dict):
+    """Add the edge's seconds to the objective; returns (columns added, 1 if priced by z).
+    A gradient's edge notes in ``bucketed`` (axis -> columns) the columns whose choice reduces
+    it in a bucket."""
     val = u.meta[M.VAL]
     src_cols = index[cands.of[src]]
     if need is None:  # the loss or an output: replicated
@@ -186,21 +206,29 @@ def _price(index, cands, src, src_outs, dst, need, m, u, axes, model, cost, rows
         for i, p in zip(src_cols, src_outs):
             cost[i] += m * costs.redistribute_seconds(p, rep, val, axes, model)
         return 0, 0
-    dst_key = dst[1] if isinstance(dst, tuple) and dst and dst[0] == "param" else dst
+    grad = isinstance(dst, tuple) and bool(dst) and dst[0] == "param"
+    move = costs.reduced_seconds if grad else costs.redistribute_seconds
+    dst_key = dst[1] if grad else dst
     dst_cols = index[dst_key]
     ps = _groups(src_cols, src_outs)
     qs = _groups(dst_cols, need)
+    def note(p, q, cols):
+        for axis in costs.bucketed_axes(p, q, axes) if grad else ():
+            bucketed.setdefault(axis, []).extend(cols)
+
     if len(ps) == 1 or len(qs) == 1:
         ((p, p_cols),) = ps.items() if len(ps) == 1 else ((None, None),)
         if len(ps) == 1:
             for q, cols in qs.items():
-                c = m * costs.redistribute_seconds(p, q, val, axes, model)
+                c = m * move(p, q, val, axes, model)
+                note(p, q, cols)
                 for i in cols:
                     cost[i] += c
         else:
             ((q, _),) = qs.items()
             for p, cols in ps.items():
-                c = m * costs.redistribute_seconds(p, q, val, axes, model)
+                c = m * move(p, q, val, axes, model)
+                note(p, q, cols)
                 for i in cols:
                     cost[i] += c
         return 0, 0
@@ -208,7 +236,8 @@ def _price(index, cands, src, src_outs, dst, need, m, u, axes, model, cost, rows
     for p in ps:
         for q in qs:
             z[p, q] = start + len(extra)
-            extra.append(m * costs.redistribute_seconds(p, q, val, axes, model))
+            note(p, q, [z[p, q]])
+            extra.append(m * move(p, q, val, axes, model))
     for p, cols in ps.items():  # sum_q z[p, q] = x's with result p
         coeffs = {z[p, q]: 1.0 for q in qs}
         for i in cols:
@@ -377,6 +406,7 @@ def follow(gm: fx.GraphModule, cands: Candidates, seeds: dict, axes: tuple,
             moved += costs.fed_seconds(node, place[node], sizes, model)
     compute = 0.0
     priced: dict[tuple, tuple] = {}  # (class, operand placements) -> its answer and seconds
+    made: set[tuple] = set()  # (value, placements) redistributed: codegen makes each once
     for node in op_nodes(gm.graph):
         if is_getitem(node):
             place[node] = element(place[node.args[0]], node.args[1])
@@ -386,18 +416,27 @@ def follow(gm: fx.GraphModule, cands: Candidates, seeds: dict, axes: tuple,
         key = (cands.of[node], given)
         if key not in priced:  # a stamped block's ops are priced once
             s = cands.answer(node, given)
-            priced[key] = s, costs.op_seconds(node, s.out, s.inputs, sizes, model), sum(
+            priced[key] = s, costs.op_seconds(node, s.out, s.inputs, sizes, model), [
                 costs.redistribute_seconds(p, q, u.meta[M.VAL], axes, model)
-                for u, p, q in zip(ops, given, s.inputs))
+                for u, p, q in zip(ops, given, s.inputs)]
         s, op_s, moved_s = priced[key]
-        compute, moved = compute + op_s, moved + moved_s
+        compute += op_s
+        for u, q, seconds in zip(ops, s.inputs, moved_s):
+            if seconds and (u, q) not in made:
+                made.add((u, q))
+                moved += seconds
         place[node] = s.out
     output = gm.graph.output_node()
     params = {n.meta[M.ROLE].name: n for n in gm.graph.find_nodes(op="placeholder")}
     rep = tuple(Replicate() for _ in axes)
+    bucketed: set[int] = set()
     for value, role in zip(output.args[0], output.meta[M.OUTPUTS]):
         if isinstance(value, fx.Node) and value in place:
-            want = place[params[role.name]] if role.kind in (
-                M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE) else rep
-            moved += costs.redistribute_seconds(place[value], want, value.meta[M.VAL], axes, model)
+            grad = role.kind in (M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE)
+            want = place[params[role.name]] if grad else rep
+            move = costs.reduced_seconds if grad else costs.redistribute_seconds
+            moved += move(place[value], want, value.meta[M.VAL], axes, model)
+            if grad:
+                bucketed |= set(costs.bucketed_axes(place[value], want, axes))
+    moved += sum(costs.bucket_latency(i, axes, model) for i in bucketed)
     return compute + moved, compute

@@ -39,6 +39,9 @@ class Stage:
     state: float  # bytes one device keeps per byte of a parameter it holds
     per_byte: float  # seconds over dp per byte of a parameter it holds
     latency: float  # seconds of latency per bucket
+    step: float = 0.0  # seconds of the optimizer's step per byte of a parameter, all its rows
+    rows: float = 1.0  # of a parameter's rows, the share this device steps (ZeRO-1+: 1/n)
+    copy: float = 0.0  # seconds per byte of gradient copied into its bucket's buffer
 
     def gathered(self, held: float, largest: float) -> float:
         """Bytes ZeRO-3 holds gathered at once (``passes.zero``: a bucket of a block's
@@ -50,6 +53,15 @@ class Stage:
         """Seconds over dp of a step for ``held`` bytes of parameters on one device."""
         return held * self.per_byte + max(1, math.ceil(held / BUCKET_BYTES)) * self.latency \
             if held and self.per_byte else 0.0
+
+    def total(self, held: float) -> float:
+        """``seconds`` and ``compute``."""
+        return self.seconds(held) + self.compute(held)
+
+    def compute(self, held: float) -> float:
+        """Seconds of the optimizer's step of the rows this device steps, and of copying the
+        gradients into their buckets."""
+        return held * (self.step * self.rows + self.copy)
 
 
 # stage -> (kinds of the collectives over dp, one each a bucket)
@@ -82,20 +94,27 @@ def stages(options, model, train: bool = True) -> list[Stage]:
     """The stages ``options`` leave to choose, each priced on the device model's dp link."""
     mesh = options.whole_mesh or options.mesh
     n = mesh.axis("dp")
-    states = optimizer_model(options.optimizer).states
+    optimizer = optimizer_model(options.optimizer)
+    states = optimizer.states
+    # The step reads each parameter and gradient and writes the parameter, and reads and
+    # writes each state tensor (``step_time``): per byte of a parameter whose rows it steps.
+    step = 0.0 if not train or optimizer.name == "none" else \
+        (3 + 2 * states) / model.memory_bandwidth / options.held_by
     out = []
     for k in allowed(options.zero, mesh, train):
         keep = ((1 / n if k >= 3 else 1) + (1 / n if k >= 2 else 1) +
                 states * (1 / n if k >= 1 else 1)) / options.held_by
+        rows = 1 / n if k >= 1 else 1.0  # ZeRO: this rank steps its rows
         if n == 1:
-            out.append(Stage(k, keep, 0.0, 0.0))
+            out.append(Stage(k, keep, 0.0, 0.0, step, rows))
             continue
         link = model.link_of(mesh.axes, "dp")
+        copy = 2 / model.memory_bandwidth  # read each gradient, write it to the bucket
         kinds = _COLLECTIVES[k]
         per_byte = sum(model.collective_seconds(kind, 1.0, n, link)
                        - model.collective_seconds(kind, 0.0, n, link) for kind in kinds)
         latency = sum(model.collective_seconds(kind, 0.0, n, link) for kind in kinds)
-        out.append(Stage(k, keep, per_byte, latency))
+        out.append(Stage(k, keep, per_byte, latency, step, rows, copy))
     return out
 
 

@@ -4,7 +4,8 @@ Requires: a ``Program`` from ``codegen.spmd``: ``meta["val"]`` on every node, RO
           placeholders (process groups are MESH inputs ``group(axis)``), one OutputRole per
           returned value in ``Program.outputs``.
 Ensures:  every gradient that was returned as ``wait_tensor(all_reduce(g, op, group))`` and
-          nothing more is now reduced in a bucket: per (group, op, dtype), gradients in the
+          nothing more (or as such a chain over several groups: a partial sum over dp and tp)
+          is now reduced in a bucket: per (groups, op, dtype), gradients in the
           order the program produces them are packed into buckets of at most ``bucket_bytes``
           (a larger gradient gets a bucket of its own). Right after a bucket's last gradient
           is computed the program flattens the bucket into one buffer (``bucketN_flat``)
@@ -45,11 +46,13 @@ aten = torch.ops.aten
 
 @dataclass
 class _Grad:
-    """One gradient reduced on its own: ``wait(all_reduce(value))``, returned as ``role``."""
+    """One gradient reduced on its own: ``wait(all_reduce(value))``, returned as ``role``; or
+    reduced over several axes in turn (a partial sum over dp and tp), ``wait(all_reduce(
+    wait(all_reduce(value, tp)), dp))``: ``chain`` the (all_reduce, wait) pairs, innermost
+    first."""
 
-    value: fx.Node  # the local partial gradient, the all_reduce's input
-    reduce: fx.Node
-    wait: fx.Node
+    value: fx.Node  # the local partial gradient, the innermost all_reduce's input
+    chain: list[tuple[fx.Node, fx.Node]]
     role: M.OutputRole
 
     @property
@@ -57,10 +60,14 @@ class _Grad:
         v = self.value.meta[M.VAL]
         return v.numel() * v.element_size()
 
+    @property
+    def groups(self) -> tuple[fx.Node, ...]:
+        return tuple(reduce.args[2] for reduce, _ in self.chain)
+
 
 @dataclass
 class _Bucket:
-    group: fx.Node
+    groups: tuple[fx.Node, ...]  # reduced over each in turn
     op: str
     grads: list[_Grad] = field(default_factory=list)
     reduce_dtype: torch.dtype | None = None  # the dtype it is summed in, if not its own
@@ -76,6 +83,14 @@ class _Bucket:
             return self.nbytes
         own = self.grads[0].value.meta[M.VAL].element_size()
         return self.nbytes * self.reduce_dtype.itemsize // own
+
+    @property
+    def axes(self) -> list[str]:
+        return [_axis(g) for g in self.groups]
+
+
+def _axis(group: fx.Node) -> str:
+    return group.meta[M.ROLE].name.removeprefix("group(").removesuffix(")")
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
@@ -94,9 +109,8 @@ def bucket_gradients(program: Program, *, bucket_bytes: int = BUCKET_BYTES,
     buckets = _buckets(_grads(graph, program.outputs), bucket_bytes, order)
     output = graph.output_node()
     for b in buckets:
-        axis = b.group.meta[M.ROLE].name
         dtype = b.grads[0].value.meta[M.VAL].dtype
-        if reduce_dtype is not None and axis == "group(dp)" and dtype.is_floating_point:
+        if reduce_dtype is not None and "dp" in b.axes and dtype.is_floating_point:
             b.reduce_dtype = reduce_dtype
     for i, b in enumerate(buckets):
         _emit_bucket(graph, f"bucket{i}", b, output)
@@ -114,19 +128,38 @@ def _grads(graph: fx.Graph, roles: Sequence[M.OutputRole]) -> list[_Grad]:
             returned.setdefault(value, []).append(role)
     out = []
     for reduce in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
-        value, _, group = reduce.args
-        waits = list(reduce.users)
-        if len(waits) != 1 or waits[0].target != c10d.wait_tensor.default:
+        wait = _waited(reduce)
+        if wait is None:
             continue
-        wait = waits[0]
-        is_group = isinstance(group, fx.Node) and group.op == "placeholder" \
-            and group.meta[M.ROLE].kind is M.InputKind.MESH
         wait_roles = returned.get(wait, [])
-        if (isinstance(value, fx.Node) and value.op == "call_function" and is_group and wait_roles
-                and set(wait.users) == {graph.output_node()}
+        if not (wait_roles and set(wait.users) == {graph.output_node()}
                 and all(r.kind is M.OutputKind.GRAD for r in wait_roles)):
-            out.append(_Grad(value, reduce, wait, wait_roles[0]))
+            continue
+        chain = [(reduce, wait)]
+        while True:  # the same sum over another axis first: one chain, bucketed as one
+            inner = chain[0][0].args[0]
+            if not (inner.target == c10d.wait_tensor.default and len(inner.users) == 1
+                    and inner.args[0].target == c10d.all_reduce.default
+                    and inner.args[0].args[1] == reduce.args[1]
+                    and _waited(inner.args[0]) is inner):
+                break
+            chain.insert(0, (inner.args[0], inner))
+        value = chain[0][0].args[0]
+        if isinstance(value, fx.Node) and value.op == "call_function":
+            out.append(_Grad(value, chain, wait_roles[0]))
     return out
+
+
+def _waited(reduce: fx.Node) -> fx.Node | None:
+    """The one ``wait_tensor`` of an all_reduce over a mesh axis's group (None: not so)."""
+    group = reduce.args[2]
+    waits = list(reduce.users)
+    if len(waits) != 1 or waits[0].target != c10d.wait_tensor.default:
+        return None
+    if not (isinstance(group, fx.Node) and group.op == "placeholder"
+            and group.meta[M.ROLE].kind is M.InputKind.MESH):
+        return None
+    return waits[0]
 
 
 def fill_buckets(items: list, *, ready, key, nbytes, cap: int = BUCKET_BYTES) -> list[list]:
@@ -151,12 +184,12 @@ def fill_buckets(items: list, *, ready, key, nbytes, cap: int = BUCKET_BYTES) ->
 
 
 def _buckets(grads: list[_Grad], cap: int, order: dict[fx.Node, int]) -> list[_Bucket]:
-    """Buckets per (group, op, dtype), in the order gradients become ready."""
+    """Buckets per (groups, op, dtype), in the order gradients become ready."""
     filled = fill_buckets(grads, ready=lambda g: order[g.value], nbytes=lambda g: g.nbytes,
-                          key=lambda g: (g.reduce.args[2], g.reduce.args[1],  # group, op
+                          key=lambda g: (g.groups, g.chain[0][0].args[1],  # groups, op
                                          g.value.meta[M.VAL].dtype),
                           cap=cap)
-    return [_Bucket(b[0].reduce.args[2], b[0].reduce.args[1], b) for b in filled]
+    return [_Bucket(b[0].groups, b[0].chain[0][0].args[1], b) for b in filled]
 
 
 def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> None:
@@ -179,9 +212,15 @@ def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> Non
         if b.reduce_dtype is not None:
             buffer = insert_op(graph, aten._to_copy.default, buffer, dtype=b.reduce_dtype)
             buffer._rename(f"{name}_narrow")
-        reduce = op(c10d.all_reduce.default, buffer, b.op, b.group, rename=f"{name}_all_reduce")
-    # Wait as late as possible: the gradients' only use is the output.
+        reduce = op(c10d.all_reduce.default, buffer, b.op, b.groups[0],
+                    rename=f"{name}_all_reduce")
+    # Wait as late as possible: the gradients' only use is the output. A sum over several
+    # axes goes on over the next once the one before is done.
     with graph.inserting_before(output):
+        for k, group in enumerate(b.groups[1:], 1):
+            done = op(c10d.wait_tensor.default, reduce, rename=f"{name}_wait{k - 1}")
+            reduce = op(c10d.all_reduce.default, done, b.op, group,
+                        rename=f"{name}_all_reduce{k}")
         reduced = op(c10d.wait_tensor.default, reduce, rename=f"{name}_wait")
         if b.reduce_dtype is not None:
             reduced = insert_op(graph, aten._to_copy.default, reduced, dtype=own)
@@ -195,9 +234,10 @@ def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> Non
         for i, (g, part) in enumerate(zip(b.grads, parts)):
             shape = list(g.value.meta[M.VAL].shape)
             grad = op(aten.view.default, part, shape, rename=f"{name}_out{i}")
-            g.wait.replace_all_uses_with(grad)
-            graph.erase_node(g.wait)
-            graph.erase_node(g.reduce)
+            g.chain[-1][1].replace_all_uses_with(grad)
+            for reduce, wait in reversed(g.chain):
+                graph.erase_node(wait)
+                graph.erase_node(reduce)
 
 
 def _account(collectives: Sequence[Collective], buckets: list[_Bucket]) -> list[Collective]:
@@ -205,16 +245,17 @@ def _account(collectives: Sequence[Collective], buckets: list[_Bucket]) -> list[
     the buckets' records, in bucket order, take the place of the first one dropped."""
     records, replaced = [], set()
     for i, b in enumerate(buckets):
-        axis = b.group.meta[M.ROLE].name.removeprefix("group(").removesuffix(")")
         names = [g.role.name for g in b.grads]
         shown = ", ".join(names[:4]) + (f", and {len(names) - 4} more" if len(names) > 4 else "")
         grads = f"{len(names)} grad{'s' if len(names) > 1 else ''}"
         have = "P" if b.op == "sum" else f"P({b.op})"  # as redistribute words it
         summed = "" if b.reduce_dtype is None else \
             f", summed in {str(b.reduce_dtype).removeprefix('torch.')}"
-        records.append(Collective("all_reduce", axis, b.sent_bytes, f"{axis} gradient bucket {i} "
-                                  f"({grads}: {shown}{summed}): {have} -> R on {axis}"))
-        replaced |= {(axis, f"return {g.role}: ") for g in b.grads}
+        for axis in b.axes:
+            records.append(Collective("all_reduce", axis, b.sent_bytes,
+                                      f"{axis} gradient bucket {i} ({grads}: {shown}{summed}): "
+                                      f"{have} -> R on {axis}"))
+            replaced |= {(axis, f"return {g.role}: ") for g in b.grads}
     out = []
     for c in collectives:
         if c.kind == "all_reduce" and any(c.axis == axis and c.reason.startswith(prefix)

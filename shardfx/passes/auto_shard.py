@@ -27,7 +27,7 @@ import numpy as np
 import torch.fx as fx
 
 from shardfx.auto import ilp, zero_stage
-from shardfx.auto.candidates import enumerate_candidates
+from shardfx.auto.candidates import confirm, enumerate_candidates
 from shardfx.device_model import GRAPH_KEY, default_model
 from shardfx.errors import ShardingError
 from shardfx.ir import meta as M
@@ -40,6 +40,7 @@ log = logging.getLogger("shardfx.passes.auto_shard")
 
 AUTO = "shardfx.auto"  # gm.meta: the AutoReport
 FIXED_AXES = ("dp", "cp", "pp", "ep")
+CONFIRM = 4  # solves at most, each after the chosen strategies the whole mesh answers otherwise
 TIE = 1e-9  # a stage replaces one solved before it (``zero_stage.by_cost``) only if cheaper by
 # more than this fraction: plain dp and ZeRO-2 cost the same, and rounding must not choose
 
@@ -63,6 +64,10 @@ class AutoReport:
     inputs: dict[str, M.Placements]
     zero: int = 0  # the ZeRO stage priced (chosen where ``zero="auto"``)
     zero_chosen: bool = False  # whether the solver chose it
+    # ``auto.finalists``: "auto" (the program's choice) and the named plans priced close to
+    # it, planned in full -> (predicted seconds, compute); and the one kept
+    planned: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    kept: str = "auto"
 
 
 def solver(options) -> bool:
@@ -85,13 +90,17 @@ def auto_shard(gm: fx.GraphModule, options) -> fx.GraphModule:
     cands = enumerate_candidates(gm, mesh, free_axes(options.mesh), _fixed(gm, options))
     enumerated = time.perf_counter() - start
     model = gm.meta.get(GRAPH_KEY) or default_model(options)
-    problem = ilp.build(gm, cands, options.mesh.axes, model)
     budget = options.memory_budget or model.memory or None  # the device's, where known
     start = time.perf_counter()
-    stage, problem, solution, activations = _cheapest_stage(
-        problem, zero_stage.stages(options, model, gm.meta[M.GRAPH].mode is M.Mode.TRAIN), budget,
-        (options.whole_mesh or options.mesh).axis("dp"))
-    solution = dataclasses.replace(solution, solve_seconds=time.perf_counter() - start)  # all
+    stages = zero_stage.stages(options, model, gm.meta[M.GRAPH].mode is M.Mode.TRAIN)
+    for _ in range(CONFIRM):  # until what it chose is what the whole mesh's rules answer
+        problem = ilp.build(gm, cands, options.mesh.axes, model)
+        stage, problem, solution, activations = _cheapest_stage(
+            problem, stages, budget, (options.whole_mesh or options.mesh).axis("dp"))
+        if not confirm(cands, solution.choice):
+            break
+    solution = dataclasses.replace(_stepped(solution, problem, stage),
+                                   solve_seconds=time.perf_counter() - start)  # all
     named = {name: _with_stage(ilp.follow(gm, cands, seeds, options.mesh.axes, model),
                                _held(gm, seeds, options.mesh.axes), stage)
              for name, seeds in _named(gm, options).items()}  # before _write
@@ -151,15 +160,30 @@ def _finish(solution, problem, stage, budget):
     memory (None where they take it over ``budget``)."""
     if solution is None:
         return None
-    x = np.zeros(problem.columns)
-    for key, cols in problem.index.items():
-        x[cols[solution.choice[key]]] = 1.0
-    held = float(problem.weights @ x)
+    held = _held_of(problem, solution)
     gathered = stage.gathered(held, _largest(problem, solution))
     if budget is not None and solution.memory + gathered > budget:
         return None
     return dataclasses.replace(solution, seconds=solution.seconds + stage.seconds(held)
                                - held * stage.per_byte, memory=solution.memory + gathered)
+
+
+def _stepped(solution, problem, stage):
+    """The solution with the optimizer's step as the stage runs it: the objective counts it
+    over every row (so the stages compare by their traffic alone, ZeRO used where memory
+    needs it), a ZeRO rank steps its rows; the step and the bucket copies are compute, as
+    ``plan.predicted_step`` counts them."""
+    held = _held_of(problem, solution)
+    return dataclasses.replace(solution,
+                               seconds=solution.seconds - held * stage.step * (1 - stage.rows),
+                               compute=solution.compute + stage.compute(held))
+
+
+def _held_of(problem, solution) -> float:
+    x = np.zeros(problem.columns)
+    for key, cols in problem.index.items():
+        x[cols[solution.choice[key]]] = 1.0
+    return float(problem.weights @ x)
 
 
 def _largest(problem, solution) -> float:
@@ -187,7 +211,7 @@ def _held(gm, seeds: dict, axes) -> float:
 def _with_stage(priced: tuple[float, float], held: float, stage) -> tuple[float, float]:
     """A named plan's (seconds, compute) with its traffic over dp at ``stage``."""
     seconds, compute = priced
-    return seconds + stage.seconds(held), compute
+    return seconds + stage.total(held), compute + stage.compute(held)
 
 
 def _fixed(gm: fx.GraphModule, options) -> dict[str, M.Placements]:

@@ -74,8 +74,8 @@ def is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return node.target.__name__ == "getitem"  # an element of a tuple the producer counted
-    if node.target is torch.ops.aten.reshape.default:  # a view where the strides allow it
-        return _reshape_views(node)
+    if node.target in (torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default):
+        return _reshape_views(node)  # a view where the strides allow it (a program's reshape)
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 

@@ -1,0 +1,95 @@
+"""The solver's last word: its choice and the named plans it cannot tell apart, planned in full
+and ranked by ``plan.predicted_step``.
+
+The integer program prices a plan from the IR's ops and the redistributions their strategies
+need (``auto.ilp``); ``plan.predicted_step`` prices the program planning emits (``step_time``):
+the collectives codegen really issues (one per value and placement, gradients in buckets), the
+program passes' own ops, the optimizer's step, a pipeline's schedule. They agree to a few
+percent, not exactly, so where a named plan (``megatron``, ``replicate``) is priced within
+``CLOSE`` of the program's choice (plus how far the program was off on its choice, once it is
+planned) both are planned and the predictor ranks them: the plan
+``shard="auto"`` returns is never one the predictor puts behind a named plan it planned.
+A named plan priced further off is left as the program priced it (planning each one would
+double a large model's planning time), and ``print(plan)`` says which figures are which. In a
+pipeline every named plan is planned: the program prices a stage's ops, not the schedule's
+bubble and sends, so its figures are not the predictor's to a few percent.
+
+Requires: ``plan`` planned with ``shard="auto"`` (its IR's ``AUTO`` report, if the solver ran);
+          ``make(name)`` plans the same model with ``shard=name``.
+Ensures:  the plan kept, its IR's ``AUTO`` report with each planned figure (``planned``) and
+          which plan was kept (``kept``). Where the choice itself is over the memory budget
+          once planned, the fastest named plan that fits (``fall_back``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Callable
+
+from shardfx.auto.explain import idle_axes, idle_words
+from shardfx.errors import ShardfxError
+from shardfx.passes.auto_shard import AUTO
+
+log = logging.getLogger("shardfx.auto.finalists")
+
+# A named plan the integer program prices within this factor of its choice is planned in full:
+# the program's prices were within 12% of the predictor's on the meshes of tests/test_auto_shard
+CLOSE = 1.2
+TIE = 1e-9  # a named plan replaces the choice only if predicted faster by more than this
+
+
+def keep_best(plan, make: Callable[[str], object]):
+    """The fastest by ``predicted_step`` of ``plan`` and the named plans priced close to it."""
+    report = plan.ir.meta.get(AUTO)
+    if report is None:
+        return plan
+    step = plan.predicted_step
+    plans = {"auto": plan}
+    planned = {"auto": (step.total, step.compute)}
+    pipeline = plan.stage_program is not None  # the program prices no schedule: plan them all
+    # How far the program was off on its own choice widens the margin: a named plan it priced
+    # within that of its choice may be the faster once planned.
+    margin = CLOSE * report.seconds + abs(step.total - report.seconds)
+    for name, (seconds, _) in report.named.items():
+        if seconds > margin and not pipeline:
+            continue
+        try:
+            other = make(name)
+        except ShardfxError as e:  # it does not fit the budget, or the mesh: not a finalist
+            log.info("shard=%r not planned: %s", name, e)
+            continue
+        plans[name] = other
+        s = other.predicted_step
+        planned[name] = (s.total, s.compute)
+    kept = "auto"
+    for name, (seconds, _) in planned.items():
+        if seconds < planned[kept][0] * (1 - TIE):
+            kept = name
+    chosen = plans[kept]
+    chosen.ir.meta[AUTO] = report = dataclasses.replace(report, planned=planned, kept=kept)
+    if idle_axes(report):
+        warnings.warn(f'shard="auto" on mesh {plan.mesh}: {idle_words(report)}', stacklevel=4)
+    return chosen
+
+
+def fall_back(error, report, make: Callable[[str], object]):
+    """Where the solver's choice, planned, does not fit the memory budget (its memory term
+    counts the saved activations as the IR holds them, not the program's temporaries): the
+    named plans that do, the fastest by ``predicted_step``; else ``error``."""
+    planned, plans = {}, {}
+    for name in (report.named if report is not None else ()):
+        try:
+            plans[name] = make(name)
+        except ShardfxError as e:
+            log.info("shard=%r not planned: %s", name, e)
+            continue
+        s = plans[name].predicted_step
+        planned[name] = (s.total, s.compute)
+    if not plans:
+        raise error
+    kept = min(planned, key=lambda k: planned[k][0])
+    chosen = plans[kept]
+    chosen.ir.meta[AUTO] = dataclasses.replace(report, planned=planned, kept=kept)
+    return chosen
