@@ -116,11 +116,12 @@ def test_another_optimizer_is_refused_and_another_lr_is_kept_with_a_warning(tmp_
     runner, _ = runner_on("llama", {}, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     with pytest.raises(InputError, match="AdamW's; this runner's optimizer is SGD"):
         runner.load(str(tmp_path / "ck"))
-    runner, _ = runner_on("llama", {}, optimizer=lambda ps: torch.optim.AdamW(ps, lr=5e-4))
+    runner, _ = runner_on("llama", {}, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3 / 3))
     with caplog.at_level(logging.WARNING, logger="shardfx.checkpoint"):
         runner.load(str(tmp_path / "ck"))
-    assert "lr 0.001 -> 0.0005" in caplog.text and "keeping this run's" in caplog.text
-    assert runner.optimizer.param_groups[0]["lr"] == 5e-4
+    # said as a person reads it: 4 significant digits
+    assert "lr 0.001 -> 0.0003333 " in caplog.text and "keeping this run's" in caplog.text
+    assert runner.optimizer.param_groups[0]["lr"] == 1e-3 / 3
 
 
 def test_a_damaged_checkpoint_is_refused_by_runner_load_naming_the_file_or_field(tmp_path):

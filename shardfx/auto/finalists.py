@@ -11,8 +11,8 @@ planned) both are planned and the predictor ranks them: the plan
 ``shard="auto"`` returns is never one the predictor puts behind a named plan it planned.
 A named plan priced further off is left as the program priced it (planning each one would
 double a large model's planning time), and ``print(plan)`` says which figures are which. In a
-pipeline every named plan is planned: the program prices a stage's ops, not the schedule's
-bubble and sends, so its figures are not the predictor's to a few percent.
+pipeline the program prices a stage's ops, not the schedule's bubble and sends: its figures
+are compared with each other alone, and the planned ones are the predictor's.
 
 Requires: ``plan`` planned with ``shard="auto"`` (its IR's ``AUTO`` report, if the solver ran);
           ``make(name)`` plans the same model with ``shard=name``.
@@ -34,9 +34,10 @@ from shardfx.passes.auto_shard import AUTO
 
 log = logging.getLogger("shardfx.auto.finalists")
 
-# A named plan the integer program prices within this factor of its choice is planned in full:
-# the program's prices were within 12% of the predictor's on the meshes of tests/test_auto_shard
-CLOSE = 1.2
+# A named plan the integer program prices within this factor of its choice is planned in full
+# (the program's price of a named plan was within 0.2% of its plan's predicted step on the
+# meshes tests/test_auto_shard plans, of its own choice within a few percent)
+CLOSE = 1.1
 TIE = 1e-9  # a named plan replaces the choice only if predicted faster by more than this
 
 
@@ -48,12 +49,12 @@ def keep_best(plan, make: Callable[[str], object]):
     step = plan.predicted_step
     plans = {"auto": plan}
     planned = {"auto": (step.total, step.compute)}
-    pipeline = plan.stage_program is not None  # the program prices no schedule: plan them all
     # How far the program was off on its own choice widens the margin: a named plan it priced
-    # within that of its choice may be the faster once planned.
-    margin = CLOSE * report.seconds + abs(step.total - report.seconds)
+    # within that of its choice may be the faster once planned. Not in a pipeline, where the
+    # program prices a stage's ops and not the schedule: there its prices are compared alone.
+    off = abs(step.total - report.seconds) if plan.stage_program is None else 0.0
     for name, (seconds, _) in report.named.items():
-        if seconds > margin and not pipeline:
+        if seconds > CLOSE * report.seconds + off:
             continue
         try:
             other = make(name)

@@ -209,11 +209,27 @@ def _check_optimizer(opt, saved: dict | None, path) -> None:
     for i, (a, b) in enumerate(zip(saved["hyperparameters"], now)):
         differ = {k: (a[k], b[k]) for k in a.keys() & b.keys() if list(_flat(a[k])) !=
                   list(_flat(b[k]))}
-        if differ:
+        if differ and _first_rank():  # every rank resumes the same: said once
             log.warning("resuming from %s: param group %d's %s differ from the checkpoint's; "
                         "keeping this run's (the optimizer's state, the step and the data "
                         "position come from the checkpoint)", path, i,
-                        ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items()))
+                        ", ".join(f"{k} {_short(old)} -> {_short(new)}"
+                                  for k, (old, new) in sorted(differ.items())))
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _short(v) -> str:
+    """A hyperparameter as a person reads it: floats to 4 significant digits."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_short(x) for x in v) + ")"
+    return repr(v)
 
 
 def _flat(v):
