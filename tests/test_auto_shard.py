@@ -29,6 +29,9 @@ FAST_LINKS = DeviceModel("fast-links", _SLOW, 1e9, {"intra": Link(1e12, 1e-9),
 # Slow compute, links that cost by the byte, no latency: tensor or data parallel by volume.
 BY_BYTES = DeviceModel("by-bytes", _SLOW, 1e12, {"intra": Link(1e8, 0.0),
                                                  "inter": Link(1e8, 0.0)})
+# Slow compute, links fast and with little latency: the batch split over tp as well.
+BATCH_OVER_TP = DeviceModel("batch-over-tp", _SLOW, 1e12, {"intra": Link(1e12, 1e-5),
+                                                           "inter": Link(1e12, 1e-5)})
 
 
 def _plan(model, mesh, batch: int = 2, **kw):
@@ -50,8 +53,9 @@ def _train(cases):
                                   shard="auto", **kw)
         auto = report.plan.ir.meta[AUTO]
         split = any(type(p) is Shard for ps in auto.params.values() for p in ps)
+        buckets = [c.axis for c in report.plan.collectives if "gradient bucket 0" in c.reason]
         out.append((f"{name} {mesh} {kw.get('device_model', '')}", report.max(), split,
-                    auto.inputs))
+                    auto.inputs, buckets))
     return out
 
 
@@ -65,24 +69,31 @@ def test_solver_plans_train_like_one_device():
         ("llama", {"tp": 2}, {"device_model": BY_BYTES, "fused_loss": False}, 64),
         ("llama", {"tp": 2}, {"memory_budget": "300KiB", "fused_loss": False}, 1),
     ], nprocs=2, timeout=180, deadline=900)
-    for label, error, split, _ in rows[0]:
+    for label, error, split, _, _ in rows[0]:
         assert error < 1e-5 and split, (label, error)
     assert rows[0][3][3]["args[0]"][0] == Shard(0)  # by bytes: the batch split over tp
 
 
 def test_four_ranks_dp_by_tp_and_tp4():
     """dp=2 x tp=2, Qwen2 on tp=4 (its 2 key/value heads cannot split over 4 ranks), and GPT-2
-    on tp=4 (its fused q, k, v split by heads: test_strided)."""
+    on tp=4 (its fused q, k, v split by heads: test_strided). Where compute is slow and links
+    fast, dp=2 x tp=2 takes tp for a second data-parallel axis: each gradient is then a
+    partial sum over dp and tp, reduced in one bucket over dp and then over tp
+    (``codegen.bucketing``)."""
     rows = shardfx.launch(_train, [
         ("llama", {"dp": 2, "tp": 2}, {"device_model": FAST_LINKS, "fused_loss": False}, 4),
         ("qwen2", {"tp": 4}, {"device_model": FAST_LINKS, "fused_loss": False}, 4),
         ("gpt2", {"tp": 4}, {"device_model": FAST_LINKS}, 4),
+        ("llama", {"dp": 2, "tp": 2}, {"device_model": BATCH_OVER_TP, "fused_loss": False}, 4),
     ], nprocs=4, timeout=180, deadline=600)
-    (label, error, split, inputs), *tp4 = rows[0]
+    (label, error, split, inputs, _), *tp4, (label2, error2, _, inputs2, buckets) = rows[0]
     assert error < 1e-5 and split, (label, error)
     assert inputs["args[0]"][0] == Shard(0)  # dp still splits the batch
-    for label4, error4, split4, _ in tp4:
+    for label4, error4, split4, _, _ in tp4:
         assert error4 < 1e-5 and split4, (label4, error4)
+    assert error2 < 1e-5, (label2, error2)
+    assert inputs2["args[0]"] == (Shard(0), Shard(0)) and sorted(buckets) == ["dp", "tp"], \
+        (inputs2, buckets)
 
 
 # --- what it chooses, planned in one process --------------------------------------------------
@@ -338,3 +349,13 @@ def test_the_default_is_never_predicted_slower_than_a_named_plan(mesh, kw, tmp_p
         warnings.simplefilter("ignore")  # an axis that buys nothing is said: another test
         prices = _one_cost(mesh, tmp_path, **kw)
     print(mesh, kw, prices)
+
+
+def test_an_axis_that_buys_nothing_is_said_with_the_fix():
+    """On tp=3 nothing of the tiny model divides by 3, not even the batch: every rank of tp
+    would do the same work. ``print(plan)`` and a warning say so and what to do instead."""
+    with pytest.warns(UserWarning, match="the tp axis buys nothing.*use those devices as dp"):
+        plan = _plan(tiny("llama"), {"tp": 3}, batch=4, fused_loss=False)
+    assert "the tp axis buys nothing" in str(plan)
+    split = _plan(tiny("llama"), {"tp": 2}, device_model=FAST_LINKS, fused_loss=False)
+    assert "buys nothing" not in str(split)

@@ -7,6 +7,7 @@ each rank). A redistribution is priced axis by axis as the collective codegen em
 (``codegen.redistribute``): partial -> replicated an all-reduce, partial -> split a
 reduce-scatter, split -> replicated an all-gather, split -> split on another dimension an
 all-to-all (priced as an all-gather of the same bytes), replicated -> split a local slice (free).
+A gradient's partial sum is reduced in buckets instead (``reduced_seconds``, ``bucket_latency``).
 """
 
 from __future__ import annotations
@@ -127,14 +128,13 @@ def reduced_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> float:
     """Seconds to take a gradient from ``src`` to its parameter's placements ``dst``. Over dp,
     none here: the ZeRO stage prices a parameter's gradient traffic (``auto.zero_stage``). A
     partial sum on another axis is all-reduced in DDP's buckets (``codegen.bucketing``): its
-    bytes, and a bucket's latency shared by the bytes in it. Any other move is
-    ``redistribute_seconds``'s."""
+    bytes, and the latency of the buckets past the first shared by the bytes in them (the
+    first's is ``bucket_latency``, once). Any other move is ``redistribute_seconds``'s."""
     if src is None or dst is None or src == dst or not isinstance(val, torch.Tensor):
         return 0.0
     names, sizes = [a for a, _ in axes], [n for _, n in axes]
     src = tuple(b if a == "dp" else p for a, p, b in zip(names, src, dst))
-    reduced = [i for i, (p, b) in enumerate(zip(src, dst))
-               if isinstance(p, Partial) and isinstance(b, Replicate) and sizes[i] > 1]
+    reduced = bucketed_axes(src, dst, axes)
     rest = tuple(src[i] if i in reduced else b for i, b in enumerate(dst))
     total = redistribute_seconds(src, rest, val, axes, model)
     nbytes = local_bytes(val, rest, sizes)

@@ -5,7 +5,12 @@ The objective is seconds of one training step on one device:
 
     sum over classes      members(c) * op seconds of s                      (``costs.op_seconds``)
   + sum over edges        multiplicity * redistribution seconds from the producer's result
-                          to the placement the consumer's strategy needs   (``costs.redistribute_seconds``)
+                          to the placement the consumer's strategy needs   (``costs.redistribute_seconds``;
+                          a gradient's, ``costs.reduced_seconds``)
+  + sum over axes         a gradient bucket's latency, where any gradient is reduced on the
+                          axis: a continuous ``y`` at least each such choice (``costs.bucket_latency``)
+  + per parameter byte    the ZeRO stage's traffic over dp, the optimizer's step and the
+                          gradients' copy into their buckets                (``Problem.at``)
 
 An edge is an operand of an op (or a returned value: a gradient must end as its parameter is
 placed, the loss replicated); the edges between the same classes at the same operand are one
@@ -394,7 +399,8 @@ def follow(gm: fx.GraphModule, cands: Candidates, seeds: dict, axes: tuple,
            model: DeviceModel) -> tuple[float, float]:
     """(seconds, of them compute) of the plan ``shard_propagate`` makes from the placeholder
     placements ``seeds`` (node -> placements; the others as annotated), priced as the program
-    prices its choices: how a named plan (megatron, replicate) compares."""
+    prices its choices, except that a value needed in one placement by several ops is
+    redistributed once, as codegen does: how a named plan (megatron, replicate) compares."""
     from shardfx.auto.candidates import element
 
     sizes = [n for _, n in axes]
