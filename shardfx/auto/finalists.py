@@ -54,43 +54,45 @@ def keep_best(plan, make: Callable[[str], object]):
     # program prices a stage's ops and not the schedule: there its prices are compared alone.
     off = abs(step.total - report.seconds) if plan.stage_program is None else 0.0
     for name, (seconds, _) in report.named.items():
-        if seconds > CLOSE * report.seconds + off:
-            continue
-        try:
-            other = make(name)
-        except ShardfxError as e:  # it does not fit the budget, or the mesh: not a finalist
-            log.info("shard=%r not planned: %s", name, e)
-            continue
-        plans[name] = other
-        s = other.predicted_step
-        planned[name] = (s.total, s.compute)
-    kept = "auto"
-    for name, (seconds, _) in planned.items():
-        if seconds < planned[kept][0] * (1 - TIE):
-            kept = name
-    chosen = plans[kept]
-    chosen.ir.meta[AUTO] = report = dataclasses.replace(report, planned=planned, kept=kept)
-    if idle_axes(report):
-        warnings.warn(f'shard="auto" on mesh {plan.mesh}: {idle_words(report)}', stacklevel=4)
-    return chosen
+        if seconds <= CLOSE * report.seconds + off:
+            _plan_named(name, make, plans, planned)
+    return _keep(plans, planned, report, plan.mesh)
 
 
 def fall_back(error, report, make: Callable[[str], object]):
     """Where the solver's choice, planned, does not fit the memory budget (its memory term
     counts the saved activations as the IR holds them, not the program's temporaries): the
     named plans that do, the fastest by ``predicted_step``; else ``error``."""
-    planned, plans = {}, {}
+    plans, planned = {}, {}
     for name in (report.named if report is not None else ()):
-        try:
-            plans[name] = make(name)
-        except ShardfxError as e:
-            log.info("shard=%r not planned: %s", name, e)
-            continue
-        s = plans[name].predicted_step
-        planned[name] = (s.total, s.compute)
+        _plan_named(name, make, plans, planned)
     if not plans:
         raise error
-    kept = min(planned, key=lambda k: planned[k][0])
+    return _keep(plans, planned, report, next(iter(plans.values())).mesh)
+
+
+def _plan_named(name: str, make, plans: dict, planned: dict) -> None:
+    """Plan ``shard=name`` into ``plans``, its predicted (seconds, compute) into ``planned``;
+    nothing where it cannot be planned (over the budget, not on this mesh: not a finalist)."""
+    try:
+        plans[name] = make(name)
+    except ShardfxError as e:
+        log.info("shard=%r not planned: %s", name, e)
+        return
+    step = plans[name].predicted_step
+    planned[name] = (step.total, step.compute)
+
+
+def _keep(plans: dict, planned: dict, report, mesh):
+    """The plan predicted fastest (the first of ``plans`` unless another is faster by more
+    than ``TIE``), its IR's report saying what was planned and kept; a warning where the plan
+    kept splits nothing over an axis the solver decides."""
+    kept = next(iter(planned))
+    for name, (seconds, _) in planned.items():
+        if seconds < planned[kept][0] * (1 - TIE):
+            kept = name
     chosen = plans[kept]
-    chosen.ir.meta[AUTO] = dataclasses.replace(report, planned=planned, kept=kept)
+    chosen.ir.meta[AUTO] = report = dataclasses.replace(report, planned=planned, kept=kept)
+    if idle_axes(report):  # stack: _keep, keep_best or fall_back, api._plan, partition, caller
+        warnings.warn(f'shard="auto" on mesh {mesh}: {idle_words(report)}', stacklevel=5)
     return chosen
