@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 PIN := -c constraints.txt
 PINS_VENV := build/pins-venv
 
-.PHONY: demo test bench clean pins browser
+.PHONY: demo test check bench clean pins browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# The inner loop: the tests that start no process (the rest are marked multiprocess).
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not multiprocess"
 
 # tests/test_html.py opens plan.html in headless Chromium: Debian's package, installed when
 # missing and this is root on a machine with apt-get (CI); elsewhere that one test skips.

@@ -71,3 +71,69 @@ def batches():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# --- the multiprocess marker: `make check` leaves out the tests that start processes ----------
+
+# Names whose call starts processes: shardfx.launch, subprocess, multiprocessing, the CLI.
+_SPAWNING = frozenset({"launch", "subprocess", "Popen", "check_output", "check_call",
+                       "multiprocessing", "Process", "spawn", "torchrun"})
+_SPAWNING_MODULES = ("subprocess", "multiprocessing", "shardfx.runtime.launch", "shardfx.cli",
+                     "shardfx.train")
+
+
+def _spawns(fn, seen: set, depth: int = 0) -> bool:
+    """Whether ``fn`` (a test, a fixture, or a helper of the tests it calls, followed through
+    the tests' own modules) may start a process: it names one of ``_SPAWNING`` or calls into
+    a module that does. Static, so it errs towards marking: a test marked wrongly only runs in
+    ``make test`` and not in ``make check``."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 5 or code in seen:
+        return False
+    seen.add(code)
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        if _SPAWNING & set(c.co_names):
+            return True
+        codes += [k for k in c.co_consts if hasattr(k, "co_names")]  # lambdas, inner defs
+        for name in c.co_names:
+            value = getattr(fn, "__globals__", {}).get(name)
+            module = getattr(value, "__module__", None) or getattr(value, "__name__", "")
+            if isinstance(module, str) and module.startswith(_SPAWNING_MODULES):
+                return True
+            if callable(value) and _is_tests_code(value) and _spawns(value, seen, depth + 1):
+                return True
+    return False
+
+
+def _is_tests_code(value) -> bool:
+    path = getattr(getattr(value, "__code__", None), "co_filename", "")
+    return path.startswith(os.path.dirname(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fns = [getattr(item, "function", None)]
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in (info.name2fixturedefs.values() if info is not None else ()):
+            fns += [d.func for d in defs]
+        if any(_spawns(fn, set()) for fn in fns if fn is not None):
+            item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_tests_start_no_process(request, monkeypatch):
+    """A test left unmarked by ``_spawns`` that starts a process anyway fails here, naming
+    itself: ``make check``, which leaves the marked ones out, can rely on the marker."""
+    if request.node.get_closest_marker("multiprocess") is not None:
+        return
+    import multiprocessing.process
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process and is not marked "
+                             "multiprocess: name its spawning call in tests/conftest.py "
+                             "_SPAWNING, or mark it with @pytest.mark.multiprocess")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -160,6 +160,7 @@ def test_calibrate_quick_writes_the_cache_the_default_then_picks(tmp_path, monke
     assert f"on {model.name}" in str(plan.predicted_step)
 
 
+@pytest.mark.multiprocess  # shardfx.calibrate launches them
 def test_link_calibration_over_two_gloo_processes():
     link = measure_link(torch.device("cpu"), tiny_reps=10, big_bytes=1 << 20, big_reps=2)
     assert 1e-7 < link.latency < 0.1  # loopback: tens of microseconds
