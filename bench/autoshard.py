@@ -17,7 +17,7 @@ Part 2, predicted against measured (``--measure``; 4 gloo processes by ``shardfx
 intra-op thread each): a seeded HF Llama (``--hidden`` 256, 4 layers, vocabulary 8000, a batch
 of 8 x 128), planned with ``shard="auto"`` (the default), ``"megatron"`` and ``"replicate"`` on
 each mesh of ``--mesh`` (dp=2×tp=2 and tp=4), each with a device model calibrated at the start
-(``shardfx.calibrate``, quick, with one thread, as each rank runs). All six train in turn,
+(``shardfx.run.calibrate``, quick, with one thread, as each rank runs). All six train in turn,
 step by step, in one run (``bench.common.alternate``: 2 untimed rounds, ``--steps`` timed,
 barriers around each step). Per plan: the predicted step (``plan.predicted_step``; for auto,
 which plan it kept), the measured min and median wall time of rank 0 (barrier to barrier: the
@@ -53,7 +53,7 @@ from bench.common import alternate, append_results, clocked, machine, mesh_label
 from bench.plan import EXPORT, build, loss_fn, parse_meshes
 from bench.row_processes import load
 from shardfx.partitioner.capture import _LossOf
-from shardfx.passes.auto_shard import AUTO
+from shardfx.auto.shard import AUTO
 
 warnings.filterwarnings("ignore")
 
@@ -155,7 +155,7 @@ def measure_worker(a) -> dict:
 def measure(a) -> str:
     import tempfile
 
-    from shardfx.calibrate import calibrate, write
+    from shardfx.run.calibrate import calibrate, write
 
     torch.set_num_threads(1)  # as each rank runs
     path = Path(tempfile.mkdtemp()) / "device-cpu-1-thread.json"

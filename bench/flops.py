@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from shardfx.passes.estimate_cost import CPU_ATTENTION_FLOPS
+from shardfx.cost.node import CPU_ATTENTION_FLOPS
 
 aten = torch.ops.aten
 

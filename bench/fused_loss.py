@@ -97,7 +97,7 @@ def main() -> None:
              f"per row {a.train_steps} steps (the first warms up), one measured for memory, "
              f"{a.steps} timed")
     notes = [
-        "measured peak: live tensor storage at the step's peak (shardfx.measure), weights, "
+        "measured peak: live tensor storage at the step's peak (shardfx.runtime.measure), weights, "
         "gradients and AdamW state included, the batch not. predicted: "
         "max(plan.memory_estimate().values()). step s: median of the timed steps. loss: the "
         "loss the measured step returns.",

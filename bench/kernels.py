@@ -260,7 +260,7 @@ def kernel_table(rows: list[dict]) -> str:
 # --- fused linear + cross-entropy -------------------------------------------------------------
 
 def loss_rows(dtype: torch.dtype, device: str, tokens: int, hidden: int, vocab: int) -> list[dict]:
-    from shardfx.codegen.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
+    from shardfx.kernels.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
                                            chunk_rows)
 
     g = torch.Generator(device=device).manual_seed(0)

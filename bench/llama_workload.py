@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from shardfx.measure import mark
+from shardfx.runtime.measure import mark
 
 SMALL = dict(layers=2, hidden=128, inter=352, heads=4, kv=2, vocab=1000, batch=4, seq=64)
 

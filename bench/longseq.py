@@ -7,7 +7,7 @@ parallelism (``"megatron-sp"``) and ``cp=4`` (context parallelism, ring attentio
 longest sequence (a multiple of 64) whose predicted per-rank peak (``plan.memory_estimate``,
 the fullest rank) is within ``--budget`` MiB is searched by bisection on plans alone (no
 process runs them). Then each plan runs at its length on 4 gloo processes (the one-device
-plan on each of them alike), one warm-up step and one measured (``shardfx.measure``: live
+plan on each of them alike), one warm-up step and one measured (``shardfx.runtime.measure``: live
 tensor storage, every rank; the fullest reported), to check the prediction the search relied
 on. Then the cp=4 plan's step at its length races PyTorch's ``context_parallel``
 (torch.distributed.tensor.experimental) on the same mesh, from the same weights: ids, labels
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import shardfx
 from bench.common import append_results, machine
-from shardfx.measure import measured_peak
+from shardfx.runtime.measure import measured_peak
 
 PLANS = {"one device": ({}, "auto"), "tp=4": ({"tp": 4}, "megatron"),
          "tp=4 + SP": ({"tp": 4}, "megatron-sp"), "cp=4": ({"cp": 4}, "auto")}

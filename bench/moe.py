@@ -15,7 +15,7 @@ contestants are shardfx plans of copies of one seeded model:
 Time: ``--warmup`` untimed rounds, then ``--steps`` timed ones, each round one step of each in
 turn, barriers around each step (``bench.common.alternate``). Reported: rank 0's wall time
 (barrier to barrier) and process CPU time of the step alone, min and median, and the ratio of
-medians ep=4 / dp=4. Memory: one more step of each, measured by ``shardfx.measure`` (live
+medians ep=4 / dp=4. Memory: one more step of each, measured by ``shardfx.runtime.measure`` (live
 tensor storage, the peak over the step, max over ranks), next to the plan's model; and the
 bytes of the experts' training state on a rank (their weights, gradients and AdamW's two
 moments). Checks, fatal: both first-step losses equal the global batch's loss computed whole,
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import shardfx
 from bench.common import alternate, append_results, clocked, count, machine
-from shardfx.measure import measured_peak
+from shardfx.runtime.measure import measured_peak
 
 SIZE = dict(hidden=256, inter=768, experts=8, k=2, heads=8, kv=4, vocab=2000, batch=8, seq=128)
 N = 4

@@ -12,7 +12,7 @@ quarter of what a step holds). Rows, each from the same weights:
   freed by ``register_post_accumulate_grad_hook``;
 - shardfx defaults, and ``partition(..., optimizer_in_backward=True)``.
 
-Peaks are measured by ``shardfx.measure.measured_peak`` (live tensor storage, the batch left
+Peaks are measured by ``shardfx.runtime.measure.measured_peak`` (live tensor storage, the batch left
 out) on a step after the optimizer's state exists; shardfx's predicted peak
 (``plan.memory_estimate()``) is printed next to its measured one. Step times: the rows
 alternate step by step (``bench.common.alternate``), ``--warmup`` untimed rounds then
@@ -35,7 +35,7 @@ import shardfx
 from bench.common import alternate, append_results, clocked, count, machine
 from bench.llama_workload import (adamw, fill_sizes, loss_of, size_flags, training_step,
                                   workload)
-from shardfx.measure import measured_peak
+from shardfx.runtime.measure import measured_peak
 
 DEFAULT = dict(layers=12, hidden=768, inter=2112, heads=12, kv=12, vocab=32000, batch=8, seq=64)
 

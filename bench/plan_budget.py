@@ -10,7 +10,7 @@ per layer count ``--repeats`` rounds, each round every plan below in turn, each 
 - floor: ``memory_budget=1``, which no plan meets: the search for the lowest peak, stated by
   the ``MemoryBudgetError``;
 - budget: halfway between that floor and the plain plan's peak, with each candidate judged on
-  shallow copies of the model (``shardfx.shallow``, from ``shallow.DEEP`` = 16 layers);
+  shallow copies of the model (``shardfx.compiler.shallow``, from ``shallow.DEEP`` = 16 layers);
 - whole: the same budget, each candidate judged on the whole program (``shallow.DEEP`` raised
   past the layer count), as every plan was before: the two must choose the same recomputation
   and the same peak, and the bench fails (nothing appended) where they do not.
@@ -42,7 +42,7 @@ import warnings
 import shardfx
 from bench.common import append_results, machine
 from bench.plan import build, loss_fn, shape_arguments
-from shardfx import shallow
+from shardfx.compiler import shallow
 
 warnings.filterwarnings("ignore")
 

@@ -29,7 +29,7 @@ then one step under the memory tracker, then ``--steps`` timed steps:
 
 - step s: median of the timed steps (``gc.collect()`` before each); and its ratio to eager
   fp32's;
-- measured peak: ``shardfx.measure.measured_peak(step, model, optimizer, ids, targets)`` (the
+- measured peak: ``shardfx.runtime.measure.measured_peak(step, model, optimizer, ids, targets)`` (the
   runner for shardfx's rows), the peak of live tensor storage during the step counting weights,
   gradients and AdamW state, minus the batch's bytes, as bench/remat.py measures it; and its
   ratio to eager fp32's;
@@ -71,8 +71,8 @@ import shardfx
 from bench.common import append_results, count, machine, timed
 from bench.llama_workload import adamw, fill_sizes, loss_of, size_flags, training_step, workload
 from bench.remat import LOSS_RTOL, MiB, _loss_on_logits, failed
-from shardfx.measure import mark, measured_peak
-from shardfx.precision import DTYPES
+from shardfx.runtime.measure import mark, measured_peak
+from shardfx.request.precision import DTYPES
 
 DEFAULT = dict(layers=4, hidden=1024, inter=2816, heads=16, kv=8, vocab=32000, batch=4, seq=512)
 
@@ -294,7 +294,7 @@ def main() -> None:
              f"{a.steps} timed")
     eager = rows[0]
     notes = [
-        f"measured peak: live tensor storage at the step's peak (shardfx.measure), weights, "
+        f"measured peak: live tensor storage at the step's peak (shardfx.runtime.measure), weights, "
         f"gradients and AdamW state included, the batch not; of which live before the step "
         f"(weights + AdamW state): {eager['existing'] / MiB:.1f} MiB. predicted peak: "
         f"max(plan.memory_estimate().values()); predicted vs measured: predicted / measured - 1. "

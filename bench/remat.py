@@ -81,7 +81,7 @@ the same step measured alone, on the ``--small`` model), then ``--steps`` timed 
 - measured peak: ``measured_peak(step, model, optimizer, ids, targets)``, the peak of live
   tensor storage during the step counting weights, gradients and AdamW state, minus the batch's
   bytes; and its ratio to eager's. fwd+bwd: the same step's peak up to the end of its backward
-  (``shardfx.measure.mark("fwd+bwd")``, before ``opt.step()``, as shardfx's runner marks it);
+  (``shardfx.runtime.measure.mark("fwd+bwd")``, before ``opt.step()``, as shardfx's runner marks it);
 - predicted peak (shardfx rows): ``plan.memory_estimate()[0]`` (which, like the measured peak,
   leaves the batch out), and its error against the measured peak (goal: within 2%);
 - recompute GFLOPs: the step's FLOPs (``FlopCounterMode``, matmuls and attention) minus eager's;
@@ -135,7 +135,7 @@ from bench.flops import CountingBackend, step_flops
 from bench.llama_workload import (adamw, fill_sizes, final_loss, loss_of, size_flags,
                                  training_step, workload)
 from bench.row_processes import RowProcesses, load
-from shardfx.measure import measured_peak
+from shardfx.runtime.measure import measured_peak
 
 warnings.filterwarnings("ignore")
 
@@ -553,7 +553,7 @@ def main() -> None:
              f"{', '.join(f'{b:g}' for b in budgets)}; shardfx at each distinct measured peak "
              f"and at its own floor")
     notes = [
-        f"measured peak: live tensor storage at the step's peak (shardfx.measure), weights, "
+        f"measured peak: live tensor storage at the step's peak (shardfx.runtime.measure), weights, "
         f"gradients and AdamW state included, the batch not; of which live before the step "
         f"(weights + AdamW state): {eager['existing'] / MiB:.1f} MiB. fwd+bwd peak: the same "
         f"step's peak up to the end of its backward. shardfx's memory_budget: the measured peak "

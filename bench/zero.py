@@ -40,11 +40,11 @@ machine runs, CPU time less), min and median, and the ratio of medians to the FS
 same stage: zero=3 to FSDP2 default, zero=2 and zero=1 to ``reshard_after_forward=False``.
 
 Memory, measured on one more step of each contestant after the timed ones (in turn, barriers
-around each; its loss is the last one reported). The peak is ``shardfx.measure``'s measure of
+around each; its loss is the last one reported). The peak is ``shardfx.runtime.measure``'s measure of
 live tensor storage, the same for every row: every storage an op returns counts, at its size
 in bytes, from then until Python frees it; what lives before the step (the model's or the
 runner's parameters and their gradients, the optimizer and its state, the batch) counts from
-the start. It is ``shardfx.measure.measured_peak`` (the runners' ``mark("fwd+bwd")`` records
+the start. It is ``shardfx.runtime.measure.measured_peak`` (the runners' ``mark("fwd+bwd")`` records
 the peak of forward and backward; the FSDP2 step marks it between ``backward()`` and
 ``opt.step()``), which sees what FSDP2 does to its tensors:
   1. a DTensor counts as its local tensor: the wrapper's ``untyped_storage()`` has the global
@@ -101,8 +101,8 @@ from torch.distributed.tensor import DTensor
 import shardfx
 from bench.common import alternate, append_results, clocked, count, machine
 from bench.spmd import batch, llama, loss_fn
-from shardfx.measure import mark, measured_peak
-from shardfx.memory import DeviceMemory
+from shardfx.runtime.measure import mark, measured_peak
+from shardfx.estimate.memory import DeviceMemory
 
 SIZE = dict(hidden=768, heads=12, kv=4, inter=2048, vocab=32000)  # and --layers
 DP = 4

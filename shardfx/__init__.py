@@ -9,11 +9,12 @@ The names below are imported on first use, so ``shardfx --help`` and ``--version
 wait for torch.
 """
 
-import os as _os
 import sys as _sys
 from importlib import import_module as _import
 from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _version
+
+from shardfx.kernels import choose_triton_mode
 
 try:
     __version__ = _version("shardfx")
@@ -21,8 +22,8 @@ except _NotInstalled:  # run from a checkout that was never installed
     __version__ = "0+unknown"
 
 _WHERE = {
-    "partition": "shardfx.api", "Plan": "shardfx.plan", "Precision": "shardfx.precision",
-    "shard_hint": "shardfx.hints", "pipe_split": "shardfx.hints", "experts": "shardfx.moe",
+    "partition": "shardfx.api", "Plan": "shardfx.plan", "Precision": "shardfx.request.precision",
+    "shard_hint": "shardfx.request.hints", "pipe_split": "shardfx.request.hints", "experts": "shardfx.kernels.experts",
     "launch": "shardfx.runtime.launch", "LaunchError": "shardfx.runtime.launch",
     "LossScaling": "shardfx.runtime.loss_scale", "Runner": "shardfx.runtime.runner",
     **{name: "shardfx.errors" for name in (
@@ -30,17 +31,6 @@ _WHERE = {
         "PassError", "VerifyError", "MemoryBudgetError")},
 }
 __all__ = list(_WHERE)
-
-
-def choose_triton_mode() -> None:
-    """Triton kernels run on a CPU only through Triton's interpreter, which has to be chosen
-    before triton is first imported (its own library is decorated then): on a machine without
-    CUDA, shardfx chooses it unless TRITON_INTERPRET says otherwise (kernels="triton" on CPU).
-    Called before anything of shardfx's that plans or runs is imported."""
-    import torch
-
-    if "triton" not in _sys.modules and not torch.cuda.is_available():
-        _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 if "torch" in _sys.modules:  # torch is here already: choosing costs nothing

@@ -12,27 +12,30 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 
-from shardfx.auto.finalists import fall_back, keep_best
-from shardfx.device_model import DeviceModel
-from shardfx.device_model import device_model as choose_device_model
+from shardfx.compiler.finalists import fall_back, keep_best
+from shardfx.cost.device_model import DeviceModel
+from shardfx.cost.device_model import device_model as choose_device_model
 from shardfx.errors import (InputError, LossError, MemoryBudgetError, PassError, PipelineError,
                             ShardfxError)
 from shardfx.codegen.step_in_backward import check as check_optimizer_in_backward
-from shardfx.hints import check_hint_axes
+from shardfx.request.hints import check_hint_axes
 from shardfx.ir.graph import copy_ir
 from shardfx.ir.text import ir_to_text
-from shardfx.memory import optimizer_model
+from shardfx.cost.optimizer import optimizer_model
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import (Captured, capture, capture_leaves, check_model,
                                          microbatch)
 from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
-from shardfx.passes.auto_shard import AUTO, solver
-from shardfx.passes.manager import Options, PassRecord, dump_failure
-from shardfx.pipeline import deferred_codegen, paused_gc
+from shardfx.auto.shard import AUTO, solver
+from shardfx.compiler.manager import PassRecord, dump_failure
+from shardfx.request.options import Options
+from shardfx.compiler.driver import deferred_codegen, paused_gc
 from shardfx.plan import Plan
-from shardfx.precision import Precision
-from shardfx.runtime.device import choose_device
+from shardfx.request.precision import Precision
+from shardfx.kernels.device import choose_device
 from shardfx.schedule import GENERATORS, Schedule
+from shardfx.partitioner.experts_hf import recognise
+from shardfx.kernels.experts import EXPERTS
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -252,7 +255,7 @@ def partition(
     CPU or on meta is planned all the same, and the runner puts its weights there.
     ``device_model``: the speeds every choice that trades time is made at (stage cuts,
     recomputation, the schedule under a budget) and ``plan.predicted_step`` is predicted on
-    (``shardfx.device_model``): a preset ("h100", "h200", "cpu"), a JSON file, or a
+    (``shardfx.cost.device_model``): a preset ("h100", "h200", "cpu"), a JSON file, or a
     ``DeviceModel``; by default this machine's ``shardfx calibrate`` file for ``device``, else
     the GPU's preset on CUDA, else "cpu".
     ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
@@ -368,8 +371,6 @@ def _asked_of_experts(options: Options) -> list[str]:
 def _check_experts_modules(model: torch.nn.Module, options: Options) -> None:
     """Before tracing: with a capacity or an ep axis, an experts module shardfx cannot run as
     its op (``moe.hf.why_not``) is named, with why."""
-    from shardfx.moe.hf import recognise
-
     asked = _asked_of_experts(options)
     if not asked:
         return
@@ -388,8 +389,6 @@ def _check_experts_modules(model: torch.nn.Module, options: Options) -> None:
 def _check_experts(captured: Captured, options: Options) -> None:
     """After tracing: a capacity needs a mixture-of-experts layer (the ep axis says so in
     ``shard_annotate``)."""
-    from shardfx.moe import EXPERTS
-
     if options.capacity_factor and \
             not captured.gm.graph.find_nodes(op="call_function", target=EXPERTS):
         raise InputError(

@@ -14,41 +14,47 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from shardfx.analysis import Summary, device_flops, summarize
+from shardfx.estimate.analysis import Summary, device_flops, summarize
 from shardfx.auto import zero_stage
-from shardfx.budget import Candidate, fit_budget
-from shardfx.codegen.linear_ce import LinearCrossEntropy
+from shardfx.compiler.budget import Candidate, fit_budget, fit_zero_stage
+from shardfx.kernels.linear_ce import LinearCrossEntropy
 from shardfx.codegen import zero as zero_codegen
 from shardfx.codegen.program import Program
-from shardfx.codegen.triton import FusedKernel
-from shardfx.device_model import DeviceModel, default_model
+from shardfx.kernels.triton import FusedKernel
+from shardfx.cost.device_model import DeviceModel, default_model
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
-from shardfx.html import plan_html
+from shardfx.report.html import plan_html
 from shardfx.ir import meta as M
-from shardfx.memory import DeviceMemory, optimizer_model, spmd_memory
-from shardfx.memory_pipeline import pipeline_memory
+from shardfx.cost.optimizer import optimizer_model
+from shardfx.estimate.memory import DeviceMemory, spmd_memory
+from shardfx.estimate.memory_pipeline import pipeline_memory
 from shardfx.mesh import MeshSpec
-from shardfx.moe.report import expert_layers, notes as expert_notes
-from shardfx.plan_notes import memory_notes
+from shardfx.report.experts import expert_layers, notes as expert_notes
+from shardfx.report.notes import memory_notes
 from shardfx.partitioner.capture import (Captured, canonical_names, capture, describe,
                                         microbatch)
 from shardfx.partitioner.microbatching import check_rows_independent
 from shardfx.passes.fused_loss import FusedLoss, fusable, fusing_reason
 from shardfx.ir.frozen import freeze
-from shardfx.passes.manager import Options, PassRecord, record
-from shardfx.passes.remat import Choice
+from shardfx.compiler.manager import PassRecord, record
+from shardfx.request.options import Options
+from shardfx.auto.remat import Choice
 from shardfx.passes.shard_annotate import sequence_split
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.passes.zero import zero_layouts
-from shardfx.runtime.device import place
-from shardfx.pipeline import compile_ir, deferred_codegen
-from shardfx.report import render
+from shardfx.kernels.device import place
+from shardfx.compiler.driver import compile_ir, deferred_codegen
+from shardfx.report.summary import render
 from shardfx.runtime.compiled import StageProgram
 from shardfx.runtime.loss_scale import LossScaling
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
 from shardfx.schedule import GENERATORS, Schedule, check, forward_only, generate
-from shardfx.step_time import PredictedStep, predict_step
+from shardfx.estimate.step_time import PredictedStep, predict_step
+from shardfx.compiler.budget import _evaluate
+from shardfx.report.explain import notes
+from shardfx.auto.shard import AUTO
+from shardfx.passes.shard_annotate import megatron_placements
 
 
 class Plan:
@@ -244,8 +250,6 @@ class Plan:
     def _choose_fused_loss(self) -> None:
         """``fused_loss="auto"``: fuse the LM head with its loss only where the memory it
         saves matters (``passes.fused_loss.fusing_reason``) and the peak drops."""
-        from shardfx.budget import _evaluate
-
         peak = max(self.memory_estimate().values())
         reason = fusing_reason(peak, self.options.memory_budget,
                                default_model(self.options).memory)
@@ -265,7 +269,7 @@ class Plan:
 
     def _fit_budget(self, budget: int) -> None:
         """Recompute activations (and in a pipeline, keep fewer microbatches in flight) until
-        every device's predicted peak is under ``budget`` (``shardfx.budget``); a budget no
+        every device's predicted peak is under ``budget`` (``shardfx.compiler.budget``); a budget no
         plan meets is a ``MemoryBudgetError``."""
         if self.mode is not M.Mode.TRAIN:
             need = max(self.memory_estimate().values())
@@ -276,7 +280,7 @@ class Plan:
                     fix="a larger budget, or shard the model over a tp or pp axis")
             return
         if self.zero_chosen:
-            zero_stage.fit(self, budget)  # the stage against the memory model, before remat
+            fit_zero_stage(self, budget)  # the stage against the memory model, before remat
         before = freeze(self.ir)
         fit_budget(self, budget)
         if self.remat is not None:  # the IR recomputes: its program passes ran again
@@ -291,7 +295,7 @@ class Plan:
         """Per device (global rank), the predicted peak of a training step (or of inference)
         by what holds it: parameters, buffers, the optimizer's state (``optimizer=`` of
         ``partition``), gradients, saved activations, temporaries, communication buffers, and
-        when the peak happens (``shardfx.memory``). On a dp/tp mesh every device runs one
+        when the peak happens (``shardfx.estimate.memory``). On a dp/tp mesh every device runs one
         program, so every device is the same; in a pipeline, each pp rank's action list is
         walked as the runner runs it, microbatches in flight included."""
         if self._memory is None:
@@ -334,10 +338,6 @@ class Plan:
 
     def _auto_notes(self) -> list[str]:
         """What ``shard="auto"`` chose and why (``auto.explain``)."""
-        from shardfx.auto.explain import notes
-        from shardfx.passes.auto_shard import AUTO
-        from shardfx.passes.shard_annotate import megatron_placements
-
         report = self.ir.meta.get(AUTO)
         if report is None:
             return []
@@ -362,7 +362,7 @@ class Plan:
     def predicted_step(self) -> PredictedStep:
         """One step's predicted seconds on ``device_model``: compute (ops of the generated
         programs, fused kernels as one, and the optimizer's step), communication (collectives
-        on their axis's link, a pipeline's sends) and the total (``shardfx.step_time``)."""
+        on their axis's link, a pipeline's sends) and the total (``shardfx.estimate.step_time``)."""
         return predict_step(self)
 
     def memory_rows(self) -> dict[str, DeviceMemory]:

@@ -114,6 +114,8 @@ import torch.utils._pytree as pytree
 from shardfx.errors import InputError
 from shardfx.passes.random_draws import on_stream_eagerly
 from shardfx.passes.rng import describe_off_stream, off_stream, reads_rng
+import shardfx  # the package imports this module's users, not the other way round
+from shardfx.request.precision import Precision
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -265,9 +267,6 @@ def compare_training(
     runs all three and compares full (gathered) tensors. Returns the ``Report`` of every check,
     with the plan and its runner (trained on ``batches``) as ``report.plan``, ``report.runner``.
     """
-    import shardfx  # the package imports this module's users, not the other way round
-
-    from shardfx.precision import Precision
 
     precision = Precision.parse(partition_kwargs.get("precision"))
     low = precision.dtype
@@ -310,8 +309,6 @@ def compare_inference(model: torch.nn.Module, args: tuple, rtol: float = 1e-5, *
     Raises AssertionError naming the outputs beyond the bound; returns the largest error
     beyond ``factor`` x eager fp32's own (as ``Report.max``).
     """
-    import shardfx
-
     with torch.no_grad():
         base = model(*args)
         want = _run_float64(_float64(model), lambda m: m(*_double(args)))

@@ -78,8 +78,8 @@ def _seed():
 # Names whose call starts processes: shardfx.launch, subprocess, multiprocessing, the CLI.
 _SPAWNING = frozenset({"launch", "subprocess", "Popen", "check_output", "check_call",
                        "multiprocessing", "Process", "spawn", "torchrun"})
-_SPAWNING_MODULES = ("subprocess", "multiprocessing", "shardfx.runtime.launch", "shardfx.cli",
-                     "shardfx.train")
+_SPAWNING_MODULES = ("subprocess", "multiprocessing", "shardfx.runtime.launch", "shardfx.run.cli",
+                     "shardfx.run.train")
 
 
 def _spawns(fn, seen: set, depth: int = 0) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfx.partitioner.fake import run_device
-from shardfx.runtime import attention as A
+from shardfx.kernels import attention as A
 
 
 def _operands(t=11, head=6, seed=0):

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 import shardfx
-from shardfx.device_model import DeviceModel, Link
+from shardfx.cost.device_model import DeviceModel, Link
 from shardfx.errors import ShardingError
 from shardfx.ir import meta as M
-from shardfx.passes.auto_shard import AUTO
+from shardfx.auto.shard import AUTO
 from shardfx.testing import compare_training
 
 from models import HIDDEN, VOCAB, hf, lm_loss, tiny, token_batches
@@ -279,7 +279,7 @@ class _Block(torch.nn.Module):
 
 
 def test_plan_html_shows_the_solver_and_the_ranks():
-    from shardfx.html import plan_html
+    from shardfx.report.html import plan_html
 
     page = plan_html(_plan(tiny("llama"), {"dp": 2, "tp": 2}, batch=4, device_model=FAST_LINKS))
     assert '<section id="solver">' in page and "megatron  would take" in page
@@ -302,7 +302,7 @@ def _calibrated(tmp_path) -> str:
 def _one_cost(mesh, tmp_path, **kw) -> dict:
     """Auto, megatron and replicate planned on ``mesh``: each named plan's price in the
     solver's report against its plan's predicted step, and auto's against its own."""
-    from shardfx.auto.finalists import CLOSE
+    from shardfx.compiler.finalists import CLOSE
     from shardfx.errors import ShardfxError
 
     if kw.get("device_model") == "calibrated":

@@ -227,7 +227,7 @@ def test_pipeline_replicas_reduce_each_bucket_once_it_is_final():
 def test_interleaved_stages_finish_their_gradients_at_different_actions():
     """With two stages per rank, a rank's later stage has its gradients final actions before
     the rank's last: their buckets reduce while it still computes."""
-    from shardfx.runtime.buckets import final_gradients
+    from shardfx.estimate.memory_pipeline import final_gradients
 
     from models import lm_loss, tiny, token_batches
 

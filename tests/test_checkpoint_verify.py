@@ -260,7 +260,7 @@ def test_shardfx_json_that_is_not_an_object_and_an_older_format_are_named(small)
 
 def test_shardfx_run_refuses_a_damaged_checkpoint_before_any_process_plans(ck):
     """``shardfx run --resume``: the refusal comes from the checks before the ranks start."""
-    from shardfx.train import RunConfig, preflight
+    from shardfx.run.train import RunConfig, preflight
 
     shutil.copy(ck.parent / "step-000002" / "__3_0.distcp", ck / "__3_0.distcp")
     spec = str(Path(__file__).parents[1] / "examples" / "nanogpt.py") + ":workload"

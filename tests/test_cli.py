@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfx.cli import main
+from shardfx.run.cli import main
 
 FACTORIES = textwrap.dedent('''
     import torch

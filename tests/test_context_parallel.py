@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import shardfx
-from shardfx import cp_layout
+from shardfx.ir import cp_layout
 from shardfx.codegen.ring_attention import RingAttention, RingAttentionBackward, _blocks
-from shardfx.html import plan_html
+from shardfx.report.html import plan_html
 from shardfx.testing import compare_inference, compare_training
 
 from models import SEQ, VOCAB, lm_loss, tiny, token_batches

@@ -161,7 +161,7 @@ def test_attention_on_cuda_computes_the_cpu_kernels_contract(dtype, head, mask, 
     with the kernel PyTorch would pick. Its (out, logsumexp) and (dq, dk, dv) equal the CPU
     op's in fp64 within the dtype's rounding (a 37-token sequence: the memory-efficient kernel's
     padded logsumexp and mask rows are exercised)."""
-    from shardfx.runtime import attention as A
+    from shardfx.kernels import attention as A
 
     torch.manual_seed(0)
     b, h, t = 2, 3, 37

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardfx
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
-from shardfx.runtime.device import choose_device
+from shardfx.kernels.device import choose_device
 
 from models import hf, lm_loss, tiny, token_batches
 

@@ -1,4 +1,4 @@
-"""The device model (``shardfx.device_model``), its calibration (``shardfx calibrate``) and the
+"""The device model (``shardfx.cost.device_model``), its calibration (``shardfx calibrate``) and the
 step time a plan predicts with it (``plan.predicted_step``)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import shardfx
-from shardfx.calibrate import calibrate, measure_link, write
-from shardfx.cli import main
-from shardfx.device_model import (GRAPH_KEY, PRESETS, DeviceModel, Link, cache_path,
+from shardfx.run.calibrate import calibrate, measure_link, write
+from shardfx.run.cli import main
+from shardfx.cost.device_model import (GRAPH_KEY, PRESETS, DeviceModel, Link, cache_path,
                                   device_model)
 from shardfx.errors import InputError
 from shardfx.ir.parse import text_to_ir
@@ -160,7 +160,7 @@ def test_calibrate_quick_writes_the_cache_the_default_then_picks(tmp_path, monke
     assert f"on {model.name}" in str(plan.predicted_step)
 
 
-@pytest.mark.multiprocess  # shardfx.calibrate launches them
+@pytest.mark.multiprocess  # shardfx.run.calibrate launches them
 def test_link_calibration_over_two_gloo_processes():
     link = measure_link(torch.device("cpu"), tiny_reps=10, big_bytes=1 << 20, big_reps=2)
     assert 1e-7 < link.latency < 0.1  # loopback: tens of microseconds

@@ -21,7 +21,7 @@ import torch
 
 import shardfx
 from shardfx.errors import InputError, MeshError
-from shardfx.moe import EXPERTS
+from shardfx.kernels.experts import EXPERTS
 from shardfx.testing import compare_inference, compare_training
 
 from models import HIDDEN, SEQ, hf, lm_loss, tiny, token_batches
@@ -69,7 +69,7 @@ def test_the_experts_op_computes_the_models_own_loop(name):
                                                     (True, True, "gelu_pytorch_tanh")])
 def test_the_other_layouts_compute_a_loop_over_tokens(gated, transposed, act):
     """No gate (w_in (E, I, H)), and weights stored (in, out): against token by token."""
-    from shardfx.moe.compute import ACTIVATIONS
+    from shardfx.kernels.expert_compute import ACTIVATIONS
 
     torch.manual_seed(0)
     experts, hidden, inter, tokens = 4, 6, 5, 9

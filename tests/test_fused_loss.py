@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import shardfx
-from shardfx.codegen.linear_ce import chunk_rows
-from shardfx.device_model import PRESETS
-from shardfx.measure import measured_peak
+from shardfx.kernels.linear_ce import chunk_rows
+from shardfx.cost.device_model import PRESETS
+from shardfx.runtime.measure import measured_peak
 from shardfx.testing import adamw, compare_training
 
 from models import lm_loss, tiny, token_batches
@@ -167,7 +167,7 @@ def test_chunks_are_sized_so_the_weight_traffic_hides_behind_the_flops():
     128k-vocabulary head would be, so the plan's device model raises them to 1024. The device
     model prices what chunking costs: at 256 rows the head's time is its weight traffic, at
     the rows chosen its FLOPs. On the CPU preset the ridge is 27 rows: 256, as before."""
-    from shardfx.codegen.linear_ce import LinearCrossEntropy, ridge_rows
+    from shardfx.kernels.linear_ce import LinearCrossEntropy, ridge_rows
 
     h100, cpu = PRESETS["h100"], PRESETS["cpu"]
     assert ridge_rows(h100, torch.bfloat16) == 591

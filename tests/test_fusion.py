@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import shardfx
-from shardfx.codegen.triton import FusedKernel, source
+from shardfx.kernels.triton import FusedKernel, source
 from shardfx.passes.fusion import fuse
 from shardfx.testing import compare_training
 

@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 
 import shardfx
-from shardfx.html import plan_html
+from shardfx.report.html import plan_html
 from shardfx.ir import meta as M
-from shardfx.report import flops
+from shardfx.ir.units import flops
 
 from models import SEQ, VOCAB, lm_loss, tiny
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 import shardfx
-import shardfx.pipeline
+import shardfx.compiler.driver
 from shardfx.errors import (CaptureError, InputError, LossError, MeshError, PassError,
                             PipelineError, ShardfxError, ShardingError)
 from shardfx.schedule import Schedule
@@ -300,7 +300,7 @@ def failing_pass(monkeypatch):
     def estimate_cost(gm, options):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(shardfx.pipeline, "estimate_cost", estimate_cost)
+    monkeypatch.setattr(shardfx.compiler.driver, "estimate_cost", estimate_cost)
 
 
 def test_failed_plan_dumps_what_exists(failing_pass, monkeypatch, tmp_path):
@@ -329,7 +329,7 @@ def test_codegen_failure_dumps_the_ir_too(monkeypatch, tmp_path):
     def broken_codegen(gm):
         raise PassError("codegen broke", where="codegen", fix="report it")
 
-    monkeypatch.setattr(shardfx.pipeline, "generate", broken_codegen)
+    monkeypatch.setattr(shardfx.compiler.driver, "generate", broken_codegen)
     monkeypatch.setenv("SHARDFX_DUMP", str(tmp_path))
     with pytest.raises(PassError):
         plan()

@@ -23,7 +23,7 @@ from shardfx.ir.text import ir_to_text
 from shardfx.ir.verify import verify
 from shardfx.partitioner.capture import capture
 from shardfx.passes.assign_phase import assign_phase
-from shardfx.passes.manager import Options
+from shardfx.request.options import Options
 
 
 def _mlp():

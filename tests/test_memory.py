@@ -1,5 +1,5 @@
 """Memory: the plan's estimate against the peak of live tensor storage measured while a real
-step runs (``shardfx.measure``), on one device, tp, dp and per rank of a pipeline."""
+step runs (``shardfx.runtime.measure``), on one device, tp, dp and per rank of a pipeline."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardfx
-from shardfx.measure import _Storages, mark, measured_peak
+from shardfx.runtime.measure import _Storages, mark, measured_peak
 from shardfx.testing import adamw
 
 from models import VOCAB, lm_loss, tiny, token_batches
@@ -259,7 +259,7 @@ def test_an_element_read_again_is_one_tensor():
     import torch.fx as fx
 
     from shardfx.ir import meta as M
-    from shardfx.memory import walk
+    from shardfx.estimate.memory import walk
 
     aten = torch.ops.aten
     g = fx.Graph()

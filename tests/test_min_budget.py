@@ -49,11 +49,12 @@ def test_the_stated_minimum_fits_and_one_percent_under_does_not():
 
 def _recomputing_the_most(model, x, y) -> int:
     """The peak with every recomputable activation recomputed (what the error used to state)."""
-    from shardfx.passes import remat, remat_search
+    from shardfx.auto import remat
+    from shardfx.auto import remat_search
 
     plan = shardfx.partition(model, (x,), F.mse_loss, (y,))
     problem = remat.Problem(plan.ir, lambda node: "device", lambda node: 1)
-    from shardfx.budget import _evaluate
+    from shardfx.compiler.budget import _evaluate
 
     memory = remat_search.trial_memory(plan.ir, problem, problem.smallest(), lambda: _evaluate(plan))
     return memory["device"].total

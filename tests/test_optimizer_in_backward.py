@@ -13,8 +13,8 @@ import shardfx
 from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
-from shardfx.measure import measured_peak
-from shardfx.memory import _bases
+from shardfx.runtime.measure import measured_peak
+from shardfx.cost.values import bases
 from shardfx.testing import adamw, compare_training
 
 from models import VOCAB, lm_loss, tiny, token_batches
@@ -118,7 +118,7 @@ def test_zero3_steps_rows_only_after_the_gathers_reading_them_are_waited_for():
     params = {r.name: n for r, n in zip(program.inputs, graph.find_nodes(op="placeholder"))
               if r.kind is M.InputKind.PARAM}
     wait = torch.ops._c10d_functional.wait_tensor.default
-    base = _bases(graph)
+    base = bases(graph)
     steps = graph.find_nodes(op="call_function", target=step_parameters)
     checked = 0
     for step in steps:
@@ -164,7 +164,7 @@ def test_each_block_steps_after_its_last_reader():
     # the 2 layers, then the embedding, the final norm and the head each on its own
     assert sorted(len(s.args[1]) for s in steps) == [1, 1, 1, 9, 9], [s.args[1] for s in steps]
     order = {n: i for i, n in enumerate(graph.nodes)}
-    base = _bases(graph)
+    base = bases(graph)
     params = {r.name: n for r, n in zip(program.inputs, graph.find_nodes(op="placeholder"))
               if r.kind is M.InputKind.PARAM}
     for step in steps:

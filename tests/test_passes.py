@@ -26,7 +26,8 @@ from shardfx.ir.verify import verify
 from shardfx.partitioner.capture import capture
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.passes.estimate_cost import estimate_cost
-from shardfx.passes.manager import Options, PassRecord, run_passes
+from shardfx.compiler.manager import PassRecord, run_passes
+from shardfx.request.options import Options
 from shardfx.testing import compare_training
 
 B, IN, HID, OUT = 2, 4, 8, 3
@@ -137,7 +138,7 @@ def test_estimate_cost_flops_equal_eager_flop_counter(plan):
 def test_estimate_cost_counts_cpu_attention():
     """torch has no FLOP formula for CPU flash attention; shardfx counts its SDPA formulas,
     forward and backward, as FlopCounterMode does given the same mapping."""
-    from shardfx.passes.estimate_cost import CPU_ATTENTION_FLOPS
+    from shardfx.cost.node import CPU_ATTENTION_FLOPS
 
     class Attention(torch.nn.Module):
         def __init__(self):
@@ -237,7 +238,7 @@ def test_each_pass_is_recorded_as_it_left_the_ir_and_rendered_when_read(monkeypa
     """The history keeps the IR after each pass without rendering it (most plans are never
     dumped); read later, each record is the IR as that pass left it, not as later passes
     rewrote the same nodes."""
-    import shardfx.passes.manager as manager
+    import shardfx.compiler.manager as manager
 
     rendered = []
     render = manager.ir_to_text

@@ -294,7 +294,7 @@ def test_memory_budget_bounds_the_schedule():
     """A budget 1F1B fits as it is: GPipe, which keeps all 4 microbatches in flight where 1F1B
     keeps 2, would meet it by recomputing activations (``passes.remat``), but 1F1B's order
     meets it recomputing nothing with the same bubble, so the plan runs that
-    (``shardfx.budget``); a budget below the weights alone is a MemoryBudgetError."""
+    (``shardfx.compiler.budget``); a budget below the weights alone is a MemoryBudgetError."""
     (x,), (y,) = batches(1)[0]
 
     def plan(**kw):

@@ -29,7 +29,7 @@ def parts_outputs(x, w):
 def test_exclusive_outputs_of_a_part():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from shardfx.memory_pipeline import exclusive_outputs
+    from shardfx.estimate.memory_pipeline import exclusive_outputs
 
     part = make_fx(parts_outputs, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
     assert exclusive_outputs(part) == {0, 1, 8}

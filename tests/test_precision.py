@@ -12,7 +12,7 @@ import torch
 import shardfx
 from shardfx.errors import InputError
 from shardfx.ir.text import ir_to_text
-from shardfx.measure import measured_peak
+from shardfx.runtime.measure import measured_peak
 from shardfx.testing import adamw, compare_training
 
 from models import lm_loss, tiny, token_batches

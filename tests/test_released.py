@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import shardfx
-from shardfx.measure import measured_peak
+from shardfx.runtime.measure import measured_peak
 from shardfx.runtime.released import dropped_input, gather_alone, released, wait_released
 
 c10d = torch.ops._c10d_functional

@@ -2,7 +2,7 @@
 peak, the plan recomputes activations in the backward, its measured peak is under the budget,
 and training equals eager (``shardfx.testing.compare_training``): on one device, tp=2,
 pp=2 under 1F1B, and pp=2 asked for GPipe, where the plan runs 1F1B with fewer microbatches
-in flight instead (``shardfx.budget``); dropout masks recompute exactly; an impossible budget is a named error."""
+in flight instead (``shardfx.compiler.budget``); dropout masks recompute exactly; an impossible budget is a named error."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 import shardfx
 from shardfx.ir import meta as M
-from shardfx.measure import measured_peak
-from shardfx.passes.remat import redistributed
+from shardfx.runtime.measure import measured_peak
+from shardfx.auto.remat import redistributed
 from shardfx.passes.stage_cut import block_of
 from shardfx.testing import adamw, compare_training
 
@@ -87,7 +87,7 @@ def _trained(kw: dict):
 
 
 def chose_in_pipeline(schedule: str, tried: list, text: str) -> None:
-    """What shardfx.budget tried. 1F1B at 60% fits recomputing; one microbatch in flight is
+    """What shardfx.compiler.budget tried. 1F1B at 60% fits recomputing; one microbatch in flight is
     slower even recomputing nothing, so it is not fitted. GPipe keeps all 4 microbatches in
     flight; at 35% of its peak, 1F1B capped at 2 recomputes less and its step is shorter, so
     the plan runs that."""
@@ -173,7 +173,7 @@ def test_a_pipeline_no_budget_fits_is_searched_at_one_microbatch_in_flight(monke
     """Where the schedule asked for does not fit, 1F1B with one microbatch in flight is fitted
     next, and where that does not fit either the search ends there: fewer in flight holds no
     more at any moment. The lowest peak it states is met (pp=4: two searches, not four)."""
-    from shardfx import budget
+    from shardfx.compiler import budget
     from shardfx.schedule import peak_in_flight
 
     fitted = []

@@ -1,4 +1,4 @@
-"""``shardfx run`` (``shardfx.train``): a model factory trained from the command line on a
+"""``shardfx run`` (``shardfx.run.train``): a model factory trained from the command line on a
 mesh, a line per step, equal to one device; checkpoints that resume with the same losses."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 
 from shardfx.errors import InputError
 from shardfx.runtime.checkpoint import PAUSE_ENV, check
-from shardfx.run_checkpoints import resolve
-from shardfx.train import RunConfig, run
+from shardfx.run.checkpoints import resolve
+from shardfx.run.train import RunConfig, run
 
 REPO = Path(__file__).parents[1]
 SPEC = str(REPO / "examples" / "nanogpt.py") + ":workload"
@@ -116,7 +116,7 @@ def test_an_incomplete_checkpoint_is_refused_before_planning(tmp_path):
 
 
 def test_version_and_inspect_prints_the_schedule(capsys):
-    from shardfx.cli import main
+    from shardfx.run.cli import main
 
     assert main(["--version"]) == 0
     assert re.fullmatch(r"shardfx \S+\n", capsys.readouterr().out)

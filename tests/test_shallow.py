@@ -1,5 +1,5 @@
 """A memory budget on a deep model: each candidate judged on shallow copies of it
-(``shardfx.shallow``) predicts what the whole program's estimate says, the plan chosen is the
+(``shardfx.compiler.shallow``) predicts what the whole program's estimate says, the plan chosen is the
 one judging on the whole program chooses, a prediction that falls short is corrected on the
 whole program, and the plan trains as eager does."""
 
@@ -11,12 +11,13 @@ import logging
 import pytest
 
 import shardfx
-from shardfx import shallow
-from shardfx.budget import _evaluate
+from shardfx.compiler import shallow
+from shardfx.compiler.budget import _evaluate
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.ir.text import ir_to_text
 from shardfx.partitioner.capture import capture
-from shardfx.passes import remat, remat_search
+from shardfx.auto import remat
+from shardfx.auto import remat_search
 from shardfx.testing import compare_training
 
 from models import lm_loss, tiny, token_batches
@@ -113,7 +114,7 @@ def test_a_prediction_that_falls_short_is_corrected_on_the_whole_program(monkeyp
 
     monkeypatch.setattr(shallow, "_extend", short)
     budget = int(top * 0.8)
-    with caplog.at_level(logging.INFO, logger="shardfx.budget"):
+    with caplog.at_level(logging.INFO, logger="shardfx.compiler.budget"):
         plan = plan_of(budget)
     assert plan.memory_estimate()[0] <= budget
     verified = [r.message for r in caplog.records if "predicted" in r.message]
@@ -122,7 +123,7 @@ def test_a_prediction_that_falls_short_is_corrected_on_the_whole_program(monkeyp
 
 def test_a_deep_model_under_a_budget_trains_as_eager_does(caplog):
     top = plan_of().memory_estimate()[0]
-    with caplog.at_level(logging.INFO, logger="shardfx.budget"):
+    with caplog.at_level(logging.INFO, logger="shardfx.compiler.budget"):
         report = compare_training(tiny("llama", LAYERS), token_batches(2, ROWS), lm_loss,
                                   memory_budget=int(top * 0.8))
     assert report.plan.remat is not None

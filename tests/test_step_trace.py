@@ -1,4 +1,4 @@
-"""``shardfx run --trace``: where each rank's traced step went (``shardfx.step_trace``).
+"""``shardfx run --trace``: where each rank's traced step went (``shardfx.run.step_trace``).
 
 The counting on hand-built intervals (nested events once, a wait attributed to what ended in
 it, a pipeline's wait for its neighbour idle, the device timeline on CUDA), then the trainer
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shardfx.step_trace import DEVICE, Interval, StepTime, classify
-from shardfx.train import RunConfig, run
+from shardfx.run.step_trace import DEVICE, Interval, StepTime, classify
+from shardfx.run.train import RunConfig, run
 
 REPO = Path(__file__).parents[1]
 

@@ -13,11 +13,12 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardfx
-from shardfx import cp_layout, strided
+from shardfx.ir import cp_layout
+from shardfx.ir import strided
 from shardfx.auto.candidates import fused
 from shardfx.errors import ShardingError
 from shardfx.ir import meta as M
-from shardfx.passes.auto_shard import AUTO
+from shardfx.auto.shard import AUTO
 from shardfx.runtime.saving import Held, offsets, parts
 
 from models import lm_loss, tiny, token_batches

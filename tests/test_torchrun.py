@@ -26,7 +26,7 @@ ROOT = Path(__file__).parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
 
-# A worker: every rank runs `work` through shardfx.launch, as shardfx.train does under torchrun.
+# A worker: every rank runs `work` through shardfx.launch, as shardfx.run.train does under torchrun.
 # Rank 1 sleeps in step 3, before arriving there ("before") or after ("after").
 WORKER = textwrap.dedent('''
     import sys, time

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import shardfx
-from shardfx.config import RunConfig, load_toml
-from shardfx.data import TokenFile
+from shardfx.run.config import RunConfig, load_toml
+from shardfx.run.data import TokenFile
 from shardfx.errors import InputError
-from shardfx.train import lr_factor
+from shardfx.run.train import lr_factor
 
 REPO = Path(__file__).parents[1]
 SPEC = str(REPO / "examples" / "nanogpt.py") + ":workload"
@@ -50,10 +50,10 @@ def test_the_toml_file_and_flags_over_it(tmp_path):
 
 
 def test_command_line_flags_override_the_file(monkeypatch):
-    from shardfx import cli
+    from shardfx.run import cli
 
     seen = []
-    monkeypatch.setattr("shardfx.train.run", seen.append)
+    monkeypatch.setattr("shardfx.run.train.run", seen.append)
     assert cli.main(["run", "--config", str(CONFIG), "--steps", "7", "--mesh", "dp=2",
                      "--warmup", "2"]) == 0  # the file's 30 warmup steps: more than 7
     (config,) = seen
@@ -63,10 +63,11 @@ def test_command_line_flags_override_the_file(monkeypatch):
 
 def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
     """``shard="auto"`` is the default; a run can leave it (``--shard``, ``[parallel] shard``)."""
-    from shardfx import cli, train
+    from shardfx.run import cli
+    from shardfx.run import train
 
     seen = []
-    monkeypatch.setattr("shardfx.train.run", seen.append)
+    monkeypatch.setattr("shardfx.run.train.run", seen.append)
     toml = tmp_path / "r.toml"
     toml.write_text(f'[run]\nspec = "{SPEC}"\n[parallel]\nshard = "replicate"\n')
     assert cli.main(["run", "--config", str(toml)]) == 0
@@ -98,7 +99,7 @@ def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
 ])
 def test_what_can_be_checked_is_checked_before_any_process_starts(flags, message, capsys,
                                                                     monkeypatch):
-    from shardfx import cli
+    from shardfx.run import cli
 
     if message is None:  # tensorboard: an error only where the package is missing
         import importlib.util
@@ -203,7 +204,7 @@ def test_a_mistake_in_the_config_is_said_before_torch_is_imported(tmp_path):
 
 def test_a_factory_whose_data_file_is_missing_says_so_once(capsys, monkeypatch, tmp_path):
     """The likeliest first mistake: the Shakespeare config run before prepare_text.py."""
-    from shardfx import cli
+    from shardfx.run import cli
 
     monkeypatch.setattr(shardfx, "launch", lambda *a, **k: pytest.fail("spawned"))
     script = tmp_path / "needs_data.py"
@@ -217,7 +218,7 @@ def test_a_factory_whose_data_file_is_missing_says_so_once(capsys, monkeypatch, 
 
 
 def test_inspect_refuses_a_schedule_without_a_pp_axis(capsys):
-    from shardfx import cli
+    from shardfx.run import cli
 
     assert cli.main(["inspect", SPEC, "--mesh", "dp=2", "--schedule", "gpipe"]) == 1
     assert "--schedule given, but the mesh dp=2 has no pp axis" in capsys.readouterr().err

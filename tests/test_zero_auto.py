@@ -11,16 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import shardfx
-from shardfx.auto import ilp, zero_stage
-from shardfx.config import RunConfig, zero_stage as zero_flag
-from shardfx.device_model import DeviceModel, Link
+from shardfx.auto import ilp
+from shardfx.auto import zero_stage
+from shardfx.run.config import RunConfig, zero_stage as zero_flag
+from shardfx.cost.device_model import DeviceModel, Link
 from shardfx.errors import InputError, MemoryBudgetError
 from shardfx.ir import meta as M
-from shardfx.memory import DeviceMemory
+from shardfx.estimate.memory import DeviceMemory
 from shardfx.mesh import MeshSpec
-from shardfx.passes.auto_shard import AUTO
-from shardfx.passes.manager import Options
-from shardfx.passes.remat_search import advice
+from shardfx.auto.shard import AUTO
+from shardfx.request.options import Options
+from shardfx.auto.remat_search import advice
 from shardfx.testing import compare_training
 
 from models import lm_loss, tiny, token_batches

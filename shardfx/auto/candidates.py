@@ -9,7 +9,7 @@ are seeded: a parameter replicated or split on any dimension its size divides, o
 solver decides (``free``); an input also split on its batch dimension there (that axis used as
 data parallel); the rest as ``shard_annotate`` placed them. A parameter whose product is split
 into k equal parts (GPT-2's ``c_attn``: q, k and v side by side, ``fused``) is also seeded
-with each rank's slice of every part (``_StridedShard(d, k)``, see ``shardfx.strided``).
+with each rank's slice of every part (``_StridedShard(d, k)``, see ``shardfx.ir.strided``).
 
 Ops of a stamped list at the same place in their block (``BLOCK``) are one *class*, with one
 set of strategies: the union of what any of them was given. A class is asked again only for
@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx.hints import HINT, PIPE_SPLIT
+from shardfx.request.hints import HINT, PIPE_SPLIT
 from shardfx.ir import meta as M
 from shardfx.ir.graph import is_getitem, op_nodes, operands
 from shardfx.passes import shard_propagate as SP

@@ -20,10 +20,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.device_model import DeviceModel, node_work
+from shardfx.cost.device_model import DeviceModel, node_work
 from shardfx.ir import meta as M
 from shardfx.ir.graph import operands
-from shardfx.passes.estimate_cost import is_view
+from shardfx.cost.node import is_view
 
 
 def is_split(p) -> bool:

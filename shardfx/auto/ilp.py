@@ -39,9 +39,10 @@ from torch.distributed.tensor import Replicate
 
 from shardfx.auto import costs
 from shardfx.auto.candidates import Candidates
-from shardfx.device_model import DeviceModel
+from shardfx.cost.device_model import DeviceModel
 from shardfx.ir import meta as M
 from shardfx.ir.graph import is_getitem, op_nodes, operands
+from shardfx.auto.candidates import element
 
 
 @dataclasses.dataclass
@@ -401,8 +402,6 @@ def follow(gm: fx.GraphModule, cands: Candidates, seeds: dict, axes: tuple,
     placements ``seeds`` (node -> placements; the others as annotated), priced as the program
     prices its choices, except that a value needed in one placement by several ops is
     redistributed once, as codegen does: how a named plan (megatron, replicate) compares."""
-    from shardfx.auto.candidates import element
-
     sizes = [n for _, n in axes]
     place: dict[fx.Node, object] = {}
     moved = 0.0

@@ -27,7 +27,10 @@ import dataclasses
 import math
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.memory import optimizer_model
+from shardfx.auto.costs import flat, local_bytes, saved
+from shardfx.cost.device_model import GRAPH_KEY, default_model
+from shardfx.cost.optimizer import optimizer_model
+from shardfx.ir import meta as M
 
 
 CHOSEN = "shardfx.zero_stage"  # gm.meta: the stage ``resolve`` chose for zero="auto"
@@ -156,12 +159,8 @@ def resolve(gm, options):
 
 
 def _choose(gm, options) -> int:
-    from shardfx.auto.costs import flat, local_bytes, saved
-    from shardfx.device_model import GRAPH_KEY, default_model
-    from shardfx.ir import meta as M
-    from shardfx.passes.auto_shard import AUTO
 
-    report = gm.meta.get(AUTO)
+    report = gm.meta.get(M.AUTO)
     if report is not None:
         return report.zero
     model = gm.meta.get(GRAPH_KEY) or default_model(options)
@@ -184,34 +183,3 @@ def _choose(gm, options) -> int:
     return stage.k
 
 
-def fit(plan, budget: int) -> None:
-    """Under ``memory_budget`` with ``zero="auto"``: the stage checked against the memory model
-    (``plan.memory_estimate``) rather than the formulas above, which leave out the program's
-    temporaries. The stages in order of cost, each emitted as the plan's program: the first
-    whose predicted peak fits ``budget`` as it is; where none does, the one that holds least
-    (remat then recomputes the rest: its budget search starts from the lowest peak). Sets
-    ``plan.options`` and the plan's program to the stage's."""
-    from shardfx.budget import _evaluate
-    from shardfx.device_model import model_of
-
-    model = model_of(plan.ir)
-    asked = dataclasses.replace(plan.options, zero="auto")
-    order = by_cost(stages(asked, model))
-    if len(order) < 2:
-        return
-    def emit(k: int) -> None:
-        if k != plan.options.zero:
-            plan.options = dataclasses.replace(plan.options, zero=k)
-            for cached in ("zero_layouts", "zero_gather_programs"):  # the stage's own
-                plan.__dict__.pop(cached, None)
-            _evaluate(plan)
-
-    peaks = {}
-    for stage in order:
-        emit(stage.k)
-        peaks[stage.k] = max(plan.memory_estimate().values())
-        if peaks[stage.k] <= budget:
-            break
-    else:
-        emit(min(order, key=lambda s: (peaks[s.k], order.index(s))).k)
-    plan.ir.meta[CHOSEN] = plan.options.zero

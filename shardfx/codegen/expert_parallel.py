@@ -37,8 +37,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
 from shardfx.ir import meta as M
-from shardfx.moe import EXPERTS, EXPERTS_BACKWARD, compute, forward_shapes
-from shardfx.moe.compute import Form, Sorted
+from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD, forward_shapes
+from shardfx.kernels import expert_compute as compute
+from shardfx.kernels.expert_compute import Form, Sorted
 
 AXIS = "ep"
 

@@ -35,7 +35,9 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx import cp_layout, strided
+from shardfx.ir import cp_layout
+
+from shardfx.ir import strided
 from shardfx.ir import meta as M
 
 c10d = torch.ops._c10d_functional

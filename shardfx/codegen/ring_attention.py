@@ -40,8 +40,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
 from shardfx.errors import PassError, ShardingError, user_line
-from shardfx.passes.causal_mask import mask_refusal
-from shardfx.runtime.attention import attention, attention_backward  # the plan's device's kernel
+from shardfx.kernels.attention import attention, attention_backward  # the plan's device's kernel
+from shardfx.ir import meta as M
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -280,3 +280,19 @@ def ring_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict)
     tensors = ("grad_out", "query", "key", "value", "out", "logsumexp") if backward else \
         ("query", "key", "value")
     return op, (*(given[t] for t in tensors), cp.group, cp.coord), {}
+
+
+def mask_refusal(node: fx.Node) -> ShardingError:
+    """The error for an attention op whose mask ring attention cannot run: the mask
+    ``passes.causal_mask`` saw on it (``MASK``) and a fix that applies to that mask."""
+    seen = node.meta.get(M.MASK) or M.AttentionMask("other", "of a pattern not checked")
+    fix = {"input": "when no sequence is padded, call the model without attention_mask (its "
+                    "attention is then causal or full, which cp runs); otherwise drop the cp "
+                    "axis",
+           "window": "ring attention has no sliding window yet: drop the cp axis, or train "
+                     "with full causal attention (the config's sliding_window=None)"}
+    return ShardingError(
+        f"this attention has a dense mask, {seen.detail}: ring attention (the cp axis) "
+        "computes causal or full attention only",
+        where=f"{node.name} ({user_line(node.meta.get('stack_trace')) or 'attention'})",
+        fix=fix.get(seen.kind, "drop the cp axis, or attend causally or to every key"))

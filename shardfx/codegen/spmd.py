@@ -31,7 +31,7 @@ from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
 from shardfx.codegen.ring_attention import ring_op
 from shardfx.errors import PassError, ShardingError
-from shardfx.hints import MARKERS
+from shardfx.request.hints import MARKERS
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values, fake_value, map_nodes, op_nodes, operands
 from shardfx.ir.text import module_of

@@ -26,6 +26,7 @@ from torch.fx.passes.split_module import split_module
 from shardfx.errors import PassError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
+from shardfx.schedule import GENERATORS, Schedule
 
 PARTS = ("F", "B", "W")
 
@@ -233,3 +234,15 @@ def _returned_as(node: fx.Node) -> list[M.OutputRole]:
 def stage_parts(split: fx.GraphModule) -> list[str]:
     """The submodules a split graph calls, in order: ['stage0_F', 'stage1_F', 'stage1_B', ...]."""
     return [n.target for n in split.graph.nodes if n.op == "call_module"]
+
+
+def whole_backward(options) -> bool:
+    """A stage's backward as one part: under a memory budget, when the schedule runs W right
+    after B (``codegen.stages.split_stages``)."""
+    if options.memory_budget is None:
+        return False
+    schedule = options.schedule
+    if isinstance(schedule, str) and schedule in GENERATORS:
+        return schedule != "zero-bubble"  # the one generated schedule with W actions
+    parsed = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
+    return not parsed.split_backward

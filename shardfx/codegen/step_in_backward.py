@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.cost.values import bases
 
 c10d = torch.ops._c10d_functional
 
@@ -95,15 +96,13 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     """Rewrite ``module``'s graph (module docstring); returns how many ``step_parameters`` it
     has. ``temporaries(params)``: the bytes stepping the parameters ``(FQN, placeholder)``
     allocates besides their gradients."""
-    from shardfx.memory import _bases
-
     graph = module.graph
     out = graph.output_node()
     grads = {v for v, r in zip(out.args[0], outputs)
              if r.kind is M.OutputKind.GRAD and isinstance(v, fx.Node)}
     wait_one_behind(graph, grads)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    base = _bases(graph)
+    base = bases(graph)
     last_read: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op != "output":
@@ -117,7 +116,7 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     for index, (value, role) in enumerate(zip(returned, outputs)):
         if role.kind is M.OutputKind.GRAD and isinstance(value, fx.Node):
             owner = base.get(value, value)  # a block's gradients in two buckets: two steps,
-            bucket = owner if _is_collective(owner) else None  # each freeing its bucket
+            bucket = owner if is_collective(owner) else None  # each freeing its bucket
             groups.setdefault((group_of(role.name), bucket), []).append(
                 (index, role.name, value))
     for members in groups.values():
@@ -158,7 +157,7 @@ def wait_one_behind(graph: fx.Graph, grads: set[fx.Node]) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     buckets = []  # (collective, its wait and unpacking ops in graph order), in issue order
     for node in graph.nodes:
-        if not _is_collective(node) or node.target is c10d.wait_tensor.default:
+        if not is_collective(node) or node.target is c10d.wait_tensor.default:
             continue
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         unpacking = _unpacking(waits[0], out, order) \
@@ -195,14 +194,14 @@ def _unpacking(wait: fx.Node, out: fx.Node, order: dict[fx.Node, int]
     return sorted(seen, key=order.__getitem__)
 
 
-def _is_collective(node: fx.Node) -> bool:
+def is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) == "_c10d_functional"
 
 
 def _finished(node: fx.Node) -> fx.Node:
     """Where ``node`` is done reading its inputs: an async collective (``_c10d_functional``)
     at the ``wait_tensor`` of its result; any other op where it runs."""
-    if not _is_collective(node) or node.target is c10d.wait_tensor.default:
+    if not is_collective(node) or node.target is c10d.wait_tensor.default:
         return node
     waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
     return waits[0] if waits else node

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -34,9 +33,8 @@ from torch.fx._lazy_graph_module import _make_graph_module
 from shardfx.codegen.redistribute import Collective
 from shardfx.ir import meta as M
 from shardfx.ir.graph import insert_op
-
-if TYPE_CHECKING:
-    from shardfx.codegen.program import Program
+from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.codegen.program import Program
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -143,8 +141,6 @@ def zero_gather_programs(whole: dict[str, torch.Tensor], dp: int) -> list["Progr
     """``gather_programs`` for the parameters ``whole`` (FQN -> its tp-local value, real or
     fake) held over ``dp``, in ``BUCKET_BYTES`` buckets in FQN order: what a runner runs and
     the memory model walks."""
-    from shardfx.codegen.bucketing import BUCKET_BYTES
-
     layouts = {f: M.ZeroShard(tuple(v.shape), dp) for f, v in sorted(whole.items())}
     return gather_programs(layouts, {f: v.dtype for f, v in whole.items()}, BUCKET_BYTES)
 
@@ -185,8 +181,6 @@ def gather_programs(layouts: dict[str, M.ZeroShard], dtypes: dict[str, torch.dty
 
 def _gather_bucket(b: int, bucket: list[str], layouts: dict[str, M.ZeroShard],
                    dtypes: dict[str, torch.dtype], fake) -> "Program":
-    from shardfx.codegen.program import Program
-
     graph = fx.Graph()
     shards = []
     for fqn in bucket:

@@ -45,7 +45,8 @@ ZERO = "shardfx.zero"
 GRAPH = "shardfx.graph"
 BLOCK = "shardfx.block"
 CHOICE = "shardfx.choice"
-PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
+AUTO = "shardfx.auto"  # gm.meta: the solver's AutoReport (``auto.shard``)
+PRECISION = "shardfx.request.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 RANDOM = "shardfx.random"  # gm.meta: passes.rng.RandomReport
 MASK = "shardfx.mask"  # attention ops: passes.causal_mask's AttentionMask
 
@@ -207,7 +208,7 @@ def _placement_str(x) -> str:
         return "R"
     if name == "Partial":
         return "P" if x.reduce_op == "sum" else f"P({x.reduce_op})"
-    if name == "_StridedShard":  # dim ``dim`` is k parts, each split (``shardfx.strided``)
+    if name == "_StridedShard":  # dim ``dim`` is k parts, each split (``shardfx.ir.strided``)
         return f"S({x.dim},{x.split_factor})"
     return str(x)
 

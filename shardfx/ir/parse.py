@@ -44,6 +44,8 @@ from shardfx.ir import meta as M
 from shardfx.ir.text import DTYPE_ABBR, target_str, type_str
 from shardfx.ir.verify import verify
 from shardfx.mesh import MeshSpec
+from shardfx.passes.shard_propagate import shard_propagate  # above passes: see docs/architecture.md
+from shardfx.request.options import Options
 
 
 _DTYPES = {abbr: dtype for dtype, abbr in DTYPE_ABBR.items()}
@@ -107,9 +109,6 @@ class _Reader:
     def _check_placements(self, gm: fx.GraphModule) -> None:
         """Ops' placements are not read but derived, by the propagation pass, then compared
         with what the text declares (as types are)."""
-        from shardfx.passes.manager import Options
-        from shardfx.passes.shard_propagate import shard_propagate
-
         shard_propagate(gm, Options(mesh=MeshSpec(self.info.mesh)))
         for node, (self.lineno, declared) in self.declared.items():
             got = str(node.meta[M.SHARDING])

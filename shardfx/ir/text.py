@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from shardfx.errors import user_frame
 from shardfx.ir import meta as M
+from shardfx.ir.units import flops, nbytes
 
 DTYPE_ABBR = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
@@ -105,8 +106,6 @@ def cost_str(cost: M.NodeCost | None) -> str:
         return ""
     if not (cost.flops or cost.out_bytes):
         return "-"
-    from shardfx.report import flops, nbytes  # report renders plans; it imports the IR
-
     work = flops(cost.flops)
     parts = [f"{work}FLOP" if work[-1].isalpha() else f"{work} FLOP"] if cost.flops else []
     return " ".join(parts + ([nbytes(cost.out_bytes)] if cost.out_bytes else []))

@@ -101,38 +101,3 @@ def _verify_constant(node: fx.Node) -> None:
                           fix="a constant is the same on every device: annotate it Replicate()")
 
 
-def verify_program(program) -> None:
-    """The invariants of a generated program (``codegen.program.Program``), after every program
-    pass in tests and debug runs: each module it runs lints and every op there has a ``VAL``;
-    one input role per placeholder and one output role per returned value; a training program
-    returns one loss; every collective record names an axis the program has a group for."""
-    from shardfx.passes.program import graphs
-
-    for name, module in graphs(program):
-        try:
-            module.graph.lint()
-        except Exception as e:
-            raise VerifyError(f"{name} does not lint: {e}", where="torch.fx lint") from e
-        for node in module.graph.nodes:
-            if node.op == "call_function" and M.VAL not in node.meta:
-                raise VerifyError(f"{name}: node has no meta['val']", where=node.format_node(),
-                                  fix="a program pass that inserts nodes must fill in their "
-                                      "values (shardfx.ir.graph.insert_op does)")
-    graph = program.module.graph
-    placeholders = graph.find_nodes(op="placeholder")
-    if len(placeholders) != len(program.inputs):
-        raise VerifyError(f"the program takes {len(placeholders)} inputs but has "
-                          f"{len(program.inputs)} input roles", where="program inputs")
-    values = graph.output_node().args[0]
-    if len(values) != len(program.outputs):
-        raise VerifyError(f"the program returns {len(values)} values but has "
-                          f"{len(program.outputs)} output roles", where="program outputs")
-    if program.outputs and any(r.kind is M.OutputKind.GRAD for r in program.outputs):
-        losses = sum(r.kind is M.OutputKind.LOSS for r in program.outputs)
-        if losses != 1:
-            raise VerifyError(f"a training program returns {losses} losses", where="outputs")
-    groups = {r.name for r in program.inputs if r.kind is M.InputKind.MESH}
-    for c in program.collectives:
-        if f"group({c.axis})" not in groups:
-            raise VerifyError(f"collective on {c.axis}, which the program has no group for",
-                              where=c.reason)

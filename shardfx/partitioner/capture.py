@@ -41,11 +41,11 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardfx.errors import CaptureError, InputError, LossError, ShardfxError, user_line
-from shardfx.moe import capacity_while_tracing, name_layers
-from shardfx.moe.hf import traced_as_shardfx_experts
+from shardfx.kernels.experts import capacity_while_tracing, name_layers
+from shardfx.partitioner.experts_hf import traced_as_shardfx_experts
 from shardfx.ir import meta as M
 from shardfx.ir.graph import copy_ir, fake_mode_of, insert_op, placeholder_name
-from shardfx.partitioner.constants import (UserConstant, as_buffers, mutated_constant,
+from shardfx.partitioner.constants import (UserConstant, describe, as_buffers, mutated_constant,
                                            user_constants)
 from shardfx.partitioner.fake import on_meta, run_device, traced_as
 from shardfx.partitioner.functions import routed_through_carrier
@@ -89,7 +89,7 @@ class Captured:
         """The IR of the same model with its stamped list cut to ``blocks`` blocks (at least
         the traced pair, at most ``depth``): what ``capture`` gives when the list is that long.
         A shallow copy planned like the whole one shows, block for block, what the whole one
-        does (``shardfx.shallow``)."""
+        does (``shardfx.compiler.shallow``)."""
         gm, repeat = self.pair
         if not repeat.traced <= blocks <= repeat.count:
             raise ValueError(f"{repeat.path} has {repeat.count} blocks, {repeat.traced} traced: "
@@ -293,12 +293,6 @@ class _LossOf(torch.nn.Module):
                 fix="compute the loss in a floating dtype",
             )
         return loss.reshape(())
-
-
-def describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"Tensor{list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-    return type(x).__name__
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def user_constants(ep: torch.export.ExportedProgram, model: torch.nn.Module,
         if value.requires_grad:
             raise InputError(
                 f"{type(model).__name__} or loss_fn reads a tensor that requires grad but is not "
-                f"a parameter of the model ({name}, {_describe(value)}): shardfx would train "
+                f"a parameter of the model ({name}, {describe(value)}): shardfx would train "
                 "without it, as a constant",
                 where=_read_at(ep, fqn) or held_by or name,
                 fix="make it an nn.Parameter of the model (self.w = nn.Parameter(w)) so it is "
@@ -84,7 +84,7 @@ def as_buffers(module: torch.nn.Module, constants: dict[str, UserConstant]) -> N
 def mutated_constant(const: UserConstant, model: torch.nn.Module) -> InputError:
     """The error for a traced step that writes into a constant in place."""
     return InputError(
-        f"{type(model).__name__} modifies {const.name} ({_describe(const.value)}) in place, a "
+        f"{type(model).__name__} modifies {const.name} ({describe(const.value)}) in place, a "
         "tensor that is not part of the model: shardfx feeds it as a constant, so the change "
         "would not be kept from one step to the next",
         where=const.held_by or f"{type(model).__name__}.forward or loss_fn, tensor {const.name}",
@@ -92,10 +92,11 @@ def mutated_constant(const: UserConstant, model: torch.nn.Module) -> InputError:
             "updates are model state, or compute a new tensor instead of modifying it")
 
 
-def _describe(t: torch.Tensor) -> str:
-    from shardfx.partitioner.capture import describe  # capture imports this module
-
-    return describe(t)
+def describe(x) -> str:
+    """``Tensor[4, 8] float32``, or the name of a value's type: how errors name an input."""
+    if isinstance(x, torch.Tensor):
+        return f"Tensor{list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    return type(x).__name__
 
 
 def _read_at(ep: torch.export.ExportedProgram, fqn: str) -> str | None:

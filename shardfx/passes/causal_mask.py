@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from shardfx.errors import ShardingError, user_line
 from shardfx.ir import meta as M
 from shardfx.ir.graph import hashable
+from shardfx.codegen.ring_attention import mask_refusal
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -79,22 +79,6 @@ def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
-
-
-def mask_refusal(node: fx.Node) -> ShardingError:
-    """The error for an attention op whose mask ring attention cannot run: the mask this pass
-    saw on it (``MASK``) and a fix that applies to that mask."""
-    seen = node.meta.get(M.MASK) or M.AttentionMask("other", "of a pattern not checked")
-    fix = {"input": "when no sequence is padded, call the model without attention_mask (its "
-                    "attention is then causal or full, which cp runs); otherwise drop the cp "
-                    "axis",
-           "window": "ring attention has no sliding window yet: drop the cp axis, or train "
-                     "with full causal attention (the config's sliding_window=None)"}
-    return ShardingError(
-        f"this attention has a dense mask, {seen.detail}: ring attention (the cp axis) "
-        "computes causal or full attention only",
-        where=f"{node.name} ({user_line(node.meta.get('stack_trace')) or 'attention'})",
-        fix=fix.get(seen.kind, "drop the cp axis, or attend causally or to every key"))
 
 
 def _drop_mask(mask: fx.Node, causal: bool) -> None:

@@ -45,10 +45,11 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
-from shardfx.codegen.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
+from shardfx.kernels.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
                                        LinearCrossEntropyGrads, chunk_rows)
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, fake_value, inherit_place, tensor_val as _val
+from shardfx.ir.units import nbytes
 
 aten = torch.ops.aten
 
@@ -62,8 +63,6 @@ NEAR = 0.9  # of the device's memory: a plan over it fuses its head
 def fusing_reason(peak: int, budget: int | None, memory: float) -> str:
     """Why a plan whose unfused peak is ``peak`` bytes should fuse its LM head, or "": it is
     over ``budget`` (``memory_budget``) or over ``NEAR`` of the device's ``memory`` (0: unknown)."""
-    from shardfx.report import nbytes
-
     if budget is not None and peak > budget:
         return f"without it the peak, {nbytes(peak)}, is over memory_budget {nbytes(budget)}"
     if memory and peak > NEAR * memory:

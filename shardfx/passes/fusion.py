@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from shardfx.codegen.triton import FusedKernel, Group, KernelInput, KernelOp, Ref
-from shardfx.codegen.triton_ops import COLUMN_OPS, REDUCTIONS, ROW_OPS, columns, fusible
+from shardfx.kernels.triton import FusedKernel, Group, KernelInput, KernelOp
+from shardfx.kernels.triton_ops import Ref
+from shardfx.kernels.triton_ops import COLUMN_OPS, REDUCTIONS, ROW_OPS, columns, fusible
 from shardfx.ir import meta as M
 from shardfx.ir.graph import inherit_place, tensor_val as _val
 from shardfx.passes.decompose import decompose

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from shardfx.moe import EXPERTS, EXPERTS_BACKWARD
-from shardfx.moe.router import router_matmuls
+from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD
+from shardfx.passes.experts_router import router_matmuls
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, fake_value, op_nodes
 from shardfx.passes.assign_phase import assign_phase
-from shardfx.precision import DTYPES
+from shardfx.request.precision import DTYPES
 
 aten = torch.ops.aten
 

@@ -21,11 +21,13 @@ from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
-from shardfx.device_model import default_model
-from shardfx.memory import optimizer_model, optimizer_temporaries, stepped_value
+from shardfx.cost.device_model import default_model
+from shardfx.cost.optimizer import optimizer_model, optimizer_temporaries, stepped_value
 from shardfx.passes.fused_loss import fuse_loss
 from shardfx.passes.fusion import fuse
 from shardfx.passes.zero import zero_gather, zero_layouts, zero_reduce_scatter
+from shardfx.codegen.program import graphs
+from shardfx.codegen.stages import whole_backward
 
 
 def program_passes(options) -> list:
@@ -55,13 +57,6 @@ def uses_triton(options) -> bool:
     nanoGPT's step no faster in fp32 (161-162 ms either way) and slower in bf16 (34.6-48.5 ms
     against 34.0-35.0), so they are not a default until they win."""
     return options.kernels == "triton"
-
-
-def graphs(program: Program) -> list[tuple[str, fx.GraphModule]]:
-    """The modules a program runs: itself, or a pipeline's parts (``stage0_F``, ...)."""
-    parts = [(name, m) for name, m in program.module.named_children()
-             if isinstance(m, fx.GraphModule)]
-    return parts or [("program", program.module)]
 
 
 def chunked_loss(program: Program, options) -> Program:
@@ -108,8 +103,6 @@ def split_stages(program: Program, options) -> Program:
     """Requires: STAGE and PHASE on every op (``codegen.stages.inherit_stages`` for a tp
     program). Ensures: ``codegen.stages.split_stages``: the program's module calls one part per
     (stage, F|B|W); inputs, outputs and collectives unchanged."""
-    from shardfx.pipeline import whole_backward
-
     return dataclasses.replace(program, module=_split(program.module, whole_backward(options)))
 
 

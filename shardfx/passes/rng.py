@@ -49,6 +49,7 @@ from shardfx.errors import user_line
 from shardfx.ir import meta as M
 from shardfx.passes.random_draws import (call, draws, fmix32, is_random, keep_mask, on_stream,
                                          sample, shape_of)
+from shardfx.kernels.device import collective_device
 
 aten = torch.ops.aten
 RNG_NAME = "rng"  # the RNG input's name: [seed, step, slice]
@@ -175,8 +176,6 @@ def draw_seed() -> int:
     torch.distributed is initialized: call it on every rank."""
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from shardfx.runtime.device import collective_device
-
         seed = seed.to(collective_device())
         dist.broadcast(seed, src=0)
     return int(seed)

@@ -40,9 +40,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx import strided
+from shardfx.ir import strided
 from shardfx.errors import MeshError, ShardingError
 from shardfx.ir import meta as M
+from shardfx.kernels.experts import EXPERTS
+from shardfx.rules.experts import hidden_split
 
 # Module names (the last FQN component before .weight/.bias) of Megatron's parallel linears.
 COLUMN = r"(q_proj|k_proj|v_proj|query|key|value|qkv_proj|c_attn|gate_proj|up_proj|w1|w3|c_fc|fc1|fc_in)"
@@ -51,7 +53,7 @@ ROW = r"(o_proj|out_proj|down_proj|w2|c_proj|fc2|fc_out|dense)"
 TRANSPOSED = ("Conv1D",)
 # Column-parallel linears that are q, k and v side by side (GPT-2's c_attn, Phi-3's qkv_proj):
 # where the three are equal (out = 3 x in), each rank takes its heads of each
-# (``_StridedShard``, see ``shardfx.strided``): the split into q, k and v needs no gather.
+# (``_StridedShard``, see ``shardfx.ir.strided``): the split into q, k and v needs no gather.
 FUSED = r"(c_attn|qkv_proj)"
 
 
@@ -166,9 +168,6 @@ def _experts_split(gm: fx.GraphModule, params: dict, mesh) -> dict[str, M.Placem
 def expert_splits(gm: fx.GraphModule) -> dict[str, Placement]:
     """FQN -> placement on tp of each expert weight under Megatron's plan: each expert's
     intermediate dimension split, as an MLP's (``rules.experts.hidden_split``)."""
-    from shardfx.moe import EXPERTS
-    from shardfx.rules.experts import hidden_split
-
     out = {}
     for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
         w_in, w_out, _ = hidden_split(node.args[6], node.args[7])
@@ -192,8 +191,6 @@ def _param_of(arg) -> fx.Node | None:
 def expert_weights(gm: fx.GraphModule) -> dict[str, int]:
     """FQN -> experts, of the parameters the graph's ``shardfx::experts`` ops read as their
     expert weights."""
-    from shardfx.moe import EXPERTS
-
     out = {}
     for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
         for arg in node.args[3:5]:

@@ -34,13 +34,14 @@ from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardfx.rules  # noqa: F401  (registers our rules with DTensor's propagator)
-from shardfx import cp_layout
+from shardfx.ir import cp_layout
 from shardfx.rules import attention as attention_rules, strided as strided_rules
 from shardfx.errors import ShardingError, user_line
-from shardfx.hints import HINT, PIPE_SPLIT, decode
+from shardfx.request.hints import HINT, PIPE_SPLIT, decode
 from shardfx.ir import meta as M
 from shardfx.ir.graph import hashable, map_nodes, op_nodes, operands
-from shardfx.moe import EXPERTS_BACKWARD
+from shardfx.kernels.experts import EXPERTS_BACKWARD
+from shardfx.passes.shard_annotate import sequence_parallel, sequence_shape
 
 log = logging.getLogger("shardfx.passes.shard_propagate")
 
@@ -177,7 +178,6 @@ class SequenceSplit:
 
 
 def _sequence_split(gm: fx.GraphModule, options) -> SequenceSplit | None:
-    from shardfx.passes.shard_annotate import sequence_parallel, sequence_shape
     tokens = sequence_shape(gm) if sequence_parallel(options) else None
     if tokens is None:
         return None

@@ -37,9 +37,9 @@ import torch
 import torch.fx as fx
 
 from shardfx.codegen.spmd import local_shape
-from shardfx.device_model import DeviceModel, default_model, model_of
+from shardfx.cost.device_model import DeviceModel, default_model, model_of
 from shardfx.errors import PipelineError
-from shardfx.hints import PIPE_SPLIT
+from shardfx.request.hints import PIPE_SPLIT
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 

@@ -14,7 +14,7 @@ to the ranks holding their experts and the results brought back (``codegen.exper
 
 ``hidden`` is tensor parallelism inside each expert (Megatron's MLP, per expert): every
 expert's intermediate dimension I split, ``w_in``'s (its gate and up halves each: a strided
-split, ``shardfx.strided``) and ``w_out``'s, so each rank computes its part of every row's
+split, ``shardfx.ir.strided``) and ``w_out``'s, so each rank computes its part of every row's
 MLP and the layer's output is a partial sum. The backward reads ``zs`` as the partial sum the
 forward made (``passes.shard_propagate``'s ``CARRIES_PARTIAL``): the routing weights'
 gradient is linear in it.
@@ -32,7 +32,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSch
 from torch.distributed.tensor._ops.utils import (expand_to_full_mesh_op_strategy,
                                                 register_op_strategy)
 
-from shardfx.moe import EXPERTS, EXPERTS_BACKWARD
+from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD
 from shardfx.rules.attention import is_planning
 
 OPS = (EXPERTS, EXPERTS_BACKWARD)

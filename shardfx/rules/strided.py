@@ -1,4 +1,4 @@
-"""Rules for a strided split (``_StridedShard(d, split_factor=k)`` on tp: see ``shardfx.strided``).
+"""Rules for a strided split (``_StridedShard(d, split_factor=k)`` on tp: see ``shardfx.ir.strided``).
 
 DTensor's strategies place ``Shard`` only: given a strided operand they gather it. A strided
 split is a ``Shard`` of the same dim whose indices are permuted (each part's slice per rank),
@@ -28,7 +28,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops._pointwise_ops import pointwise_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx import cp_layout
+from shardfx.ir import cp_layout
 from shardfx.ir import meta as M
 
 aten = torch.ops.aten

@@ -23,25 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.ir import meta as M
 from shardfx.runtime.zero import padded
-
-
-def final_gradients(steps: list) -> list[list[str]]:
-    """Per step, the gradients whose last contribution on this rank it makes, in the order
-    its parts return them: they can be reduced across replicas from then on."""
-    last: dict[str, int] = {}
-    for i, step in enumerate(steps):
-        for call in step.calls:
-            for o in call.outputs:
-                for role in o.roles:
-                    if role.kind is M.OutputKind.GRAD:
-                        last.pop(role.name, None)
-                        last[role.name] = i
-    out: list[list[str]] = [[] for _ in steps]
-    for fqn, i in last.items():
-        out[i].append(fqn)
-    return out
 
 
 class GradBuckets:

@@ -77,10 +77,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.futures import Future
 
-from shardfx import __version__
 from shardfx.errors import InputError, ShardfxError
 from shardfx.runtime.checkpoint_digest import Digesting
-from shardfx.runtime.checkpoint_files import (FORMAT, INDEX, RECORD, check_keys, damaged,
+from shardfx.runtime.checkpoint_files import (FORMAT, __version__, INDEX, RECORD, check_keys, damaged,
                                               data_files, old_path, open_checkpoint,
                                               verify_contents)
 from shardfx.runtime.launch import rank, world_size

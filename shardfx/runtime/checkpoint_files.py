@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,9 +27,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from shardfx import __version__
 from shardfx.errors import InputError
 from shardfx.runtime.checkpoint_digest import digest_of, read_trailer, trailer
+
+try:
+    __version__ = version("shardfx")  # recorded in every checkpoint: what wrote it
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
 
 FORMAT = 2  # the layout of shardfx.json (2: the save's id and each file's checksum); a reader
             # refuses any other
@@ -66,7 +71,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensors": (_tensors, 'an object of key -> {"shape": a list of whole numbers >= 0, '
                           '"dtype": a string}'),
 }
-# The entries of meta that runner.save (runtime/saving.py) and shardfx run (shardfx/train.py)
+# The entries of meta that runner.save (runtime/saving.py) and shardfx run (shardfx/run/train.py)
 # write, checked where present: a damaged one is named before any process plans.
 META: dict[str, tuple[Callable[[Any], bool], str]] = {
     "step": (lambda v: _whole(v, 0), "a whole number >= 0"),

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.errors import InputError, ShardfxError
-from shardfx.runtime.device import collective_device
+from shardfx.kernels.device import collective_device
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan

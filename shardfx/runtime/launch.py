@@ -423,7 +423,8 @@ def _import_before_groups() -> None:
     (``torch.distributed.nn.functional``, which ``torch._dynamo`` brings) keep the default
     group as a default argument when imported after it is made: it then outlives
     ``destroy_process_group``, and so do gloo's worker threads (``_destroy_groups``)."""
-    import shardfx.api  # noqa: F401 - brings torch._dynamo and what it imports
+    import torch._dynamo  # noqa: F401 - planning's tracer: brings torch.distributed.nn.functional
+    import torch.distributed.tensor  # noqa: F401 - the sharding rules planning asks
 
 
 def _destroy_groups() -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.errors import InputError
-from shardfx.runtime.device import collective_device
+from shardfx.kernels.device import collective_device
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import InputError
-from shardfx.runtime.device import collective_device
+from shardfx.kernels.device import collective_device
 from shardfx.runtime.loss_scale import LossScaler
 
 WHERE = "plan.runner(..., clip_grad_norm=...)"

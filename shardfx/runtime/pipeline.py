@@ -52,20 +52,21 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
-from shardfx.measure import mark
-from shardfx.moe import load
-from shardfx.moe.load import BATCH_SPLIT
-from shardfx.memory import check_optimizer
-from shardfx.memory_pipeline import owned_gradients
+from shardfx.runtime.measure import mark
+from shardfx.kernels import expert_load as load
+from shardfx.kernels.expert_load import BATCH_SPLIT
+from shardfx.cost.optimizer import check_optimizer
+from shardfx.estimate.memory_pipeline import owned_gradients
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step, release
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
-from shardfx.runtime.buckets import GradBuckets, final_gradients
+from shardfx.estimate.memory_pipeline import final_gradients
+from shardfx.runtime.buckets import GradBuckets
 from shardfx.runtime.checks import SameBatch, make_optimizer, same_plan
 from shardfx.runtime.compiled import StageProgram, Step
-from shardfx.runtime.device import check_weights, place
+from shardfx.kernels.device import check_weights, place
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
@@ -194,7 +195,7 @@ class PipelineRunner(PipelineState):
             losses.append(self._backward(args, targets, trained))
         self.step_count += 1
         self.routed = load.stepped(self._plan)
-        mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
+        mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
         self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
                                      self.clip_grad_norm)
         if self._zero is not None:  # every replica's updated rows, gathered

@@ -5,7 +5,7 @@ work, with its tensors, for a moment after it marks the work done: ``wait_tensor
 while the worker still holds the result. When the program then drops its last reference first,
 the worker is left to free the buffer, and it needs Python's GIL to do so: it frees it tens of
 ops later, at a moment thread scheduling decides. A step's peak then varies from run to run by
-a collective's buffer, above what the memory model (``shardfx.memory``) counts — the buffer's
+a collective's buffer, above what the memory model (``shardfx.estimate.memory``) counts — the buffer's
 last reader — and above a ``memory_budget`` the plan was fitted to (measured: a 32 KiB
 all-reduce of a tp=2 Llama's activations alive through the next layer's attention, or through
 the optimizer's step, in one step of three).

@@ -25,18 +25,18 @@ from shardfx.codegen.program import Program
 from shardfx.codegen.step_in_backward import stepping
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
-from shardfx.measure import mark
-from shardfx.moe import load
-from shardfx.moe.load import BATCH_SPLIT
+from shardfx.runtime.measure import mark
+from shardfx.kernels import expert_load as load
+from shardfx.kernels.expert_load import BATCH_SPLIT
 from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
                                             release)
-from shardfx.memory import check_optimizer
+from shardfx.cost.optimizer import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, make_optimizer, same_plan
 from shardfx.runtime.compiled import Output
-from shardfx.runtime.device import check_weights, move
+from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
 from shardfx.runtime.shards import Shards
@@ -137,7 +137,7 @@ class Runner:
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
         self.routed = load.stepped(self._plan)
-        mark("fwd+bwd")  # the peak so far, under shardfx.measure.measured_peak
+        mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
         if not self._in_backward:  # else each block stepped in the program (step_in_backward)
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
                                          self._norm_terms(trained), self.clip_grad_norm)

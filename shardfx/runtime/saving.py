@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from shardfx import strided
+from shardfx.ir import strided
 from shardfx.errors import InputError
 from shardfx.runtime import checkpoint
 from shardfx.runtime.checkpoint import Box
@@ -41,7 +41,7 @@ log = logging.getLogger("shardfx.checkpoint")
 
 @dataclass(frozen=True)
 class Parts:
-    """A strided split (``shardfx.strided``) of dim ``dim``: the rank's slices of ``k`` parts
+    """A strided split (``shardfx.ir.strided``) of dim ``dim``: the rank's slices of ``k`` parts
     of ``m`` each, the first at ``base`` in the whole tensor, the next ones ``stride`` apart."""
 
     dim: int

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardfx import cp_layout, strided
+from shardfx.ir import cp_layout
+
+from shardfx.ir import strided
 from shardfx.ir import meta as M
 from shardfx.mesh import MeshSpec
 from shardfx.runtime.mesh import coordinate, device_mesh

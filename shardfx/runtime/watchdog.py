@@ -11,7 +11,7 @@ group's: under torchrun the agent's TCPStore, which outlives every rank) and a r
 collective fails reads the others':
 
 - ``arrive(label)``: this rank's count of arrivals, the label and the time; one ``set`` (about
-  10 us to a TCPStore on this host), no collective. ``shardfx.train`` arrives once per step
+  10 us to a TCPStore on this host), no collective. ``shardfx.run.train`` arrives once per step
   ("step 12"), ``launch`` at the start and at the end of fn.
 - ``ending(error, communication, timeout)``: how this rank ends (its collective failed, or it
   raised) and where (its last label). After a communication error it waits a little

@@ -8,9 +8,10 @@ static check that simulates them before launch.
     bubble_fraction(schedule)          # 3/8, as (p-1)/m says
 """
 
-from shardfx.schedule.actions import Action, Kind, Schedule, ScheduleError, with_communication
+from shardfx.schedule.actions import Action, Kind, ScheduleError
 from shardfx.schedule.check import (Costs, Span, Timeline, bubble_fraction, check, grid,
                                     in_flight, peak_in_flight, simulate)
+from shardfx.schedule.lists import Schedule, with_communication
 from shardfx.schedule.generate import (GENERATORS, formula_bubble, forward_only, generate,
                                        gpipe, interleaved_1f1b, one_f_one_b, zb_h1)
 

@@ -26,8 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from shardfx.schedule.actions import Action, Kind, Schedule, ScheduleError
+from shardfx.schedule.actions import Action, Kind, ScheduleError
+
+if TYPE_CHECKING:
+    from shardfx.schedule.lists import Schedule
 
 COMPUTE = (Kind.F, Kind.B, Kind.W)
 

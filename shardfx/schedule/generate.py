@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardfx.schedule.actions import Action, Kind, Schedule, ScheduleError
+from shardfx.schedule.actions import Action, Kind, ScheduleError
+from shardfx.schedule.lists import Schedule
 from shardfx.schedule.check import Costs
 
 Slot = tuple[int, int]  # (stage, microbatch)

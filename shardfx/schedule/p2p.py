@@ -37,7 +37,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-from shardfx.schedule.actions import Action, Kind, Schedule, ScheduleError
+from shardfx.schedule.actions import Action, Kind, ScheduleError
+from shardfx.schedule.lists import Schedule
+from shardfx.schedule.check import grid
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,6 @@ def batches(schedule: Schedule, messages: Messages | None = None) -> list[list[B
 def check_p2p(schedule: Schedule, messages: Messages | None = None) -> list[list[Batch]]:
     """Play every rank's groups with in-order matching per (sender, receiver) pair; returns
     the groups, or raises ScheduleError on a mismatch or a hang (module docstring)."""
-    from shardfx.schedule.check import grid
-
     groups = batches(schedule, messages)
     at = [0] * schedule.ranks  # the group each rank is in
     sends: dict[tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> posted, unmet

@@ -1,0 +1,384 @@
+"""How fast a device computes, reads memory and talks to its peers: the time model behind
+every decision that trades time (``stage_cut``'s balance, ``remat``'s recompute cost, the
+budget's schedule search) and behind ``plan.predicted_step``.
+
+A ``DeviceModel`` holds a peak FLOP/s per dtype, a memory bandwidth, and two links: ``intra``
+between devices of one node (NVLink), ``inter`` between nodes (InfiniBand); a mesh axis uses
+the intra link when its ranks fit in a node (``link_of``). An op takes
+
+    max(flops / peak[dtype], bytes read and written / memory bandwidth)
+
+(the roofline: a matmul is compute-bound, a pointwise op memory-bound), and a collective of
+``n`` ranks the ring algorithm's time on its link (``collective_seconds``).
+
+Which model a plan uses (``device_model``): ``partition(..., device_model=)`` names a preset
+(``PRESETS``), a JSON file, or a ``DeviceModel``; by default, the calibrated file of this
+machine's device if ``shardfx calibrate`` wrote one (``cache_path``), else on CUDA the preset
+of the GPU (H100, H200), else the ``cpu`` preset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+from shardfx.ir.graph import arg_values
+from shardfx.cost.node import is_view, node_flops
+from shardfx.kernels.triton import FusedKernel
+from shardfx.kernels.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
+                                       chunk_weight_bytes)
+
+log = logging.getLogger("shardfx.cost.device_model")
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+GRAPH_KEY = "shardfx.cost.device_model"  # gm.meta: the model the IR's time estimates are for
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of connection between two devices."""
+
+    bandwidth: float  # bytes/s, one direction
+    latency: float  # seconds per message (per hop of a ring)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """One device's speeds (see the module docstring)."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype name (DTYPES) -> FLOP/s, dense
+    memory_bandwidth: float  # bytes/s
+    links: dict[str, Link]  # "intra" (inside a node), "inter" (between nodes)
+    devices_per_node: int = 8  # mesh axes that fit in this many ranks use the intra link
+    memory: float = 0.0  # bytes of device memory (0: unknown): when memory matters to a choice
+    measured: tuple[str, ...] = field(default=(), compare=False)  # by ``shardfx calibrate``
+
+    # --- ops --------------------------------------------------------------------------------
+
+    def peak(self, dtype: torch.dtype | str) -> float:
+        """FLOP/s in ``dtype`` (float32's for a dtype without its own entry: ints, fp8)."""
+        key = str(dtype).removeprefix("torch.")
+        return self.peak_flops.get(key, self.peak_flops["float32"])
+
+    def op_seconds(self, flops: float, bytes_moved: float,
+                   dtype: torch.dtype | str = "float32") -> float:
+        """The roofline: the slower of computing ``flops`` and moving ``bytes_moved``."""
+        return max(flops / self.peak(dtype), bytes_moved / self.memory_bandwidth)
+
+    def node_seconds(self, node: fx.Node) -> float:
+        """Seconds of one op of the IR or of a program (see ``node_work``); 0 for a view, a
+        collective (``collective_seconds``) and anything not a call."""
+        flops, moved, dtype = node_work(node)
+        return self.op_seconds(flops, moved, dtype) if flops or moved else 0.0
+
+    # --- communication ----------------------------------------------------------------------
+
+    def collective_seconds(self, kind: str, nbytes: float, group_size: int,
+                           link: Link | str = "intra") -> float:
+        """Seconds of a ring collective over ``group_size`` ranks on ``link`` (a ``Link``, or
+        "intra"/"inter"). ``nbytes`` is the whole buffer: the tensor all-reduced, the
+        all-gather's output, the reduce-scatter's input, the all-to-all's input, the message
+        sent. Each rank moves 2(n-1)/n of it for an all-reduce (reduce-scatter then
+        all-gather), (n-1)/n for the other three, all of it for a send; each of the 2(n-1),
+        n-1 or 1 steps pays the latency (an all-to-all: one exchange with each other rank)."""
+        if kind not in KINDS:
+            raise InputError(f"unknown collective {kind!r}", where="collective_seconds",
+                             fix=f"one of {', '.join(KINDS)}")
+        n = group_size
+        if kind != "send" and n <= 1:
+            return 0.0
+        link = self.links[link] if isinstance(link, str) else link
+        share, steps = {"all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
+                        "all_gather": ((n - 1) / n, n - 1),
+                        "reduce_scatter": ((n - 1) / n, n - 1),
+                        "all_to_all": ((n - 1) / n, n - 1),
+                        "send": (1.0, 1)}[kind]
+        return steps * link.latency + share * nbytes / link.bandwidth
+
+    def link_of(self, axes: tuple[tuple[str, int], ...], axis: str) -> str:
+        """"intra" or "inter": ranks are laid out row-major over ``axes`` (the last fastest,
+        ``runtime.mesh``), so ``axis`` spans its size times the sizes after it; within
+        ``devices_per_node`` ranks that is one node."""
+        names = [a for a, _ in axes]
+        span = math.prod(n for _, n in axes[names.index(axis):]) if axis in names else 1
+        return "intra" if span <= self.devices_per_node else "inter"
+
+    # --- files ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["measured"] = list(self.measured)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "a device model") -> "DeviceModel":
+        """A model from ``to_json``'s dict; an ``InputError`` names a missing or bad field."""
+        fix = ('write {"name": ..., "peak_flops": {"float32": ...}, "memory_bandwidth": ..., '
+               '"links": {"intra": {"bandwidth": ..., "latency": ...}, "inter": {...}}} '
+               "(shardfx calibrate writes one)")
+        try:
+            peaks = {str(k): _positive(v, f"peak_flops.{k}") for k, v in data["peak_flops"].items()}
+            if "float32" not in peaks:
+                raise ValueError("peak_flops has no float32 entry")
+            links = {k: Link(_positive(data["links"][k]["bandwidth"], f"links.{k}.bandwidth"),
+                             _nonnegative(data["links"][k]["latency"], f"links.{k}.latency"))
+                     for k in ("intra", "inter")}
+            return cls(str(data["name"]), peaks,
+                       _positive(data["memory_bandwidth"], "memory_bandwidth"), links,
+                       int(data.get("devices_per_node", 8)),
+                       _nonnegative(data.get("memory", 0.0), "memory"),
+                       tuple(data.get("measured", ())))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise InputError(f"cannot read the device model: {what}", where=where,
+                             fix=fix) from None
+
+    def describe(self) -> str:
+        """One line per number, for ``shardfx calibrate`` and error messages."""
+        lines = [f"device model {self.name}"]
+        for dtype in DTYPES:
+            if dtype in self.peak_flops:
+                lines.append(f"  matmul {dtype:<9} {self.peak_flops[dtype] / 1e9:12.1f} GFLOP/s"
+                             + _mark(self, f"peak_flops.{dtype}"))
+        lines.append(f"  memory           {self.memory_bandwidth / 1e9:12.2f} GB/s"
+                     + _mark(self, "memory_bandwidth"))
+        if self.memory:
+            lines.append(f"  memory size      {self.memory / 2**30:12.1f} GiB"
+                         + _mark(self, "memory"))
+        for kind, link in self.links.items():
+            lines.append(f"  link {kind:<11} {link.bandwidth / 1e9:12.2f} GB/s, "
+                         f"{link.latency * 1e6:.1f} us latency" + _mark(self, f"links.{kind}"))
+        return "\n".join(lines)
+
+
+def _mark(model: DeviceModel, key: str) -> str:
+    if not model.measured:
+        return ""
+    return "  (measured)" if key in model.measured else "  (preset)"
+
+
+def _positive(value: Any, name: str) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return v
+
+
+def _nonnegative(value: Any, name: str) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return v
+
+
+# --- presets ----------------------------------------------------------------------------------
+
+NVLINK = Link(450e9, 3e-6)  # NVLink 4: 900 GB/s both directions, ~3 us per message
+NDR_IB = Link(50e9, 10e-6)  # one 400 Gb/s NDR InfiniBand port per GPU
+
+PRESETS: dict[str, DeviceModel] = {
+    # H100 SXM, dense (no sparsity). fp32 is the CUDA cores' 67 TFLOP/s: torch runs fp32
+    # matmuls in full fp32 by default (torch.backends.cuda.matmul.allow_tf32 is False), not
+    # in TF32 on the tensor cores. fp64 on the tensor cores, 67 TFLOP/s too.
+    "h100": DeviceModel("h100", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
+                                 "float16": 989e12}, 3.35e12, {"intra": NVLINK, "inter": NDR_IB},
+                        memory=80e9),
+    # H200: the H100's compute with faster, larger HBM3e.
+    "h200": DeviceModel("h200", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
+                                 "float16": 989e12}, 4.8e12, {"intra": NVLINK, "inter": NDR_IB},
+                        memory=141e9),
+    # Any CPU, when nothing is calibrated: a few cores' worth of AVX2 (bf16/fp16 matmuls are
+    # slower than fp32 on CPUs without AMX), dual-channel DRAM, gloo over loopback inside a
+    # machine and 10 Gb Ethernet between machines. Ranks of a CPU mesh are usually processes
+    # of one machine (shardfx.launch): every axis up to 64 of them is "intra".
+    "cpu": DeviceModel("cpu", {"float64": 50e9, "float32": 100e9, "bfloat16": 50e9,
+                               "float16": 20e9}, 10e9,
+                       {"intra": Link(2e9, 50e-6), "inter": Link(1.2e9, 100e-6)},
+                       devices_per_node=64),  # its memory: unknown (a machine's RAM is shared)
+}
+
+
+def default_model(options) -> DeviceModel:
+    """The model planning uses: ``options.device_model``, else the ``cpu`` preset (passes run
+    on ``Options()`` of their own in tests)."""
+    return getattr(options, "device_model", None) or PRESETS["cpu"]
+
+
+def model_of(gm: fx.GraphModule) -> DeviceModel:
+    """The model the IR's costs were estimated for (``estimate_cost`` records it)."""
+    return gm.meta.get(GRAPH_KEY) or PRESETS["cpu"]
+
+
+# --- choosing ---------------------------------------------------------------------------------
+
+def device_model(spec: "DeviceModel | str | os.PathLike | None" = None,
+                 device: torch.device | str | None = None) -> DeviceModel:
+    """The model for ``spec``: a ``DeviceModel``; a preset name (``PRESETS``); a path to a JSON
+    file (``DeviceModel.to_json``, as ``shardfx calibrate`` writes); or None: this machine's
+    calibrated file for ``device`` if there is one, else on CUDA the preset of the GPU's name,
+    else the ``cpu`` preset."""
+    where = "partition(..., device_model=...)"
+    if isinstance(spec, DeviceModel):
+        return spec
+    if spec is None:
+        return _default(torch.device(device or "cpu"))
+    if not isinstance(spec, (str, os.PathLike)):
+        raise InputError(f"device_model must be a preset name, a JSON file or a DeviceModel, "
+                         f"got {type(spec).__name__}", where=where,
+                         fix=f"one of {', '.join(PRESETS)}, a path to a .json file, or None")
+    text = os.fspath(spec)
+    if text.lower() in PRESETS:
+        return PRESETS[text.lower()]
+    path = Path(text).expanduser()
+    if path.suffix == ".json" or os.sep in text or path.exists():
+        return load(path)
+    raise InputError(f"unknown device model {text!r}", where=where,
+                     fix=f"a preset ({', '.join(PRESETS)}), a path to a .json file "
+                         "(shardfx calibrate writes one), or None for this machine's")
+
+
+def load(path: Path) -> DeviceModel:
+    where = str(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"no device model file {str(path)!r}", where=where,
+                         fix="give an existing .json file, a preset name "
+                             f"({', '.join(PRESETS)}), or run shardfx calibrate") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read device model file {str(path)!r}: {e}", where=where,
+                         fix="write it as shardfx calibrate does (JSON)") from None
+    return DeviceModel.from_json(data, where)
+
+
+def _default(device: torch.device) -> DeviceModel:
+    cached = cache_path(device)
+    if cached.is_file():
+        return load(cached)
+    if device.type != "cuda":
+        return PRESETS["cpu"]
+    gpu = device_name(device)
+    for key in ("h200", "h100"):
+        if key in gpu.lower():
+            return PRESETS[key]
+    log.warning("no device model for GPU %r: planning with the h100 preset; run `shardfx "
+                "calibrate` on it, or pass partition(..., device_model=...)", gpu)
+    return replace(PRESETS["h100"], name=f"h100 (for {gpu})")
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The GPU's name (``torch.cuda.get_device_name``), or this machine's CPU model."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def cache_dir() -> Path:
+    """``$SHARDFX_CACHE``, else ``$XDG_CACHE_HOME/shardfx``, else ``~/.cache/shardfx``."""
+    if os.environ.get("SHARDFX_CACHE"):
+        return Path(os.environ["SHARDFX_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shardfx"
+
+
+def cache_path(device: torch.device | str | None = None) -> Path:
+    """Where ``shardfx calibrate`` keeps the model of ``device``: named after the device
+    (``device-cpu-amd-epyc-7763-64-core-processor.json``, ``device-cuda-nvidia-h100-80gb-hbm3.json``)."""
+    device = torch.device(device or "cpu")
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") or "unknown"
+    return cache_dir() / f"device-{device.type}-{slug}.json"
+
+
+# --- what an op does --------------------------------------------------------------------------
+
+def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
+    """(FLOPs, bytes read and written, dtype) of one op. FLOPs: ``COST`` where
+    ``estimate_cost`` wrote it (the IR), else torch's formula on the node's values (a
+    program's local shapes). Bytes: each tensor input read once and each output written once;
+    a view (and a tuple's element) moves nothing; a fused Triton kernel moves what the kernel
+    reads and writes, not what its ops would one by one; the chunked LM head and loss
+    (``codegen.linear_ce``) moves its inputs and outputs and writes and reads its logits once.
+    Collectives and waits are 0 here: their time is ``DeviceModel.collective_seconds``."""
+    if node.op != "call_function" or _is_collective(node) or is_view(node):
+        return 0, 0, torch.float32
+    ins = [_vals(a) for a in node.all_input_nodes]
+    outs = _vals(node)
+    dtype = next((v.dtype for vs in (*ins, outs) for v in vs if v.dtype.is_floating_point),
+                 torch.float32)
+    fused = _fused_bytes(node)
+    moved = fused if fused is not None else \
+        sum(_nbytes(v) for vs in ins for v in vs) + sum(_nbytes(v) for v in outs)
+    head = _lm_head(node)
+    cost = node.meta.get(M.COST)
+    if head is not None:
+        flops, logits, weight = head
+        moved += 2 * logits + weight
+    elif cost is not None:
+        flops = cost.flops
+    elif hasattr(node.target, "flops"):  # a program op that says (codegen.ring_attention)
+        flops = node.target.flops(*arg_values(node))
+    else:
+        flops = node_flops(node)
+    return flops, moved, dtype
+
+
+def _vals(node: fx.Node) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(node.meta.get(M.VAL)) if isinstance(v, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_collective(node: fx.Node) -> bool:
+    ns = getattr(node.target, "namespace", None) or getattr(
+        getattr(node.target, "_schema", None), "name", "").split("::")[0]
+    return ns in ("_c10d_functional", "c10d_functional", "c10d")
+
+
+def _fused_bytes(node: fx.Node) -> int | None:
+    return node.target.group.fused_bytes if isinstance(node.target, FusedKernel) else None
+
+
+def _lm_head(node: fx.Node) -> tuple[int, int, int] | None:
+    """(FLOPs, bytes of fp32 logits, weight bytes beyond one read) of a chunked LM head and
+    loss: 2·tokens·hidden·vocab forward, three times that with its gradients (``grads``); a
+    backward that computes the logits again and both gradients, three times that too. Each
+    chunk reads the weight and adds into its gradient again (``chunk_weight_bytes``): with
+    few rows per chunk the head waits on memory (``chunk_rows``)."""
+    target = node.target
+    if not isinstance(target, (LinearCrossEntropy, LinearCrossEntropyBackward)):
+        return None
+    args = node.args if isinstance(target, LinearCrossEntropy) else node.args[1:]
+    h, w = (a.meta[M.VAL] for a in args[:2])
+    tokens, hidden = h.shape[0], h.shape[-1]
+    vocab = w.numel() // hidden
+    grads = not isinstance(target, LinearCrossEntropy) or target.grads
+    chunks = -(-tokens // target.rows)
+    per_chunk = chunk_weight_bytes(vocab, hidden, w.dtype, grads)
+    once = vocab * hidden * (w.element_size() + (4 if grads else 0))  # its inputs and outputs
+    return (2 * tokens * hidden * vocab * (3 if grads else 1), tokens * vocab * 4,
+            max(0, chunks * per_chunk - once))

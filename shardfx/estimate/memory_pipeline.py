@@ -1,0 +1,230 @@
+"""The memory model of a pipeline rank: its peak running its action list.
+
+Requires: a ``runtime.compiled.StageProgram`` (the parts' graphs with ``meta["val"]``, the
+          rank's steps and what each part reads and makes).
+Ensures:  ``pipeline_memory`` returns the rank's fullest moment as a ``memory.DeviceMemory``;
+          ``owned_gradients`` says which outputs the pipeline runner keeps as accumulators,
+          as the model counts them.
+
+The walk follows ``runtime.pipeline``'s order: every receive of a step posted an action ahead
+into its own buffer (communication); each part's outputs that a later part on the rank reads
+stay until their last reader (saved: a forward's activations, per microbatch in flight); what it
+sends stays until the step ends (a gloo send's buffer is released when the step waits for it);
+a parameter's gradient is accumulated from its first microbatch on, in that microbatch's output
+itself where nothing else holds its storage (``owned_gradients``), else in a copy; later
+microbatches run the part's accumulating variant where it has one
+(``codegen.accumulate_into``); inside a part, its own liveness peak (``memory.walk``). Then the
+optimizer's step, and under ZeRO-1/2 the gather of the updated rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from shardfx.ir import meta as M
+from shardfx.cost.optimizer import OptimizerModel, optimizer_state, optimizer_temporaries
+from shardfx.cost.values import bases, tensor_bytes, writes_input, value_bytes
+from shardfx.estimate.memory import DeviceMemory, kind_of, walk, zero_gather_peak
+from shardfx.codegen.zero import zero_gather_programs
+
+
+@dataclass
+class _Part:
+    """What running one part allocates: its peak above its inputs, by kind, and each output's
+    bytes."""
+
+    peak: dict[str, int]
+    outputs: dict[int, int] = field(default_factory=dict)  # storage the part allocated
+    values: dict[int, int] = field(default_factory=dict)  # each output's own bytes (a clone's)
+
+
+def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
+    """``summed``: nodes whose tensor the part's accumulating variant does not make (it adds
+    into a gradient's accumulator instead: ``codegen.accumulate_into.summable``)."""
+    graph = part.graph
+    kind = kind_of(graph)
+    peak, _, _ = walk(graph, lambda n: "communication" if kind(n) == "communication"
+                      else "transient", lambda n: 0 if n in summed else value_bytes(n))
+    outs = graph.output_node().args[0]
+    base = bases(graph)
+    sizes, values, owners = {}, {}, set()
+    for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
+        owner = base.get(v, v) if isinstance(v, fx.Node) else None
+        sizes[i] = 0 if owner is None or owner in owners or owner in summed \
+            else value_bytes(owner)
+        values[i] = tensor_bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
+        owners.add(owner)  # outputs sharing a storage: counted once
+    return _Part(peak, sizes, values)
+
+
+def exclusive_outputs(part: fx.GraphModule) -> frozenset[int]:
+    """The indices of ``part``'s outputs whose tensor is the only one left holding its storage
+    once the part returns: storage an op of the part made (not an input's, a constant's, or an
+    input an op updated in place), returned at this index alone, and covered by the tensor
+    (a ``t`` of a fresh ``mm``, a ``reshape`` of a fresh ``sum``; not a slice or an
+    ``expand``, which would keep bytes alive that it does not show, or show some twice).
+    Anything else may be read or written through another tensor. See ``owned_gradients``."""
+    graph = part.graph
+    outs = graph.output_node().args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    base = bases(graph)
+    owners = Counter(base.get(v, v) for v in outs if isinstance(v, fx.Node))
+    return frozenset(i for i, v in enumerate(outs) if isinstance(v, fx.Node)
+                     and owners[base.get(v, v)] == 1 and _covers(v, base.get(v, v)))
+
+
+def _covers(value: fx.Node, owner: fx.Node) -> bool:
+    """Is ``owner`` storage the part allocated, and ``value`` (``owner`` or a view of it) all
+    of it, each element once?"""
+    val = value.meta.get(M.VAL)
+    if owner.op != "call_function" or writes_input(owner) or not isinstance(val, torch.Tensor):
+        return False
+    return value_bytes(owner) == tensor_bytes(val) and _dense(val)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Does ``t`` reach each element of a block of ``t.numel()`` elements once (some order of
+    its dimensions is contiguous: a transpose's is, an ``expand``'s or a slice's is not)?"""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def owned_gradients(part: fx.GraphModule, outputs) -> frozenset[int]:
+    """The outputs of ``part`` the pipeline runner keeps as a gradient's accumulator as they
+    are, instead of a copy, on the first microbatch that makes the gradient (later ones add
+    into it in place): of ``exclusive_outputs(part)``, those that are one parameter's gradient
+    and nothing else, neither read by a later part on the rank nor sent to another (they
+    would see the sum change under them). ``outputs``: the part's ``runtime.compiled.Output``
+    records. The memory model counts such a gradient once, where a copy is a second tensor."""
+    exclusive = exclusive_outputs(part)
+    return frozenset(o.index for o in outputs
+                     if o.index in exclusive and not o.local and not o.sends
+                     and [r.kind for r in o.roles] == [M.OutputKind.GRAD])
+
+
+def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
+                    dp: int = 1, device: torch.device = torch.device("cpu"),
+                    zero: int = 0) -> DeviceMemory:
+    """The peak of pipeline rank ``rank`` running its action list (``program``: the
+    ``runtime.compiled.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
+    optimizer steps this dp replica's rows of each parameter the rank owns: its state and, at
+    its step, the gradients are those rows; then the updated rows are gathered."""
+    reads = program.reads(rank)
+    params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
+    buffers = sum(tensor_bytes(program.input_val(n)) for n, r in reads.items()
+                  if r.kind is M.InputKind.BUFFER)
+    whole = {r.name: program.input_val(n) for n, r in reads.items()
+             if r.kind is M.InputKind.PARAM and program.producer(M.OutputKind.GRAD, r.name) == rank}
+    rows = list(whole.values())  # the parameters this rank steps
+    if zero:  # each replica's rows (runtime.zero)
+        rows = [torch.empty(M.ZeroShard(tuple(v.shape), dp).shard_shape, dtype=v.dtype,
+                             device="meta") for v in rows]
+    opt_state = optimizer_state(rows, optimizer) if train else 0
+    state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers, optimizer=opt_state)
+    parts: dict[str, _Part] = {}  # the parts this rank runs, each walked once
+    steps = program.steps(rank)
+    comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
+    saved: dict[tuple, int] = {}
+    grads: dict[str, int] = {}
+    owned: dict[str, frozenset[int]] = {}  # part -> the outputs kept as accumulators
+    summing: dict = {}  # part -> (gradients its accumulating variant sums, what it makes)
+    best = DeviceMemory(**state)
+
+    def consider(transient: int, communication: int, when: str) -> None:
+        nonlocal best
+        now = DeviceMemory(**state, gradients=sum(grads.values()), saved=sum(saved.values()),
+                           transient=transient, communication=sum(comm.values()) + communication,
+                           when=when)
+        if now.total > best.total:
+            best = now
+
+    sending = 0  # gloo frees a send's buffer only when the step's end waits for it
+    reducing = 0  # dp buckets started (counted to the step's end: an upper bound)
+    final = final_gradients(steps)
+    for index, step in enumerate(steps):
+        mb = step.action.microbatch
+        for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
+            comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
+        for call in step.calls:
+            if call.part not in parts:
+                parts[call.part] = _part(getattr(program.module, call.part))
+            info = parts[call.part]
+            if call.part not in summing:  # its accumulating variant: what it makes
+                made = program.summable(call.part)
+                summing[call.part] = made and (
+                    [name for name, _ in made.values()],
+                    _part(getattr(program.module, call.part),
+                          frozenset(node for _, node in made.values())))
+            if summing[call.part] and all(name in grads for name in summing[call.part][0]):
+                info = summing[call.part][1]  # it runs: the summed gradients are not made
+            consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
+                     info.peak["communication"] + sending + reducing,
+                     f"{step.name} ({call.part})")
+            out_bytes = sum(info.outputs.values())  # all live until the call's outputs go
+            if call.part not in owned:
+                owned[call.part] = owned_gradients(getattr(program.module, call.part),
+                                                   call.outputs)
+            for o in call.outputs:
+                nbytes = info.outputs.get(o.index, 0)
+                for role in o.roles:
+                    if role.kind is M.OutputKind.GRAD and role.name not in grads:
+                        # the accumulator: the output itself where the runner keeps it (its
+                        # bytes now a gradient's, no longer the part's), else a copy of its
+                        # own bytes, even where the part returns a view of its input
+                        grads[role.name] = info.values.get(o.index, 0)
+                        if o.index in owned[call.part]:
+                            out_bytes -= nbytes
+                        consider(out_bytes, sending + reducing,
+                                 f"{step.name} ({call.part}, gradients)")
+                if o.local:
+                    saved[(call.part, o.index, mb)] = nbytes
+                elif o.sends:
+                    sending += nbytes
+        for key in step.frees:
+            saved.pop(key, None)
+            comm.pop(key, None)
+        if dp > 1:  # final here: flattened into a bucket, all-reduced across replicas
+            reducing += sum(grads.get(fqn, 0) for fqn in final[index])
+    if reducing:  # waited for after the sends (``runtime.pipeline`` lets them go then)
+        consider(0, reducing, "dp all-reduce")
+    comm.clear()
+    sending = reducing = 0
+    if zero:  # the whole gradients go; the optimizer steps this replica's rows
+        grads = {"rows": sum(map(tensor_bytes, rows))}
+    if train and optimizer.name != "none":
+        consider(optimizer_temporaries(rows, optimizer, device), 0, "optimizer step")
+    if train and zero:  # every replica's updated rows, gathered a bucket at a time
+        consider(zero_gather_peak(zero_gather_programs(whole, dp)), 0, "ZeRO gather")
+    return best
+
+
+def _shape_bytes(shape, dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def final_gradients(steps: list) -> list[list[str]]:
+    """Per step, the gradients whose last contribution on this rank it makes, in the order
+    its parts return them: they can be reduced across replicas from then on."""
+    last: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        for call in step.calls:
+            for o in call.outputs:
+                for role in o.roles:
+                    if role.kind is M.OutputKind.GRAD:
+                        last.pop(role.name, None)
+                        last[role.name] = i
+    out: list[list[str]] = [[] for _ in steps]
+    for fqn, i in last.items():
+        out[i].append(fqn)
+    return out

@@ -1,0 +1,247 @@
+"""The arithmetic of a mixture-of-experts layer's experts, forward and backward, on one rank.
+
+Each of a rank's T tokens chose k experts (``index``, (T, k)) with weights (``weights``,
+(T, k)); expert e is a gated MLP ``down_e(act(gate_e(x)) * up_e(x))`` whose gate and up
+projections are stacked in ``w_in[e]`` (2I x H, Hugging Face's ``gate_up_proj``) and whose down
+projection is ``w_out[e]`` (H x I). The layer's output for token t is
+``sum_j weights[t, j] * expert_{index[t, j]}(x[t])``.
+
+The T*k (token, slot) pairs are sorted by expert (stably: within an expert, in token order),
+their rows gathered, and each expert's rows multiplied by its weights in one matmul. Where the
+experts live is the ``Route``'s business: ``Local`` keeps every row on this rank (every expert
+is here); ``codegen.expert_parallel``'s route sends each expert's rows to the rank that holds
+it and brings the results back. The arithmetic between (``_expert_mlps``) sees only the rows of
+the experts it holds, grouped by expert.
+
+With a capacity (``capacity > 0``), each expert takes at most ``C = ceil(capacity * T * k / E)``
+of a rank's pairs, the first ones in token order; the others are dropped: they add nothing to
+their token's output (the residual connection around the layer carries the token on, as in
+Switch Transformer), and their routing weights get no gradient. Every expert then receives
+exactly C rows from each rank (padded with zeros), so the shapes do not depend on the routing.
+
+What the backward needs is returned by the forward: the rows each held expert received (``xd``),
+their first projection (``h``), and each pair's expert output in sorted order (``zs``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardfx.kernels import expert_load as load
+
+aten = torch.ops.aten
+_SILU = (F.silu, aten.silu_backward)
+_RELU = (F.relu, lambda grad, x: aten.threshold_backward(grad, x, 0))
+_GELU = (F.gelu, aten.gelu_backward)
+_GELU_TANH = (lambda x: F.gelu(x, approximate="tanh"),
+              lambda grad, x: aten.gelu_backward(grad, x, approximate="tanh"))
+# Hugging Face's ``hidden_act`` names: the function and its backward (grad, input) -> grad input.
+ACTIVATIONS = {"silu": _SILU, "swish": _SILU, "relu": _RELU, "gelu": _GELU,
+               "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH}
+
+
+@dataclass(frozen=True)
+class Form:
+    """What the experts compute besides their weights: the activation's name (``ACTIVATIONS``),
+    whether ``w_in`` is [gate; up] (gated) or up alone, whether the weights are stored (in, out)
+    (``transposed``) rather than (out, in), the capacity factor (0: no capacity, dropless), and
+    the layer's name for the routing record (``moe.load``)."""
+
+    act: str = "silu"
+    gated: bool = True
+    transposed: bool = False
+    capacity: float = 0.0
+    layer: str = ""
+
+
+@dataclass
+class Sorted:
+    """This rank's (token, slot) pairs sorted by expert: ``order[i]`` is the flat pair index
+    (t * k + j) of sorted row i, ``tokens[i]`` its token; ``counts[e]``: pairs choosing expert
+    e; with a capacity, ``kept`` (sorted rows within their expert's capacity) and ``slot`` (the
+    row of each kept pair in the (E, C) padded layout)."""
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    capacity: int = 0
+    kept: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+
+    @property
+    def dropped(self) -> int:
+        return 0 if self.kept is None else int((~self.kept).sum())
+
+
+def sort_pairs(index: torch.Tensor, experts: int, capacity: float) -> Sorted:
+    """``index`` (T, k) sorted by expert, and the capacity's choice of rows where there is one."""
+    tokens, k = index.shape
+    flat = index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=experts)
+    s = Sorted(order, order // k, counts)
+    if capacity > 0:
+        s.capacity = max(1, math.ceil(capacity * tokens * k / experts))
+        starts = torch.cumsum(counts, 0) - counts
+        expert = flat[order]
+        rank_in_expert = torch.arange(order.numel(), device=index.device) - starts[expert]
+        s.kept = rank_in_expert < s.capacity
+        s.slot = (expert * s.capacity + rank_in_expert)[s.kept]
+    return s
+
+
+def padded(rows: torch.Tensor, s: Sorted) -> torch.Tensor:
+    """Sorted rows into the (E * C, ...) capacity layout: each expert's first C rows, then
+    zeros."""
+    out = rows.new_zeros((s.counts.numel() * s.capacity, *rows.shape[1:]))
+    out[s.slot] = rows[s.kept]
+    return out
+
+
+def unpadded(rows: torch.Tensor, s: Sorted) -> torch.Tensor:
+    """The inverse of ``padded`` for the kept rows; a dropped row is zero."""
+    out = rows.new_zeros((s.order.numel(), *rows.shape[1:]))
+    out[s.kept] = rows[s.slot]
+    return out
+
+
+class Local:
+    """Every expert on this rank: rows stay where they are."""
+
+    def __init__(self, s: Sorted):
+        self.counts = s.counts.tolist() if s.kept is None else [s.capacity] * s.counts.numel()
+
+    def there(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def back(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+
+def grouped_mm(rows: torch.Tensor, w: torch.Tensor, counts: list[int], *,
+               transpose_w: bool) -> torch.Tensor:
+    """Rows grouped by expert (``counts[e]`` rows for ``w[e]``) times their expert's matrix
+    (transposed where ``transpose_w``)."""
+    out_dim = w.shape[1] if transpose_w else w.shape[2]
+    out = rows.new_empty((rows.shape[0], out_dim))
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            m = w[e].t() if transpose_w else w[e]
+            torch.mm(rows[start:start + n], m, out=out[start:start + n])
+        start += n
+    return out
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int],
+                        experts: int) -> torch.Tensor:
+    """Per expert ``a[rows].T @ b[rows]``: (E, a's width, b's width), zero for an expert with
+    no rows."""
+    out = a.new_zeros((experts, a.shape[1], b.shape[1]))
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(a[start:start + n].t(), b[start:start + n], out=out[e])
+        start += n
+    return out
+
+
+def _project(rows, w, counts, form: Form):
+    """rows @ w[e].T per expert (w stored (out, in)), or rows @ w[e] when ``transposed``."""
+    return grouped_mm(rows, w, counts, transpose_w=not form.transposed)
+
+
+def _project_back(grad, w, counts, form: Form):
+    """The input gradient of ``_project``."""
+    return grouped_mm(grad, w, counts, transpose_w=form.transposed)
+
+
+def _project_weight_grad(grad, rows, counts, experts, form: Form):
+    """The weight gradient of ``_project``, in w's layout."""
+    if form.transposed:
+        return grouped_weight_grad(rows, grad, counts, experts)
+    return grouped_weight_grad(grad, rows, counts, experts)
+
+
+def activate(h: torch.Tensor, form: Form) -> torch.Tensor:
+    """act(h), or act(gate) * up of h = [gate, up] where the experts are gated."""
+    act = ACTIVATIONS[form.act][0]
+    if not form.gated:
+        return act(h)
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def activate_backward(h: torch.Tensor, grad: torch.Tensor, form: Form) -> torch.Tensor:
+    """The gradient of ``activate`` at ``h``."""
+    act, act_backward = ACTIVATIONS[form.act]
+    if not form.gated:
+        return act_backward(grad, h)
+    gate, up = h.chunk(2, dim=-1)
+    return torch.cat([act_backward(grad * up, gate), grad * act(gate)], dim=-1)
+
+
+def forward(x, index, weights, w_in, w_out, form: Form, route_for) -> tuple:
+    """(y, xd, h, zs): the layer's output (T, H) and what its backward reads. ``route_for(s)``
+    is the ``Route`` of this rank's sorted pairs (``Local`` or expert parallel)."""
+    s = sort_pairs(index, _experts(w_in, route_for), form.capacity)
+    if form.layer:  # not a recomputation (``codegen.expert_parallel.experts_op``)
+        load.record(form.layer, s.counts, s.dropped, s.capacity)
+    route = route_for(s)
+    xs = x[s.tokens]
+    if s.kept is not None:
+        xs = padded(xs, s)
+    xd = route.there(xs)
+    h = _project(xd, w_in, route.counts, form)
+    z = _project(activate(h, form), w_out, route.counts, form)
+    zs = route.back(z)
+    if s.kept is not None:
+        zs = unpadded(zs, s)
+    return combine(zs, weights, s, x.shape, x.dtype), xd, h, zs
+
+
+def combine(zs, weights, s: Sorted, shape, dtype) -> torch.Tensor:
+    """Each token's sum of its pairs' expert outputs times their weights (in the weights'
+    precision where that is wider, as Hugging Face's experts do), in ``dtype``."""
+    w = weights.reshape(-1)[s.order]
+    pairs = torch.empty((s.order.numel(), shape[-1]), dtype=torch.promote_types(zs.dtype, w.dtype),
+                        device=zs.device)
+    pairs[s.order] = zs * w.unsqueeze(-1)
+    return pairs.view(shape[0], -1, shape[-1]).sum(dim=1).to(dtype)
+
+
+def backward(grad_y, x, index, weights, w_in, w_out, xd, h, zs, form: Form, route_for) -> tuple:
+    """(grad x, grad weights, grad w_in, grad w_out) of ``forward``."""
+    s = sort_pairs(index, _experts(w_in, route_for), form.capacity)
+    route = route_for(s)
+    w = weights.reshape(-1)[s.order]
+    wide = torch.promote_types(grad_y.dtype, w.dtype)
+    g = grad_y[s.tokens].to(wide)
+    grad_w = torch.empty_like(weights.reshape(-1))
+    grad_w[s.order] = (g * zs.to(wide)).sum(-1).to(weights.dtype)
+    gz = (g * w.unsqueeze(-1).to(wide)).to(zs.dtype)
+    if s.kept is not None:
+        gz = padded(gz, s)
+    gzd = route.there(gz)
+    held = w_in.shape[0]
+    a = activate(h, form)
+    grad_w_out = _project_weight_grad(gzd, a, route.counts, held, form)
+    ga = _project_back(gzd, w_out, route.counts, form)
+    del gzd, a
+    gh = activate_backward(h, ga, form)
+    grad_w_in = _project_weight_grad(gh, xd, route.counts, held, form)
+    gxd = _project_back(gh, w_in, route.counts, form)
+    gxs = route.back(gxd)
+    if s.kept is not None:
+        gxs = unpadded(gxs, s)
+    grad_x = torch.zeros_like(x).index_add_(0, s.tokens, gxs.to(x.dtype))
+    return grad_x, grad_w.view_as(weights), grad_w_in, grad_w_out
+
+
+def _experts(w_in: torch.Tensor, route_for) -> int:
+    """All the layer's experts: those held here times the ranks they are spread over."""
+    return w_in.shape[0] * getattr(route_for, "ranks", 1)

@@ -1,0 +1,93 @@
+"""The notes under ``print(plan)``'s tables about memory: what each device holds through a
+step and why (``Plan.__str__``)."""
+
+from __future__ import annotations
+
+from shardfx.auto import zero_stage
+from shardfx.compiler.budget import Candidate
+from shardfx.codegen.step_in_backward import step_parameters
+from shardfx.ir import meta as M
+from shardfx.auto.remat import by_module, group_name
+from shardfx.ir.units import flops, nbytes
+
+
+def memory_notes(plan) -> list[str]:
+    """What the plan holds per device and why: the optimizer counted, the precision, the
+    training state, ZeRO, the optimizer in the backward, fused kernels and the fused LM head,
+    and what ``memory_budget`` made it recompute or try."""
+    opt = plan.options.optimizer if plan.mode is M.Mode.TRAIN else None
+    notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
+             f"Precision: {plan.precision}"]
+    if plan.mode is M.Mode.TRAIN:
+        notes.append("Training state per device (parameters / gradients as stepped / "
+                     "optimizer state): " + "; ".join(
+                         f"{label}: {nbytes(p)} / {nbytes(g)} / {nbytes(o)}"
+                         for label, (p, g, o) in plan.state_rows().items()))
+    if plan.zero_chosen and plan.mesh.axis("dp") > 1:
+        notes.append(zero_stage.why(plan.options.zero, plan.mesh.axis("dp")))
+    if plan.options.zero:
+        k, dp = plan.options.zero, plan.mesh.axis("dp")
+        held = {1: "the optimizer state", 2: "the optimizer state and gradients",
+                3: "the optimizer state, gradients and parameters"}[k]
+        gathers = [c for c in plan.collectives if c.kind == "all_gather" and "ZeRO" in c.reason]
+        notes.append(f"ZeRO-{k} over dp={dp}: each rank keeps 1/{dp} of {held} ("
+                     f"{len(plan.zero_layouts)} parameters, dim-0 rows, padded)"
+                     + (f"; {len(gathers)} parameter all-gathers per step, a block at a "
+                        "time, each issued before the previous one is waited for"
+                        if k == 3 else "; updated rows all-gathered after the optimizer "
+                        "step"))
+    if plan.options.optimizer_in_backward and plan.program is not None:
+        steps = plan.program.module.graph.find_nodes(op="call_function",
+                                                     target=step_parameters)
+        notes.append(f"Optimizer in the backward: {len(steps)} steps, each block's "
+                     "parameters (any other parameter alone) stepped where their "
+                     "gradients are final, the gradients freed there: the step never "
+                     "holds them all")
+    kernels = plan.kernels()
+    if kernels:
+        ops = sum(len(k.group.ops) for k in kernels)
+        moved = sum(k.group.fused_bytes for k in kernels)
+        unfused = sum(k.group.unfused_bytes for k in kernels)
+        notes.append(f"Kernels: {len(kernels)} fused Triton kernels of {ops} ops, moving "
+                     f"{nbytes(moved)} where the ops one by one move {nbytes(unfused)} "
+                     "(plan.dump: kernels/, kernels.txt)")
+    for f in plan.fused_losses():
+        notes.append(
+            f"Linear + cross-entropy fused: {f.weight} ({f.tokens} tokens x {f.hidden} -> "
+            f"{f.vocab}) in {f.chunks} chunks of {f.rows} rows, forward and backward: the "
+            f"{nbytes(f.logits_bytes)} of logits, their log-softmax and their gradient are "
+            f"never materialised; "
+            + ("its gradients are computed in the forward, nothing recomputed "
+               if f.early else "the backward recomputes a chunk's logits ")
+            + (f"(fused_loss=\"auto\" fused it: {plan.fused_loss_reason})"
+               if plan.fused_loss_reason else
+               "(partition(..., fused_loss=False) keeps the ATen ops)"))
+    budget = plan.options.memory_budget
+    if budget is not None:
+        if plan.remat is None:
+            notes.append(f"memory_budget {nbytes(budget)}: fits without recomputing")
+        else:
+            r = plan.remat
+            share = r.flops / max(1, plan.summary.flops_fwd)
+            kept = ", ".join(f"{group_name(g)}: {nbytes(r.saved_before[g])} -> "
+                             f"{nbytes(r.saved_after.get(g, 0))}" for g in r.saved_before)
+            notes.append(f"Rematerialization under memory_budget {nbytes(budget)}: "
+                         f"{len(r.recomputed)} ops recomputed in the backward, "
+                         f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
+                         f"for the backward {kept}; recomputed, by module: "
+                         f"{by_module(plan.ir, r.recomputed)}")
+        if plan.budget_candidates:
+            notes.append("Schedules tried under memory_budget (the fastest that fits is "
+                         "run):\n" + "\n".join(
+                             f"  {'->' if c.schedule is plan.schedule else '  '} {c.name}: "
+                             + candidate(c) for c in plan.budget_candidates))
+    return notes
+
+
+def candidate(c: Candidate) -> str:
+    """One schedule tried under memory_budget, for ``print(plan)``."""
+    if c.skipped:
+        return f"not fitted: step {c.step * 1e3:.3g} ms simulated recomputing nothing, slower"
+    if not c.fits:
+        return "does not fit"
+    return f"step {c.step * 1e3:.3g} ms simulated, recomputing {flops(c.recompute_flops)} FLOPs"
