@@ -29,7 +29,7 @@ moves; GB/s = those bytes / the median time (``triton.testing.do_bench``). ``cop
 Fused linear + cross-entropy: ``F.cross_entropy(h @ w.T, t)`` forward and backward for 8192
 tokens, hidden 4096, vocabulary 128256: time and ``torch.cuda.max_memory_allocated`` of eager,
 ``torch.compile``, Liger's ``LigerFusedLinearCrossEntropyFunction`` and shardfx's
-``LinearCrossEntropy`` ops (``codegen.linear_ce``), gradients checked against eager's.
+``LinearCrossEntropy`` ops (``kernels.linear_ce``), gradients checked against eager's.
 
 Training step: a Hugging Face Llama (``--layers`` 8, hidden 2048, intermediate 5632, 16 heads,
 8 KV heads, vocabulary 32000; batch 4 x 1024) on one GPU in bf16: eager under

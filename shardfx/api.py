@@ -36,6 +36,8 @@ from shardfx.kernels.device import choose_device
 from shardfx.schedule import GENERATORS, Schedule
 from shardfx.partitioner.experts_hf import recognise
 from shardfx.kernels.experts import EXPERTS
+from shardfx.compiler.compile import compile_captured
+from shardfx.request import option_docs
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -212,58 +214,13 @@ def partition(
     """Trace ``model`` on ``example_args`` (one global batch) and plan it for ``mesh``.
 
     With ``loss_fn(model_output, *targets) -> scalar`` the plan trains (forward, loss, backward);
-    without, it runs inference. ``mesh`` names the axes and sizes (``{"dp": 2, "tp": 2}``);
-    ``shard`` says how parameters are split over them: ``"auto"``, ``"megatron"``,
-    ``"megatron-sp"`` (Megatron with sequence parallelism: the tokens split over tp between
-    the parallel matmuls), ``"replicate"`` or ``{parameter glob: [placement per mesh axis]}``. With a ``pp`` axis the
-    model is cut into stages that run ``schedule`` (gpipe | 1f1b | interleaved-1f1b |
-    zero-bubble, or a ``Schedule`` or its text form) over ``microbatches`` slices of the batch
-    (each dp replica's rows in as many); ``virtual_stages`` per rank for the interleaved one
-    (default 2). ``memory_budget`` (bytes, as an int, a float or "8GiB", per device) bounds the
-    plan's memory: rematerialization (``passes.remat``) recomputes the cheapest activations in
-    the backward until the predicted peak fits, or a ``MemoryBudgetError`` gives the smallest
-    budget that can. ``optimizer`` names the kind of optimizer ``plan.runner`` will be given
-    (adamw | adam | sgd-momentum | sgd | None), for the memory its state takes: the plan is
-    made before the optimizer exists, and the runner checks it matches. ``precision``
-    ("fp32" | "bf16" | "fp16", or a ``Precision`` that also names the dtype gradients are
-    reduced in across dp) is what matmul-class ops compute in (``passes.mixed_precision``):
-    parameters, gradients and optimizer state stay fp32; fp16 plans scale the loss in the
-    runner. ``kernels``: "triton" runs the memory-bound ops between matmuls as fused Triton
-    kernels (``passes.fusion``; on CPU through Triton's interpreter, slowly), "aten" as ATen
-    ops, "auto" ATen ops everywhere until the fused kernels measure faster on a GPU (they do not
-    yet: ``passes.program.uses_triton``). ``fused_loss``: an LM head whose logits only
-    feed a cross-entropy runs as one op over chunks of rows, forward and backward, so the
-    (tokens, vocab) logits are never materialised (``passes.fused_loss``); False keeps the ATen
-    ops; "auto" fuses only where the memory it saves matters: when the plan without it is over
-    ``memory_budget`` or near the device's memory (``passes.fused_loss.fusing_reason``; in
-    chunks it never saves time). ``zero`` (0-3) splits the training state over dp: 1 the
-    optimizer's state, 2 and the gradients, 3 and the parameters (``passes.zero``); "auto" (the
-    default) takes the cheapest stage by the device model that fits ``memory_budget`` or the
-    device's memory: plain dp where everything fits, since each stage only adds collectives
-    (``auto.zero_stage``; chosen with the placements under ``shard="auto"``);
-    ``plan.options.zero`` is the stage chosen. ``optimizer_in_backward=True`` steps the optimizer on each
-    block's parameters in the backward, as soon as their gradients are final, and frees those
-    gradients there (``codegen.step_in_backward``): a step never holds the whole model's
-    gradients; it cannot clip by the global norm, accumulate batches or scale an fp16 loss,
-    and is not in pipelines yet (with ZeRO each rank steps its rows). ``capacity_factor``: each
-    mixture-of-experts layer's expert takes at most ceil(factor x T x k / E) of the T x k
-    (token, expert) pairs of a rank's T tokens per microbatch, the first in token order; the
-    rest are dropped (the token's residual carries it on), and the shapes no longer depend on
-    the routing; None (the default): dropless, every pair computed (``shardfx.experts``,
-    docs/experts.md). ``device``: where this
-    process's programs run (``runtime.device``): by default ``cuda:LOCAL_RANK`` under an NCCL process group, else the model's device; a model on the
-    CPU or on meta is planned all the same, and the runner puts its weights there.
-    ``device_model``: the speeds every choice that trades time is made at (stage cuts,
-    recomputation, the schedule under a budget) and ``plan.predicted_step`` is predicted on
-    (``shardfx.cost.device_model``): a preset ("h100", "h200", "cpu"), a JSON file, or a
-    ``DeviceModel``; by default this machine's ``shardfx calibrate`` file for ``device``, else
-    the GPU's preset on CUDA, else "cpu".
-    ``debug=True`` (or ``SHARDFX_DEBUG=1``) verifies the IR after every
-    pass, and the runners compare every step's batch across ranks (else the first step's);
-    ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning fails, the IR so far and
-    the error. Every setting is checked whatever the mesh: one the plan would ignore or misread
-    (microbatches without a pp axis, an unknown schedule name, ``"megatron-sp"`` without a tp
-    axis, ``zero=1-3`` or ``optimizer_in_backward`` without a loss_fn) is an error.
+    without, it runs inference. ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning
+    fails, the IR so far and the error. Every setting is checked whatever the mesh: one the plan
+    would ignore or misread (microbatches without a pp axis, an unknown schedule name,
+    ``"megatron-sp"`` without a tp axis, ``zero=1-3`` or ``optimizer_in_backward`` without a
+    loss_fn) is an error.
+
+    Options (``request/option_docs.py``, the one text of each):
     """
     check_model(model)  # before anything reads its parameters (choose_device does)
     spec = MeshSpec.parse(mesh)
@@ -298,6 +255,10 @@ def partition(
                      options)
 
 
+
+if partition.__doc__:  # None under python -OO
+    partition.__doc__ = partition.__doc__.rstrip(" ") + option_docs.render()
+
 def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec: MeshSpec,
           options: Options) -> Plan:
     slices = options.slices
@@ -317,12 +278,13 @@ def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, sp
     # each from its own copy of the captured IR (planning rewrites the one it is given)
     pristine = copy_ir(captured.gm) if options.shard == "auto" and solver(options) else None
     def named(name: str) -> Plan:
-        return Plan(model, example_args, dataclasses.replace(captured, gm=copy_ir(pristine)),
-                    spec, dataclasses.replace(options, shard=name))
+        return Plan(model, example_args, compile_captured(
+            dataclasses.replace(captured, gm=copy_ir(pristine)),
+            dataclasses.replace(options, shard=name)))
 
     try:
         try:
-            plan = Plan(model, example_args, captured, spec, options)
+            plan = Plan(model, example_args, compile_captured(captured, options))
         except MemoryBudgetError as e:  # the solver's choice, planned, is over: a named one?
             if pristine is None:
                 raise
@@ -370,7 +332,7 @@ def _asked_of_experts(options: Options) -> list[str]:
 
 def _check_experts_modules(model: torch.nn.Module, options: Options) -> None:
     """Before tracing: with a capacity or an ep axis, an experts module shardfx cannot run as
-    its op (``moe.hf.why_not``) is named, with why."""
+    its op (``partitioner.experts_hf.why_not``) is named, with why."""
     asked = _asked_of_experts(options)
     if not asked:
         return

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import shardfx
 from shardfx.codegen.accumulate_into import accumulating
 from shardfx.ir import meta as M
-from shardfx.runtime.compiled import Output
+from shardfx.codegen.steps import Output
 from shardfx.testing import compare_training
 
 aten = torch.ops.aten

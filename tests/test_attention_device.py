@@ -1,4 +1,4 @@
-"""Attention on the plan's device (``runtime.attention``): every trace has the CPU's flash
+"""Attention on the plan's device (``kernels.attention``): every trace has the CPU's flash
 attention op (``partitioner.fake.run_device``: models on a GPU or on meta are traced as on the
 CPU); ``place`` swaps it for kernels of the plan's device. What runs without a GPU is checked
 here: the math kernel (the GPU's fallback) against the CPU op, and the swap itself.

@@ -157,7 +157,7 @@ def test_a_gpu_model_is_not_dragged_to_a_cpu_plan():
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_on_cuda_computes_the_cpu_kernels_contract(dtype, head, mask, kernel, causal):
-    """Every trace has the CPU's flash attention op; on the GPU ``runtime.attention`` runs it
+    """Every trace has the CPU's flash attention op; on the GPU ``kernels.attention`` runs it
     with the kernel PyTorch would pick. Its (out, logsumexp) and (dq, dk, dv) equal the CPU
     op's in fp64 within the dtype's rounding (a 37-token sequence: the memory-efficient kernel's
     padded logsumexp and mask rows are exercised)."""

@@ -1,4 +1,4 @@
-"""Where a plan runs (``runtime.device``): the device chosen, every tensor the programs make
+"""Where a plan runs (``kernels.device``): the device chosen, every tensor the programs make
 put there, and the runner's weights, batch slices and own tensors with them.
 
 CI has no GPU, so the runner is run on ``meta``, a device other than the CPU the model was

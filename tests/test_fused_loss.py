@@ -1,4 +1,4 @@
-"""The LM head and its cross-entropy in chunks (``passes.fused_loss``, ``codegen.linear_ce``):
+"""The LM head and its cross-entropy in chunks (``passes.fused_loss``, ``kernels.linear_ce``):
 training equals eager on one device, in bf16, on dp and across a pipeline cut; ignored targets
 and a summed loss; the logits never exist, and the measured peak drops by at least their size,
 as the memory model predicts."""
@@ -24,7 +24,7 @@ UNFUSED = ("_log_softmax", "nll_loss", "linear_cross_entropy")
 
 
 def head_ops(plan) -> list[str]:
-    return sorted(n.name for n in plan._program_nodes() if n.op == "call_function"
+    return sorted(n.name for n in plan.program_nodes() if n.op == "call_function"
                   and any(k in n.name for k in UNFUSED) and "getitem" not in n.name)
 
 

@@ -1,4 +1,4 @@
-"""Fused Triton kernels (``passes.fusion``, ``codegen.triton``), run on CPU through Triton's
+"""Fused Triton kernels (``passes.fusion``, ``kernels.triton``), run on CPU through Triton's
 interpreter: each kind of group against the eager ops it replaces, on awkward shapes (odd,
 not a power of two, one row) in fp32, bf16 and fp16; whole models trained with
 ``kernels="triton"`` against eager; the kernels the Llama and GPT-2 graphs get."""

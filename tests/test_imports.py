@@ -195,3 +195,50 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     lazy.write_text("def f():\n    from shardfx.plan import Plan\n    from shardfx.api import "
                     "partition  # lazy: a reason\n    return Plan, partition\n")
     assert lazy_without_reason(lazy) == [2]
+
+
+TORCH_MODULE = {"_buffers", "_parameters", "_modules"}  # nn.Module's own, read by name
+OWNERS = {"shardfx/plan.py": {"Plan"}, "shardfx/compiler/compiled.py": {"Compiled"},
+          "shardfx/runtime/runner.py": {"Runner"}, "shardfx/runtime/pipeline.py": {"PipelineRunner"}}
+
+
+def _private_members(path: Path, classes: set[str]) -> set[str]:
+    """``_name`` attributes and methods the classes define (``self._name = ...``, ``def _name``)."""
+    out = set()
+    for cls in ast.walk(ast.parse(path.read_text())):
+        if isinstance(cls, ast.ClassDef) and cls.name in classes:
+            for n in ast.walk(cls):
+                name = n.attr if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) \
+                    and n.value.id == "self" else getattr(n, "name", None) \
+                    if isinstance(n, ast.FunctionDef) else None
+                if name and name.startswith("_") and not name.startswith("__"):
+                    out.add(name)
+    return out
+
+
+def private_uses(owners: dict[str, set[str]], files: list[Path] | None = None) -> list[str]:
+    """Uses of those members in any module (of ``files``: shardfx's) but the one that defines
+    them."""
+    members = {path: _private_members(ROOT / path, classes) for path, classes in owners.items()}
+    everywhere = set().union(*members.values())
+    found = []
+    for path in files or sorted((ROOT / "shardfx").rglob("*.py")):
+        rel = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+        tree = ast.parse(path.read_text())
+        classes = {c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)}
+        own = _private_members(path, classes) | TORCH_MODULE  # its own classes', nn.Module's
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr in everywhere - own:
+                found.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    return found
+
+
+def test_no_module_reads_the_private_state_of_a_plan_or_a_runner():
+    assert not private_uses(OWNERS), private_uses(OWNERS)
+
+
+def test_the_private_state_check_finds_a_use(tmp_path):
+    user = tmp_path / "user.py"
+    user.write_text("class Mine:\n    def f(self, plan):\n        self._own = 1\n"
+                    "        return plan._inference, self._own\n")
+    assert private_uses({"shardfx/plan.py": {"Plan"}}, [user]) == ["user.py:4 plan._inference"]

@@ -482,7 +482,7 @@ def test_a_clean_launch_leaves_no_leaked_semaphore_warning(tmp_path):
     """tqdm's process-shared lock, made while ranks trace, made Python's resource tracker warn
     "There appear to be N leaked semaphore objects" after every launch whose function lives in
     the user's script (make demo's too)."""
-    script = tmp_path / "run/train.py"
+    script = tmp_path / "train.py"
     script.write_text(f"import sys; sys.path.insert(0, {TESTS!r})\n" + _TRACE_IN_MAIN)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)

@@ -251,7 +251,7 @@ def test_breakdown_is_printed_and_the_optimizer_counted():
 
 
 def test_an_element_read_again_is_one_tensor():
-    """``passes.remat`` reads an element of a multi-output result again in the backward (the
+    """``auto.remat`` reads an element of a multi-output result again in the backward (the
     attention output of SDPA): the second ``getitem`` is the first one's tensor, not a tensor
     of its own, and keeps it alive."""
     import operator

@@ -54,9 +54,9 @@ def _recomputing_the_most(model, x, y) -> int:
 
     plan = shardfx.partition(model, (x,), F.mse_loss, (y,))
     problem = remat.Problem(plan.ir, lambda node: "device", lambda node: 1)
-    from shardfx.compiler.budget import _evaluate
+    from shardfx.compiler.budget import evaluate
 
-    memory = remat_search.trial_memory(plan.ir, problem, problem.smallest(), lambda: _evaluate(plan))
+    memory = remat_search.trial_memory(plan.ir, problem, problem.smallest(), lambda: evaluate(plan))
     return memory["device"].total
 
 

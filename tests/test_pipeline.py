@@ -292,7 +292,7 @@ def test_tensor_parallel_stages_with_tied_weights():
 
 def test_memory_budget_bounds_the_schedule():
     """A budget 1F1B fits as it is: GPipe, which keeps all 4 microbatches in flight where 1F1B
-    keeps 2, would meet it by recomputing activations (``passes.remat``), but 1F1B's order
+    keeps 2, would meet it by recomputing activations (``auto.remat``), but 1F1B's order
     meets it recomputing nothing with the same bubble, so the plan runs that
     (``shardfx.compiler.budget``); a budget below the weights alone is a MemoryBudgetError."""
     (x,), (y,) = batches(1)[0]

@@ -17,7 +17,7 @@ import shardfx
 from shardfx.codegen.stages import inherit_stages
 from shardfx.errors import PassError
 from shardfx.ir import meta as M
-from shardfx.runtime.compiled import source
+from shardfx.codegen.steps import source
 from shardfx.testing import compare_inference, compare_training
 
 from models import VOCAB, hf, lm_loss, token_batches

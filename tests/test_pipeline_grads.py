@@ -82,7 +82,7 @@ def accumulators(model, batch, loss_fn, **kw) -> dict[str, bool]:
     for call in calls:
         call.module = Recorded(call.module, first.setdefault(call.part, []))
     runner.step((x,), (y,))
-    params = dict(runner._params)
+    params = dict(runner.params)
     out = {}
     for call in calls:
         for o in call.outputs:

@@ -1,5 +1,5 @@
 """The pipeline runner's messages in the order an in-order transport (NCCL) needs, on gloo
-(``runtime.compiled``, ``schedule.p2p``): values that skip stages (a mask made in stage 0 and
+(``codegen.steps``, ``schedule.p2p``): values that skip stages (a mask made in stage 0 and
 read by every stage), schedules on four ranks, each pair of ranks receiving in the order the
 sender sends, all equal to one device."""
 

@@ -1,4 +1,4 @@
-"""Rematerialization under ``memory_budget`` (``passes.remat``): at 60% of the unconstrained
+"""Rematerialization under ``memory_budget`` (``auto.remat``): at 60% of the unconstrained
 peak, the plan recomputes activations in the backward, its measured peak is under the budget,
 and training equals eager (``shardfx.testing.compare_training``): on one device, tp=2,
 pp=2 under 1F1B, and pp=2 asked for GPipe, where the plan runs 1F1B with fewer microbatches

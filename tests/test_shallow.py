@@ -12,7 +12,7 @@ import pytest
 
 import shardfx
 from shardfx.compiler import shallow
-from shardfx.compiler.budget import _evaluate
+from shardfx.compiler.budget import evaluate
 from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.ir.text import ir_to_text
 from shardfx.partitioner.capture import capture
@@ -56,10 +56,10 @@ def test_shallow_copies_predict_the_whole_programs_peak():
     for solution in candidates:
         predicted = judge.judge(solution)["device"]
         if solution is None:
-            whole = _evaluate(plan)["device"]
+            whole = evaluate(plan)["device"]
         else:
             whole = remat_search.trial_memory(plan.ir, problem, solution,
-                                              lambda: _evaluate(plan))["device"]
+                                              lambda: evaluate(plan))["device"]
         assert (predicted.total, predicted.when.split(",")[0]) == \
             (whole.total, whole.when.split(",")[0])
 
@@ -81,9 +81,9 @@ def test_shallow_copies_predict_a_zero3_plan_within_a_bucket():
     assert judge is not None  # 12.6 MB of gradients a block: two buckets in 5
     for solution in (None, problem.smallest()):
         predicted = judge.judge(solution)["device"].total
-        whole = (_evaluate(plan) if solution is None else
+        whole = (evaluate(plan) if solution is None else
                  remat_search.trial_memory(plan.ir, problem, solution,
-                                           lambda: _evaluate(plan)))["device"]
+                                           lambda: evaluate(plan)))["device"]
         assert abs(predicted - whole.total) <= BUCKET_BYTES, (predicted, whole)
 
 

@@ -193,7 +193,7 @@ def test_a_mistake_in_the_config_is_said_before_torch_is_imported(tmp_path):
     """A wrong key or value in the TOML costs no torch import (seconds of CPU) to report."""
     bad = tmp_path / "bad.toml"
     bad.write_text(f'[run]\nspec = "{SPEC}"\n[optimizer]\nbeta1 = 1.5\n')
-    code = ("import sys; from shardfx import cli; "
+    code = ("import sys; from shardfx.run import cli; "
             f"code = cli.main(['run', '--config', {str(bad)!r}]); "
             "print(code, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

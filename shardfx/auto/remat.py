@@ -41,7 +41,7 @@ again).
 Under a schedule that splits the backward (zero-bubble), values the W parts read are kept:
 recomputed in B they would wait for W with every block's at once; under the others a stage's
 backward is one part (``codegen.stages.split_stages(whole_backward=True)``). How the limits
-are searched until the generated program fits the budget: ``passes.remat_search``.
+are searched until the generated program fits the budget: ``auto.remat_search``.
 """
 
 from __future__ import annotations

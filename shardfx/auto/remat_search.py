@@ -1,6 +1,6 @@
 """remat_search: the recomputation that fits ``memory_budget``, searched on the generated program.
 
-Requires: what ``passes.remat`` requires; ``evaluate()`` (or ``trial``) generates the program(s)
+Requires: what ``auto.remat`` requires; ``evaluate()`` (or ``trial``) generates the program(s)
           from the IR as it stands and returns each budget group's predicted ``DeviceMemory``
           (``shardfx.estimate.memory``).
 Ensures:  ``fit`` leaves the IR recomputing the choice it returns (None: nothing, the plan fits
@@ -9,7 +9,7 @@ Ensures:  ``fit`` leaves the IR recomputing the choice it returns (None: nothing
           reaches (searched, not assumed), what it is made of and the flags that reach it
           (``error.solution``), the IR and the programs as they were.
 
-``passes.remat``'s ILP bounds the bytes kept for the backward; the peak also holds what does not
+``auto.remat``'s ILP bounds the bytes kept for the backward; the peak also holds what does not
 depend on that choice (state, gradients, temporaries) and what recomputation adds in the
 backward, so the search adjusts each group's limit until the generated program's estimate fits
 (``search``). Each candidate is judged by a function, so the same search runs on the whole

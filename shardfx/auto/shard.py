@@ -40,6 +40,7 @@ from shardfx.ir.units import nbytes
 from shardfx.auto.costs import local_bytes
 from shardfx.passes.shard_annotate import user_placed
 from shardfx.passes.shard_annotate import megatron_placements
+from shardfx.ir.contract import contract, on_graph, on_inputs, on_ops
 
 log = logging.getLogger("shardfx.auto.shard")
 
@@ -69,7 +70,7 @@ class AutoReport:
     inputs: dict[str, M.Placements]
     zero: int = 0  # the ZeRO stage priced (chosen where ``zero="auto"``)
     zero_chosen: bool = False  # whether the solver chose it
-    # ``auto.finalists``: "auto" (the program's choice) and the named plans priced close to
+    # ``compiler.finalists``: "auto" (the program's choice) and the named plans priced close to
     # it, planned in full -> (predicted seconds, compute); and the one kept
     planned: dict[str, tuple] = dataclasses.field(default_factory=dict)
     kept: str = "auto"
@@ -87,6 +88,11 @@ def free_axes(mesh) -> set[int]:
     return {i for i, (a, n) in enumerate(mesh.axes) if a not in FIXED_AXES and n > 1}
 
 
+@contract(requires=[on_inputs(M.ANNOTATION, "ANNOTATION"),
+                    on_ops(M.PHASE, "PHASE"),
+                    on_ops(M.COST, "COST")],
+          ensures=[on_inputs(M.ANNOTATION, "ANNOTATION"),
+                   on_graph(M.AUTO, "AUTO")])
 def auto_shard(gm: fx.GraphModule, options) -> fx.GraphModule:
     if not solver(options):
         return gm

@@ -2,7 +2,7 @@
 
 ``partition(..., zero="auto")`` leaves the stage to the plan. With the solver (``shard="auto"``
 on a mesh with tp) it is priced with the placements: one integer program per stage the mesh can
-run, the cheapest that fits the memory taken (``passes.auto_shard``); without it, from the
+run, the cheapest that fits the memory taken (``auto.shard``); without it, from the
 propagated placements (``choose``). Both price a stage by these terms, per byte of a parameter
 as one device holds it (after tp), over a dp axis of ``n`` ranks (ring collectives: each rank
 moves ``(n-1)/n`` of a buffer per pass over it):
@@ -148,7 +148,7 @@ def why(k: int, dp: int) -> str:
 
 def resolve(gm, options):
     """``options`` with ``zero="auto"`` made a stage, after the IR's placements are planned:
-    the solver's choice (``passes.auto_shard``'s report), else ``choose`` on the parameters and
+    the solver's choice (``auto.shard``'s report), else ``choose`` on the parameters and
     saved activations as ``shard_propagate`` placed them; the stage is kept in ``gm.meta[CHOSEN]``,
     so the plan reads the same one later. Other options come back as they are."""
     if options.zero != "auto":

@@ -44,7 +44,7 @@ class Accumulating:
 
 def accumulating(part: fx.GraphModule, outputs) -> Accumulating | None:
     """``part``'s accumulating variant, or None where no gradient output is one it can sum in
-    place. ``outputs``: the part's ``runtime.compiled.Output`` records; a gradient is fused
+    place. ``outputs``: the part's ``codegen.steps.Output`` records; a gradient is fused
     where it is one parameter's and nothing else, not read by a later part nor sent, and
     made by a matmul (through transposes) or an embedding's backward that nothing else
     reads."""

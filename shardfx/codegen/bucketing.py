@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from shardfx.codegen.program import Program
-from shardfx.codegen.redistribute import Collective
+from shardfx.codegen.redistribute import Collective, Purpose
 from shardfx.ir import meta as M
 from shardfx.ir.graph import insert_op
 
@@ -254,12 +254,11 @@ def _account(collectives: Sequence[Collective], buckets: list[_Bucket]) -> list[
         for axis in b.axes:
             records.append(Collective("all_reduce", axis, b.sent_bytes,
                                       f"{axis} gradient bucket {i} ({grads}: {shown}{summed}): "
-                                      f"{have} -> R on {axis}"))
-            replaced |= {(axis, f"return {g.role}: ") for g in b.grads}
+                                      f"{have} -> R on {axis}", purpose=Purpose.BUCKET))
+            replaced |= {(axis, g.role) for g in b.grads}
     out = []
     for c in collectives:
-        if c.kind == "all_reduce" and any(c.axis == axis and c.reason.startswith(prefix)
-                                          for axis, prefix in replaced):
+        if c.kind == "all_reduce" and (c.axis, c.output) in replaced:
             out += records
             records = []
         else:

@@ -4,12 +4,12 @@ GShard's layout (Lepikhin et al. 2020): the ep ranks split the batch, as dp rank
 holds E/ep of every MoE layer's experts (rank r experts r*E/ep .. (r+1)*E/ep - 1). A layer's
 forward on each rank:
 
-1. sort its (token, slot) pairs by expert (``moe.compute.sort_pairs``);
+1. sort its (token, slot) pairs by expert (``kernels.expert_compute.sort_pairs``);
 2. exchange counts: an all-to-all of the E pair counts, so each rank knows how many rows every
    other rank will send to each of its experts (with a capacity every count is C: no exchange);
 3. dispatch: an all-to-all of the sorted rows, each rank's experts' rows to it (uneven sizes,
    dropless; C rows per expert with a capacity), regrouped by expert;
-4. the held experts' MLPs on the rows they received (``moe.compute``);
+4. the held experts' MLPs on the rows they received (``kernels.expert_compute``);
 5. combine: the reverse all-to-all brings each row's result back to its token's rank, where the
    weighted sum over a token's experts is made.
 
@@ -96,7 +96,7 @@ class _Route:
 
 
 class _OverEp:
-    """``route_for`` of ``moe.compute``: the experts spread over the ep group's ranks."""
+    """``route_for`` of ``kernels.expert_compute``: the experts spread over the ep group's ranks."""
 
     def __init__(self, group: str, ranks: int):
         self.pg = dist.distributed_c10d._resolve_process_group(group)
@@ -183,7 +183,7 @@ def experts_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: di
     """(op, local args, kwargs) running ``node`` (``shardfx::experts`` or its backward): as
     expert parallelism where its rule split the expert weights over ``ep`` (``inputs``: the
     placements of its operands; ``mesh``: the program's ``MeshInputs``), else as it is; a
-    forward recomputed in the backward (``passes.remat``) records no routing, its forward
+    forward recomputed in the backward (``auto.remat``) records no routing, its forward
     did. None for other ops."""
     if node.target not in (EXPERTS, EXPERTS_BACKWARD):
         return None

@@ -33,6 +33,8 @@ from shardfx.codegen.redistribute import Collective
 from shardfx.request.hints import strip_hints
 from shardfx.ir import meta as M
 from shardfx.errors import VerifyError
+from shardfx.ir.contract import holds
+from shardfx.kernels.triton import FusedKernel
 
 aten = torch.ops.aten
 
@@ -158,3 +160,50 @@ def verify_program(program) -> None:
         if f"group({c.axis})" not in groups:
             raise VerifyError(f"collective on {c.axis}, which the program has no group for",
                               where=c.reason)
+
+
+# --- what program passes require and ensure (``ir.contract``) ---------------------------
+
+def first_kernel(program: Program) -> str | None:
+    """The first fused Triton kernel the program calls, if any."""
+    node = next((n for _, m in graphs(program) for n in m.graph.nodes
+                 if n.op == "call_function" and isinstance(n.target, FusedKernel)), None)
+    return None if node is None else node.format_node()
+
+
+def first_bucket(program: Program) -> str | None:
+    """The first gradient bucket's collective, if any."""
+    node = next((n for _, m in graphs(program) for n in m.graph.nodes
+                 if n.op == "call_function" and n.name.startswith("bucket")), None)
+    return None if node is None else node.format_node()
+
+
+def lone_gradient_reduce(program: Program) -> str | None:
+    """A returned gradient all-reduced on its own (``wait(all_reduce(grad))``), not in a bucket."""
+    returned = {v for v in program.module.graph.output_node().args[0] if isinstance(v, fx.Node)}
+    for node in program.module.graph.find_nodes(op="call_function", target=_ALL_REDUCE):
+        if not node.name.startswith("bucket") and any(u in returned for u in node.users):
+            return node.format_node()
+    return None
+
+
+def returned_gradient(program: Program) -> str | None:
+    """A gradient the program still returns."""
+    values = program.module.graph.output_node().args[0]
+    for value, role in zip(values, program.outputs):
+        if role.kind is M.OutputKind.GRAD and value is not None:
+            return f"output grad {role.name}"
+    return None
+
+
+def no_parts(program: Program) -> str | None:
+    parts = [name for name, _ in program.module.named_children() if name.endswith("_F")]
+    return None if parts else "the program's module calls no stage{s}_F part"
+
+
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+NO_KERNEL = holds("no fused Triton kernel yet (the ATen ops it replaces all there)",
+                  "Triton kernel", first_kernel)
+NO_BUCKET = holds("no gradient bucket yet", "bucket", first_bucket)
+BUCKETED = holds("every returned gradient's all-reduce in a bucket", "bucket",
+                 lone_gradient_reduce)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import torch
@@ -54,6 +55,15 @@ class MeshInputs:
     coord: fx.Node
 
 
+class Purpose(str, Enum):
+    """What a collective is for."""
+
+    OPERAND = "operand"  # an op's operand, or a returned value, moved to the placement it needs
+    BUCKET = "bucket"  # a bucket of gradients summed over an axis (``codegen.bucketing``)
+    ZERO = "zero"  # ZeRO's gradient rows or parameter gathers (``passes.zero``, ``codegen.zero``)
+    EXPERTS = "experts"  # the experts' all-to-alls on ep (``codegen.expert_parallel``)
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective the program issues: for communication accounting."""
@@ -64,6 +74,8 @@ class Collective:
     reason: str  # "node_name: S(0) -> R"
     module: str = ""  # the model's module whose op needs it ("model.layers.0.mlp.down_proj")
     phase: str = ""  # that op's: fwd | bwd
+    output: M.OutputRole | None = None  # the returned value it makes (a gradient's sum), if any
+    purpose: Purpose = Purpose.OPERAND
 
 
 Emit = Callable[..., fx.Node]  # emit(op, *args) -> node with its local value filled in
@@ -71,41 +83,42 @@ Emit = Callable[..., fx.Node]  # emit(op, *args) -> node with its local value fi
 
 def redistribute(emit: Emit, x: fx.Node, have: M.Placements, want: M.Placements,
                  mesh: list[MeshInputs], reason: str, log: list[Collective],
-                 module: tuple[str, str] = ("", "")) -> fx.Node:
+                 module: tuple[str, str] = ("", ""), output: M.OutputRole | None = None
+                 ) -> fx.Node:
     have = list(have)
     # Sums first, on the smaller local values; then gathers, the last axis first: a dim split
     # over several axes is nested in mesh order, so the innermost split is gathered before the
     # one around it; then the rest.
     for i, (h, w) in enumerate(zip(have, want)):
         if isinstance(h, Partial) and isinstance(w, Replicate):
-            x = _one(emit, x, h, w, mesh[i], reason, log, module)
+            x = _one(emit, x, h, w, mesh[i], reason, log, module, output)
             have[i] = w
     for i in reversed(range(len(have))):
         if split(have[i]) and have[i] != want[i]:
-            x = _one(emit, x, have[i], Replicate(), mesh[i], reason, log, module)
+            x = _one(emit, x, have[i], Replicate(), mesh[i], reason, log, module, output)
             have[i] = Replicate()
     for i, (h, w) in enumerate(zip(have, want)):
         if h == w:
             continue
         if isinstance(h, Partial) and isinstance(w, Partial):
-            x = _one(emit, x, h, Replicate(), mesh[i], reason, log, module)
+            x = _one(emit, x, h, Replicate(), mesh[i], reason, log, module, output)
             h = Replicate()
-        x = _one(emit, x, h, w, mesh[i], reason, log, module)
+        x = _one(emit, x, h, w, mesh[i], reason, log, module, output)
     return x
 
 
 def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
-         module: tuple[str, str]) -> fx.Node:
+         module: tuple[str, str], output: M.OutputRole | None = None) -> fx.Node:
     """``module``: (module, phase) of the op that needs it, for the record."""
     n = axis.size
     why = f"{reason}: {M.placements_str((h,))} -> {M.placements_str((w,))} on {axis.axis}"
     if isinstance(h, Partial) and isinstance(w, Replicate):
-        log.append(Collective("all_reduce", axis.axis, _bytes(x), why, *module))
+        log.append(Collective("all_reduce", axis.axis, _bytes(x), why, *module, output=output))
         x = _dim_to_front(emit, x, 0)  # collectives read dense memory: a transposed view is not
         x = emit(c10d.wait_tensor.default, emit(c10d.all_reduce.default, x, "sum", axis.group))
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
     if isinstance(h, Partial) and split(w):
-        log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module))
+        log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module, output=output))
         x = _dim_to_front(emit, x, w.dim)
         if axis.axis == cp_layout.AXIS:
             x = cp_layout.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
@@ -117,7 +130,7 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         x = _dim_from_front(emit, x, w.dim)
         return emit(aten.div.Tensor, x, n) if h.reduce_op == "avg" else x
     if split(h) and isinstance(w, Replicate):
-        log.append(Collective("all_gather", axis.axis, _bytes(x), why, *module))
+        log.append(Collective("all_gather", axis.axis, _bytes(x), why, *module, output=output))
         x = _dim_to_front(emit, x, h.dim)
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.all_gather_into_tensor.default, x, n, axis.group))

@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.codegen.expert_parallel import experts_op
 from shardfx.codegen.program import RESHAPES, Program, layout_free
-from shardfx.codegen.redistribute import Collective, MeshInputs, redistribute
+from shardfx.codegen.redistribute import Collective, MeshInputs, Purpose, redistribute
 from shardfx.codegen.ring_attention import ring_op
 from shardfx.errors import PassError, ShardingError
 from shardfx.request.hints import MARKERS
@@ -54,7 +54,7 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
     moved: dict[tuple[fx.Node, M.Placements], fx.Node] = {}  # each value redistributed once
 
     def to(node: fx.Node, want: M.Placements | None, reason: str,
-           reader: fx.Node | None = None) -> fx.Node:
+           reader: fx.Node | None = None, output: M.OutputRole | None = None) -> fx.Node:
         """``node``'s local value with placements ``want``, emitted on first use (for the op
         ``reason``, ``reader`` in the IR: its module is recorded with the collectives)."""
         if want is None or want == have[node]:
@@ -63,7 +63,7 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
             module = (module_of(reader), str(reader.meta.get(M.PHASE, ""))) \
                 if reader is not None else ("", "")
             moved[node, want] = redistribute(emit, env[node], have[node], want, mesh, reason, log,
-                                             module)
+                                             module, output)
         return moved[node, want]
 
     def emit(op, *args, **kwargs) -> fx.Node:
@@ -92,7 +92,7 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
 
     out = gm.graph.output_node()
     wants = out.meta[M.SHARDING].inputs
-    values = [to(v, want, f"return {role}")
+    values = [to(v, want, f"return {role}", output=role)
               for v, want, role in zip(out.args[0], wants, out.meta[M.OUTPUTS])]
     graph.output(tuple(values)).meta[M.OUTPUTS] = out.meta[M.OUTPUTS]
     for m in mesh:  # keep only the mesh inputs the program reads
@@ -134,7 +134,8 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInpu
     env[node], have[node] = local, sharding.out
     if hasattr(target, "exchanges"):
         module = module_of(node), str(node.meta.get(M.PHASE, ""))
-        log += [Collective(e.kind, e.axis, e.nbytes, f"{node.name}: experts' {e.what}", *module)
+        log += [Collective(e.kind, e.axis, e.nbytes, f"{node.name}: experts' {e.what}", *module,
+                           purpose=Purpose.EXPERTS)
                 for e in target.exchanges(*arg_values(local))]
 
 

@@ -3,8 +3,10 @@ programs, the units a pipeline schedule runs (``0F1``, ``0B1``, ``0W1``).
 
 Requires: STAGE and PHASE on every op.
 Ensures:  ``split_stages(gm)`` returns a GraphModule whose body calls one submodule per
-          (stage, part) in an order every schedule respects: F0 .. F(S-1), then for s from the
-          last stage down, B(s) and W(s). Running it computes exactly what ``gm`` computes: the
+          (stage, part), every forward first, then the backward parts in an order their
+          data allows (torch.fx's ``split_module`` orders them by what each reads, so a stage's
+          W may come after an earlier stage's B; the runner follows the schedule, not this
+          order). Running it computes exactly what ``gm`` computes: the
           same nodes, regrouped (torch.fx's ``split_module`` finds each part's inputs and
           outputs). Submodules are named ``stage{s}_{F|B|W}``. Every part returns a tuple of
           its outputs, however many it has, and only tensors pass from part to part: an element
@@ -99,7 +101,7 @@ def _parameter_values(gm: fx.GraphModule) -> set[fx.Node]:
 def split_stages(gm: fx.GraphModule, whole_backward: bool = False) -> fx.GraphModule:
     """``whole_backward``: one B part per stage, W's ops in it in graph order (no W parts),
     for schedules that run W right after B anyway when activations are recomputed
-    (``passes.remat``): a block's recomputed values then die in its own backward, where a W
+    (``auto.remat``): a block's recomputed values then die in its own backward, where a W
     part would need every block's at once. The input gradient leaves after the whole backward
     instead of before the weight gradients."""
     stages = 1 + max(n.meta[M.STAGE] for n in op_nodes(gm.graph))

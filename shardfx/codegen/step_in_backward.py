@@ -14,7 +14,7 @@ gradients go: at most the gradients of the blocks whose backward is under way ex
 ``grads`` their gradients; it calls the stepper the runner installs around the program
 (``stepping``), which sets ``.grad`` on those parameters alone, steps the user's optimizer
 (whose step skips parameters without ``.grad``) and drops them again. ``temporaries``: the
-bytes the optimizer allocates while it steps them (``memory.optimizer_temporaries``), which the
+bytes the optimizer allocates while it steps them (``cost.optimizer.optimizer_temporaries``), which the
 memory model counts at the op (its ``workspace``).
 
 Under ZeRO (``passes.zero``) the step is on this rank's rows: the stepper cuts them from a

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from shardfx.codegen.redistribute import Collective
+from shardfx.codegen.redistribute import Collective, Purpose
 from shardfx.ir import meta as M
 from shardfx.ir.graph import insert_op
 from shardfx.codegen.bucketing import BUCKET_BYTES
@@ -204,5 +204,6 @@ def _gather_bucket(b: int, bucket: list[str], layouts: dict[str, M.ZeroShard],
     inputs = tuple(n.meta[M.ROLE] for n in graph.find_nodes(op="placeholder"))
     nbytes = started.args[0].meta[M.VAL].numel() * dtypes[bucket[0]].itemsize
     record = Collective("all_gather", "dp", nbytes, f"ZeRO parameter bucket {b} ({len(bucket)} "
-                        "params, after the optimizer step): ZeRO rows -> R on dp")
+                        "params, after the optimizer step): ZeRO rows -> R on dp",
+                        purpose=Purpose.ZERO)
     return Program(module, inputs, roles, (record,))

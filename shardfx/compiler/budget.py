@@ -1,7 +1,7 @@
 """Meeting ``memory_budget``: what each device keeps for the backward, and, in a pipeline, how
 many microbatches each rank keeps in flight.
 
-One device, dp and tp: `passes.remat_search.fit` recomputes the least that brings the predicted
+One device, dp and tp: `auto.remat_search.fit` recomputes the least that brings the predicted
 peak under the budget; in a model of many stamped blocks, each candidate is judged on two shallow
 copies of it (`shardfx.compiler.shallow`), the choice on the whole program.
 
@@ -22,7 +22,7 @@ budget no plan meets searched each candidate's lowest peak: over ten minutes for
 pipeline of 8 ranks). A user's own schedule, interleaved 1F1B and zero bubble keep their order,
 and remat alone fits them.
 
-Requires: a Plan with its IR planned and its program(s) emitted; ``plan.schedule`` in a pipeline.
+Requires: a ``compiler.compiled.Compiled`` with its IR planned and its program(s) emitted; ``plan.schedule`` in a pipeline.
 Ensures:  ``plan.remat`` (None if nothing is recomputed), ``plan.schedule`` the one chosen,
           ``plan.budget_candidates`` (a pipeline's candidates and what each cost), or
           ``MemoryBudgetError`` naming the smallest peak any candidate reaches.
@@ -30,7 +30,6 @@ Ensures:  ``plan.remat`` (None if nothing is recomputed), ``plan.schedule`` the 
 
 from __future__ import annotations
 
-import itertools
 import dataclasses
 from dataclasses import dataclass
 
@@ -67,7 +66,7 @@ def fit_budget(plan, budget: int) -> None:
     try:
         _fit_budget(plan, budget)
         if plan.remat is not None and not plan.program_records:  # the chosen program again,
-            _evaluate(plan, record=True)  # its passes' text recorded
+            evaluate(plan, record=True)  # its passes' text recorded
     except MemoryBudgetError as e:
         least = getattr(e, "least", None)
         advice = zero_advice(plan, least, budget)
@@ -108,9 +107,9 @@ def _fit_budget(plan, budget: int) -> None:
     if not pipeline:
         if shallow.deep_enough(plan):  # candidates judged on shallow copies
             plan.remat = shallow.fit(plan, budget,
-                                     lambda record=False: _evaluate(plan, record))
+                                     lambda record=False: evaluate(plan, record))
         else:
-            plan.remat = fit(plan.ir, budget, device_group, held_once, lambda: _evaluate(plan))
+            plan.remat = fit(plan.ir, budget, device_group, held_once, lambda: evaluate(plan))
         return
     candidates = _schedules(plan)
     tried: list[Candidate] = []
@@ -147,7 +146,7 @@ def _fit_budget(plan, budget: int) -> None:
     plan.budget_candidates = tried if len(candidates) > 1 else []
     fitting = [c for c in tried if c.fits]
     if not fitting:
-        _evaluate(plan)
+        evaluate(plan)
         if len(candidates) > 1:  # the one that comes closest, named
             closest = MemoryBudgetError(f"{error.cause}, with {lowest_name}",
                                         where=error.where, fix=error.fix)
@@ -156,7 +155,8 @@ def _fit_budget(plan, budget: int) -> None:
         raise error
     order = [n for n, _ in candidates]
     best = min(fitting, key=lambda c: (c.step, order.index(c.name)))  # the one asked on a tie
-    plan.schedule, plan._memory = best.schedule, None
+    plan.schedule = best.schedule
+    plan.forget_memory()
     if best is held:
         plan.remat = best.choice
     else:
@@ -176,7 +176,7 @@ def _fit_schedule(plan, budget: int) -> Choice | None:
         return plan.schedule.rank_of(node.meta[M.STAGE])
 
     return fit(plan.ir, budget, group_of, lambda node: max(1, in_flight.get(group_of(node), 1)),
-               lambda: _evaluate(plan), plan.schedule.split_backward)
+               lambda: evaluate(plan), plan.schedule.split_backward)
 
 
 def _schedules(plan) -> list[tuple[str, Schedule]]:
@@ -219,25 +219,18 @@ def _step_seconds(plan, schedule: Schedule, recomputing: bool = True) -> float:
     return simulate(schedule, seconds).makespan
 
 
-def _evaluate(plan, record: bool = False) -> dict:
+def evaluate(plan, record: bool = False) -> dict:
     """Emit the program(s) from the IR as it stands; each budget group's predicted memory
     (one group for an SPMD plan, one per pp rank). ``record``: keep each program pass's text
     for ``plan.history`` (the chosen program's; a candidate's is not rendered: 0.11 s of an
     8-layer plan's 0.65 s emission)."""
     records = [] if record else None
     program, collectives = emit(plan.ir, plan.options, records)
-    plan.program_records = records or []  # the program passes of the last emission
-    if plan.stage_program is not None:
-        plan.stage_program = program
-    else:
-        plan.program = program
-    plan.collectives, plan._memory = collectives, None
+    plan.emitted(program, collectives, records)
     per_rank = plan.memory_breakdown()
     if plan.stage_program is None:
         return {"device": per_rank[0]}
-    pp = [a for a, _ in plan.mesh.axes].index("pp")
-    coords = itertools.product(*(range(n) for _, n in plan.mesh.axes))
-    return {coord[pp]: per_rank[rank] for rank, coord in enumerate(coords)}
+    return {pp: per_rank[rank] for rank, pp in plan.pp_coordinates().items()}
 
 
 def fit_zero_stage(plan, budget: int) -> None:
@@ -255,9 +248,7 @@ def fit_zero_stage(plan, budget: int) -> None:
     def emit(k: int) -> None:
         if k != plan.options.zero:
             plan.options = dataclasses.replace(plan.options, zero=k)
-            for cached in ("zero_layouts", "zero_gather_programs"):  # the stage's own
-                plan.__dict__.pop(cached, None)
-            _evaluate(plan)
+            evaluate(plan)
 
     peaks = {}
     for stage in order:

@@ -68,23 +68,28 @@ def compile_ir(gm: fx.GraphModule, options: Options, record: bool = True
     history = [captured_record(gm)] if record else None
     if options.stages > 1:
         return _compile_pipeline(gm, options, history)
-    sharded = options.mesh.size > 1
-    gm = run_passes(gm, [
+    gm = run_passes(gm, ir_passes(options, options.mesh), options, history)
+    options = zero_stage.resolve(gm, options)
+    program, collectives = emit(gm, options, history)
+    return gm, program, history or [], collectives
+
+
+def ir_passes(options: Options, mesh) -> list:
+    """The IR passes, in order, over ``mesh`` (a pipeline's: one stage's cp and tp; its dp
+    replicas are the runner's, and ``stage_cut`` follows these)."""
+    return [
         rng_stream,       # random values from each element's global place: the same on any mesh
         *([causal_mask]   # a traced causal mask as is_causal: ring attention needs to know
-          if options.mesh.axis("cp") > 1 else []),
+          if mesh.axis("cp") > 1 else []),
         assign_phase,     # forward vs backward: the split remat and pipeline stages reason about
         mixed_precision,  # bf16/fp16 matmuls, fp32 where it matters: before costs and shards
-        estimate_cost,    # FLOPs and bytes per op: the summary now, the stage cutter and solver later
+        estimate_cost,    # FLOPs and bytes per op: the summary, the stage cutter and the solver
         *([shard_annotate,   # the user's request -> placements of parameters and batch inputs
            *([auto_shard]    # shard="auto": the solver places the rest, every op priced
              if solver(options) else []),
            shard_propagate,  # -> a placement for every tensor, and the redistributions ops need
-           ] if sharded else []),
-    ], options, history)
-    options = zero_stage.resolve(gm, options)
-    program, collectives = emit(gm, options, history)
-    return gm, program, history or [], collectives
+           ] if mesh.size > 1 else []),
+    ]
 
 
 def emit(gm: fx.GraphModule, options: Options, history: list[PassRecord] | None = None
@@ -92,8 +97,8 @@ def emit(gm: fx.GraphModule, options: Options, history: list[PassRecord] | None 
     """The program(s) every device runs, from the planned IR: code generation, then the program
     passes (``passes.program.program_passes``), each one's program text appended to
     ``history``. One program for one device or a dp/tp mesh; under pp, the per-stage parts
-    (F, B, W). Run again after ``passes.remat`` (``history`` None: no text rendered). Every tensor they make is made on
-    ``options.device`` (``runtime.device.place``)."""
+    (F, B, W). Run again after ``auto.remat`` (``history`` None: no text rendered). Every tensor they make is made on
+    ``options.device`` (``kernels.device.place``)."""
     program = run_program_passes(generate_program(gm, options), program_passes(options),
                                  options, history)
     module = program.module
@@ -119,17 +124,8 @@ def _compile_pipeline(gm: fx.GraphModule, options: Options, history: list[PassRe
     pipeline runner's: replicas of the whole pipeline), then cut, then split into parts."""
     inner = options.mesh.stage()
     gm.meta[M.GRAPH] = dataclasses.replace(gm.meta[M.GRAPH], mesh=inner.axes)
-    sharded = inner.size > 1
     staged = dataclasses.replace(options, mesh=inner, held_by=options.stages, whole_mesh=options.mesh)
-    gm = run_passes(gm, [
-        rng_stream,      # random values from each element's global place, per slice
-        *([causal_mask] if inner.axis("cp") > 1 else []),  # for ring attention, as above
-        assign_phase,    # forward vs backward
-        mixed_precision,  # each op's dtype: what the cutter, the shards and remat measure
-        estimate_cost,   # what the stage cutter balances
-        *([shard_annotate, *([auto_shard] if solver(options) else []),  # cp and tp in a stage
-           shard_propagate] if sharded else []),
-    ], staged, history)
+    gm = run_passes(gm, ir_passes(options, inner), staged, history)  # cp and tp in a stage
     options = dataclasses.replace(options, zero=zero_stage.resolve(gm, staged).zero)
     gm = run_passes(gm, [
         stage_cut,       # a stage for every op: forward balanced, backward where its forward is

@@ -25,6 +25,7 @@ import torch.fx as fx
 from shardfx.errors import PassError, ShardfxError, VerifyError
 from shardfx.request.options import Options
 from shardfx.ir import meta as M
+from shardfx.ir.contract import check
 from shardfx.ir.frozen import FrozenGraph, FrozenNode, freeze
 from shardfx.ir.text import ir_to_text
 from shardfx.ir.units import flops
@@ -115,9 +116,12 @@ def run_passes(gm: fx.GraphModule, passes: list[Pass], options: Options,
         name = p.__name__
         before = list(done)
         try:
+            if options.debug:
+                check(p, gm, "requires")
             gm = p(gm, options)
             if options.debug:
                 verify(gm)
+                check(p, gm, "ensures")
         except PassError as e:
             dump_failure(e, history or [])
             raise
@@ -155,9 +159,12 @@ def run_program_passes(program, passes: list, options: Options,
     for p in passes:
         name = p.__name__
         try:
+            if options.debug:
+                check(p, program, "requires")
             program = p(program, options)
             if options.debug:
                 verify_program(program)
+                check(p, program, "ensures")
         except ShardfxError as e:
             if isinstance(e, VerifyError):
                 error = PassError(f"{type(e).__name__}: {e.cause}",

@@ -1,7 +1,7 @@
 """A memory budget's candidates judged on shallow copies of a deep model.
 
 A model of L interchangeable blocks (``capture`` traced two and stamped the rest) gets one
-remat choice for all of them: ``passes.remat`` shares their variables. The budget's search
+remat choice for all of them: ``auto.remat`` shares their variables. The budget's search
 (``remat_search.search``) tries some twenty choices, and judging one by the whole program's
 estimate means generating the program of all L blocks and walking it: on a 32-layer
 hidden-1024 Llama over dp=2 x tp=2, 0.9 s a candidate, 20 s for a plan whose planning without
@@ -67,13 +67,13 @@ CORRECTIONS = 2  # searches again against a budget moved by what the line missed
 
 def deep_enough(plan) -> bool:
     """Whether ``fit`` applies to ``plan`` (the module docstring's Requires)."""
-    return plan.stage_program is None and plan._captured.depth >= DEEP
+    return plan.stage_program is None and plan.captured.depth >= DEEP
 
 
 def fit(plan, budget: int, evaluate) -> Choice | None:
     """``remat_search.fit`` for ``plan``'s IR, its candidates judged on shallow copies (module
     docstring). ``evaluate(record=False)`` generates the plan's program and returns its
-    memory; ``record``: with its program passes' text (``budget._evaluate``)."""
+    memory; ``record``: with its program passes' text (``budget.evaluate``)."""
     memory = {"device": plan.memory_breakdown()[0]}
     if memory["device"].total <= budget:
         return None
@@ -134,13 +134,13 @@ class _Shallow:
 
     def __init__(self, plan, copies: list, depths: tuple[int, int]):
         self.options, self.copies, self.depths = plan.options, copies, depths
-        self.depth = plan._captured.depth
+        self.depth = plan.captured.depth
 
     @classmethod
     def of(cls, plan, problem: Problem) -> "_Shallow | None":
         """None where a shallow copy's variables are not the whole model's (a block that
         differs from the others past the traced pair)."""
-        captured = plan._captured
+        captured = plan.captured
         depths = _depths(plan, captured.pair[1])
         if 2 * depths[1] > captured.depth:  # not worth it: judged on the whole program
             return None

@@ -44,7 +44,7 @@ log = logging.getLogger("shardfx.cost.device_model")
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
-GRAPH_KEY = "shardfx.cost.device_model"  # gm.meta: the model the IR's time estimates are for
+GRAPH_KEY = "shardfx.device_model"  # gm.meta: the model the IR's time estimates are for
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
     program's local shapes). Bytes: each tensor input read once and each output written once;
     a view (and a tuple's element) moves nothing; a fused Triton kernel moves what the kernel
     reads and writes, not what its ops would one by one; the chunked LM head and loss
-    (``codegen.linear_ce``) moves its inputs and outputs and writes and reads its logits once.
+    (``kernels.linear_ce``) moves its inputs and outputs and writes and reads its logits once.
     Collectives and waits are 0 here: their time is ``DeviceModel.collective_seconds``."""
     if node.op != "call_function" or _is_collective(node) or is_view(node):
         return 0, 0, torch.float32

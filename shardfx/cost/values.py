@@ -35,11 +35,11 @@ def aliases_input(node) -> bool:
 
 def bases(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """View -> the node that owns its storage. An element of a multi-output op's result owns
-    its own, but a second ``getitem`` of the same element (``passes.remat`` reads an element
+    its own, but a second ``getitem`` of the same element (``auto.remat`` reads an element
     again in the backward) is the first one's tensor, an in-place op's result is the tensor
     it updated (``codegen.accumulate_into``'s ``addmm_``), and an op may say that an element
     of its result is one of its inputs, updated in place (``ALIASES``: output index ->
-    argument index; ``codegen.linear_ce``)."""
+    argument index; ``kernels.linear_ce``)."""
     base: dict[fx.Node, fx.Node] = {}
     element: dict[tuple[fx.Node, object], fx.Node] = {}
     for node in graph.nodes:

@@ -260,7 +260,7 @@ def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=N
 
 def _workspace(node: fx.Node) -> int:
     """Bytes an op allocates beyond its inputs and outputs, where it says so: a
-    ``workspace(*operand values)`` method (``codegen.linear_ce``'s ops: a chunk of logits)."""
+    ``workspace(*operand values)`` method (``kernels.linear_ce``'s ops: a chunk of logits)."""
     workspace = getattr(node.target, "workspace", None) if node.op == "call_function" else None
     if workspace is None:
         return 0

@@ -1,6 +1,6 @@
 """The memory model of a pipeline rank: its peak running its action list.
 
-Requires: a ``runtime.compiled.StageProgram`` (the parts' graphs with ``meta["val"]``, the
+Requires: a ``codegen.steps.StageProgram`` (the parts' graphs with ``meta["val"]``, the
           rank's steps and what each part reads and makes).
 Ensures:  ``pipeline_memory`` returns the rank's fullest moment as a ``memory.DeviceMemory``;
           ``owned_gradients`` says which outputs the pipeline runner keeps as accumulators,
@@ -102,7 +102,7 @@ def owned_gradients(part: fx.GraphModule, outputs) -> frozenset[int]:
     are, instead of a copy, on the first microbatch that makes the gradient (later ones add
     into it in place): of ``exclusive_outputs(part)``, those that are one parameter's gradient
     and nothing else, neither read by a later part on the rank nor sent to another (they
-    would see the sum change under them). ``outputs``: the part's ``runtime.compiled.Output``
+    would see the sum change under them). ``outputs``: the part's ``codegen.steps.Output``
     records. The memory model counts such a gradient once, where a copy is a second tensor."""
     exclusive = exclusive_outputs(part)
     return frozenset(o.index for o in outputs
@@ -114,7 +114,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     dp: int = 1, device: torch.device = torch.device("cpu"),
                     zero: int = 0) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
-    ``runtime.compiled.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
+    ``codegen.steps.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
     optimizer steps this dp replica's rows of each parameter the rank owns: its state and, at
     its step, the gradients are those rows; then the updated rows are gathered."""
     reads = program.reads(rank)

@@ -5,7 +5,7 @@ quarter of an 80-layer plan's time (8 texts of 19k lines each), for a dump most 
 write. ``freeze`` keeps instead what the text is made of: each node's name, op, target,
 operands and a shallow copy of its meta. That is enough because passes replace what they
 change rather than mutate it in place: an fx node's operands are a new tuple after every
-rewrite, and shardfx's meta values are frozen dataclasses (``passes.manager.changes`` compares
+rewrite, and shardfx's meta values are frozen dataclasses (``compiler.manager.changes`` compares
 them by identity for the same reason). ``ir_to_text`` reads a ``FrozenGraph`` as it reads a
 ``GraphModule``.
 

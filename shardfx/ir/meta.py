@@ -15,10 +15,10 @@ reader can find in one place what a key means and which pass produces it.
     ANNOTATION        placeholders       Placements     passes.shard_annotate
     SHARDING          call_function      NodeSharding   passes.shard_propagate
     STAGE             ops, inputs        int            passes.stage_cut
-    REMAT             recomputed copies  str (original) passes.remat
+    REMAT             recomputed copies  str (original) auto.remat
     ZERO              parameter inputs   ZeroShard      passes.zero (ZeRO-3: a dp shard)
     BLOCK             ops of a repeat    BlockPlace     partitioner.stamp
-    CHOICE            call_function      Placements...  passes.auto_shard (operand placements)
+    CHOICE            call_function      Placements...  auto.shard (operand placements)
 
 Graph-level facts live in ``gm.meta[GRAPH]`` as a ``GraphInfo``; what
 ``passes.mixed_precision`` did in ``gm.meta[PRECISION]`` as its ``PrecisionReport``.
@@ -46,7 +46,7 @@ GRAPH = "shardfx.graph"
 BLOCK = "shardfx.block"
 CHOICE = "shardfx.choice"
 AUTO = "shardfx.auto"  # gm.meta: the solver's AutoReport (``auto.shard``)
-PRECISION = "shardfx.request.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
+PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 RANDOM = "shardfx.random"  # gm.meta: passes.rng.RandomReport
 MASK = "shardfx.mask"  # attention ops: passes.causal_mask's AttentionMask
 
@@ -168,7 +168,7 @@ class BlockPlace:
     """Where an op of a stamped list sits: the list (``model.layers``), forward or backward, and
     its place in the block's ops. Every block's op at the same place is the same op on values of
     the same shapes (``partitioner.stamp`` proved it), so what is decided for one holds for all
-    (``passes.auto_shard`` gives them one set of variables)."""
+    (``auto.shard`` gives them one set of variables)."""
 
     path: str
     unit: str  # "f" (forward) or "b" (backward)

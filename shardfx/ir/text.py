@@ -157,6 +157,9 @@ def node_notes(node: fx.Node) -> str:
         if key in node.meta:
             value = node.meta[key]
             notes.append(str(value) if key == M.SHARDING else M.placements_str(value))
+    if M.ZERO in node.meta:  # a program's input that is ZeRO's rows of a parameter
+        z = node.meta[M.ZERO]
+        notes.append(f"ZeRO(rows {z.per_rank} of {z.rows} per rank of dp={z.dp})")
     return " ".join(notes)
 
 

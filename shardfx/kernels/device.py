@@ -81,7 +81,7 @@ def place(module: fx.GraphModule, device: torch.device) -> int:
     """Make every tensor ``module``'s graph (and its submodules': pipeline parts) creates on
     ``device``: each ``device=`` keyword of an op set to it. Returns how many changed.
 
-    The CPU's attention kernels, which every trace has (``runtime.attention``), become ones
+    The CPU's attention kernels, which every trace has (``kernels.attention``), become ones
     that run on ``device``.
 
     Ensures: no node's ``device`` keyword names another device; the ``VAL`` metadata keeps the

@@ -49,7 +49,7 @@ class Form:
     """What the experts compute besides their weights: the activation's name (``ACTIVATIONS``),
     whether ``w_in`` is [gate; up] (gated) or up alone, whether the weights are stored (in, out)
     (``transposed``) rather than (out, in), the capacity factor (0: no capacity, dropless), and
-    the layer's name for the routing record (``moe.load``)."""
+    the layer's name for the routing record (``kernels.expert_load``)."""
 
     act: str = "silu"
     gated: bool = True

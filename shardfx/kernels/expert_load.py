@@ -2,7 +2,7 @@
 
 Each mixture-of-experts layer's forward records, on the rank that runs it, how many of its
 tokens' (token, slot) pairs chose each expert and how many a capacity dropped (``record``, from
-``moe.compute.forward``). A runner's step starts a new record (``start``) and keeps what the
+``kernels.expert_compute.forward``). A runner's step starts a new record (``start``) and keeps what the
 step recorded (``stepped``): that rank's tokens, summed over microbatches and accumulated
 batches. ``runner.expert_load()`` sums them over the ranks that split the batch (``over_batch``).
 Both leave what they return on the plan, for ``print(plan)`` and ``plan.html``.

@@ -8,7 +8,7 @@ experts and the tokens exchanged by all-to-all (``codegen.expert_parallel``).
 
 Hugging Face's MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and the others whose
 experts module is declared with ``use_experts_implementation``) are recognised while shardfx
-traces them (``moe.hf``). A model of one's own calls the op where its experts are::
+traces them (``partitioner.experts_hf``). A model of one's own calls the op where its experts are::
 
     y = shardfx.experts(x, top_k_index, top_k_weights, self.w_in, self.w_out, act="silu")
 

@@ -1,4 +1,4 @@
-"""codegen.linear_ce: the LM head's matmul and cross-entropy, a chunk of rows at a time.
+"""kernels.linear_ce: the LM head's matmul and cross-entropy, a chunk of rows at a time.
 
 ``loss = cross_entropy(h @ w.T, target)`` for ``h`` (tokens, hidden) and ``w`` (vocab,
 hidden) materialises the (tokens, vocab) logits, their log-softmax, and in the backward their
@@ -177,7 +177,7 @@ class LinearCrossEntropyGrads:
 
     @property
     def aliases(self) -> dict[int, int]:
-        """Output index -> the argument it is, updated in place (``memory._bases``)."""
+        """Output index -> the argument it is, updated in place (``cost.values.bases``)."""
         return {0: 2, 1: 3} if self.dtype == torch.float32 else {0: 2}
 
     def __call__(self, grad: torch.Tensor, total: torch.Tensor, grad_h: torch.Tensor,

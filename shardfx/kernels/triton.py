@@ -1,4 +1,4 @@
-"""codegen.triton: one Triton kernel per fused group (``passes.fusion``), readable source.
+"""kernels.triton: one Triton kernel per fused group (``passes.fusion``), readable source.
 
 A group works on rows: its iteration shape ``S`` is a tensor shape, each Triton program
 handles one row (every dimension of ``S`` but the last) and holds the row's ``S[-1]`` columns

@@ -1,4 +1,4 @@
-"""The ATen ops a fused kernel computes, each as a Triton expression (``codegen.triton``).
+"""The ATen ops a fused kernel computes, each as a Triton expression (``kernels.triton``).
 
 One entry per op: a function from the op's arguments (kernel value names, or Python literals)
 to an expression over a row. Pointwise ops map element by element; reductions over the last

@@ -16,7 +16,7 @@ So when any parameter, buffer or example input is on meta (or on a GPU), every o
 swapped for a ``FakeTensor`` that reports the CPU, all in one ``FakeTensorMode`` that
 ``torch.export`` and aot_autograd then trace with. The trace is the very graph a model on the
 CPU gives, and no memory is touched: one IR whatever device the model sits on, its
-device-specific kernels (fused attention) the CPU's, which ``runtime.device.place`` turns into
+device-specific kernels (fused attention) the CPU's, which ``kernels.device.place`` turns into
 the plan's device's. The model is restored on exit: the user's module keeps its tensors.
 """
 
@@ -36,7 +36,7 @@ log = logging.getLogger("shardfx.capture")
 def run_device(model: torch.nn.Module, example: tuple) -> torch.device | None:
     """The device a trace of ``model`` on ``example`` is made on: the CPU, whatever device the
     tensors are on, so every model has one IR (the CPU's spelling of device-specific kernels,
-    fused attention's above all, which ``runtime.device.place`` turns into the plan's
+    fused attention's above all, which ``kernels.device.place`` turns into the plan's
     device's). None when every tensor is on the CPU already (trace them as they are)."""
     tensors = [*model.parameters(), *model.buffers(),
                *(t for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor))]

@@ -15,10 +15,13 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
+from shardfx.ir.contract import contract, on_inputs, on_ops, on_output
 
 FORWARD_OUTPUTS = (M.OutputKind.LOSS, M.OutputKind.OUTPUT, M.OutputKind.BUFFER_UPDATE)
 
 
+@contract(requires=[on_inputs(M.ROLE, "ROLE"), on_output(M.OUTPUTS, "OUTPUTS")],
+          ensures=[on_ops(M.PHASE, "PHASE")])
 def assign_phase(gm: fx.GraphModule, options) -> fx.GraphModule:
     out = gm.graph.output_node()
     roots = [v for v, r in zip(out.args[0], out.meta[M.OUTPUTS]) if r.kind in FORWARD_OUTPUTS]

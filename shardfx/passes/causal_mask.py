@@ -39,6 +39,7 @@ import torch.fx as fx
 from shardfx.ir import meta as M
 from shardfx.ir.graph import hashable
 from shardfx.codegen.ring_attention import mask_refusal
+from shardfx.ir.contract import contract, on_ops
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -55,8 +56,10 @@ ROWWISE = {  # ops whose output row i reads row i of each operand (broadcasting)
 }
 
 
+@contract(requires=[on_ops(M.VAL, "VAL")],
+          ensures=[])
 def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
-    """Run on plans with a ``cp`` axis (``pipeline.compile_ir``): only the ring needs it, and
+    """Run on plans with a ``cp`` axis (``compiler.driver.compile_ir``): only the ring needs it, and
     other plans keep the model's ops as traced."""
     changed, answers = False, {}
     for node in list(gm.graph.find_nodes(op="call_function", target=FLASH)):

@@ -20,8 +20,11 @@ from shardfx.cost.device_model import GRAPH_KEY, default_model
 from shardfx.ir import meta as M
 from shardfx.cost.node import node_bytes, node_flops
 from shardfx.ir.graph import op_nodes
+from shardfx.ir.contract import contract, on_graph, on_ops
 
 
+@contract(requires=[on_ops(M.VAL, "VAL")],
+          ensures=[on_ops(M.COST, "COST"), on_graph(GRAPH_KEY, "DeviceModel")])
 def estimate_cost(gm: fx.GraphModule, options) -> fx.GraphModule:
     for node in op_nodes(gm.graph):
         node.meta[M.COST] = M.NodeCost(flops=node_flops(node), out_bytes=node_bytes(node))

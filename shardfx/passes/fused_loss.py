@@ -5,9 +5,9 @@ Requires: a per-device program's graph (``codegen``): ``meta["val"]`` FakeTensor
 Ensures:  every LM head found (below) reads its logits nowhere else: its ops are gone, a
           ``LinearCrossEntropy`` node computes the loss and the count of targets in their
           place, and the gradients of ``h`` and of the weight come where the two backward
-          matmuls were (``codegen.linear_ce``): with ``early`` (and not in fp16), computed in
+          matmuls were (``kernels.linear_ce``): with ``early`` (and not in fp16), computed in
           the forward's op and scaled there by ``LinearCrossEntropyGrads`` (nothing
-          recomputed; a copy of ``h`` that ``passes.remat`` made for the backward is gone),
+          recomputed; a copy of ``h`` that ``auto.remat`` made for the backward is gone),
           else by ``LinearCrossEntropyBackward`` from the logits again. The (tokens, vocab)
           logits, their log-softmax and their gradient are never materialised. The values
           that leave keep their nodes' VAL; everything else is unchanged. Returns one
@@ -33,7 +33,7 @@ microbatch's head ran 1.7x slower on a pipeline's last stage, recomputing). It s
 logits, their log-softmax and their gradient, which matters only where memory is short:
 ``fusing_reason`` says when (the plan without it over ``memory_budget``, or over ``NEAR`` of
 the device model's memory), and the plan fuses only then, and only if the peak drops
-(``Plan._choose_fused_loss``).
+(``compiler.compile.choose_fused_loss``).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class _Head:
 def fuse_loss(graph: fx.Graph, early: bool = True, model=None) -> list[FusedLoss]:
     """``early``: the head's backward follows its forward at once (one device, dp, tp, a
     pipeline's 1F1B), so its gradients may be computed in the forward. ``model``: the
-    ``DeviceModel`` the chunks are sized for (``codegen.linear_ce.chunk_rows``)."""
+    ``DeviceModel`` the chunks are sized for (``kernels.linear_ce.chunk_rows``)."""
     found = []
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.nll_loss_forward.default and \
@@ -272,7 +272,7 @@ def _backward_matmuls(head: _Head, d: fx.Node) -> bool:
 
 def _is_h(n: fx.Node, head: _Head) -> bool:
     """``n`` is the head's input ``h``: the forward's node, or the copy of it that
-    ``passes.remat`` recomputes in the backward."""
+    ``auto.remat`` recomputes in the backward."""
     return n is head.h or n.meta.get(M.REMAT) == head.h.name
 
 
@@ -286,7 +286,7 @@ def _replace(graph: fx.Graph, head: _Head, early: bool, model) -> FusedLoss:
     vocab = _val(head.w).shape[0]
     _, target, _, reduction, ignore = head.nll.args
     rows = chunk_rows(tokens, vocab, hidden, model=model, dtype=_val(head.h).dtype)
-    early = early and _val(head.h).dtype != torch.float16  # (codegen.linear_ce: why)
+    early = early and _val(head.h).dtype != torch.float16  # (kernels.linear_ce: why)
     mode = fake_mode_of(graph)
     old = [head.mm, head.lsm, head.nll, head.nll_backward, head.lsm_backward, head.grad_h,
            head.grad_w]
@@ -325,7 +325,7 @@ def _replace(graph: fx.Graph, head: _Head, early: bool, model) -> FusedLoss:
 
 
 def _erase_unread_recomputation(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase ``node``, a value ``passes.remat`` recomputed that nothing reads now, and the
+    """Erase ``node``, a value ``auto.remat`` recomputed that nothing reads now, and the
     recomputed values only it read."""
     stack = [node]
     while stack:

@@ -2,7 +2,7 @@
 
 Requires: a per-device program's graph (``codegen``): ``meta["val"]`` on every node, local
           shapes, collectives as ops of their own; PHASE where the IR had it.
-Ensures:  every group of two or more ops ``codegen.triton_ops`` computes (pointwise ops, casts,
+Ensures:  every group of two or more ops ``kernels.triton_ops`` computes (pointwise ops, casts,
           reductions over the last dimension keeping it, softmax and log-softmax and their
           backward, slices and ``cat`` over the last dimension and ``slice_backward``) that
           share one iteration shape ``S`` is one call_function node whose target
@@ -13,7 +13,7 @@ Ensures:  every group of two or more ops ``codegen.triton_ops`` computes (pointw
           where its last op ran: an op joins a group only if no op outside the group reads a
           member before it. ``graph.meta``-free: the groups are returned, in program order.
 
-Rows: the kernels (``codegen.triton``) hold one row of ``S`` (its last dimension) per Triton
+Rows: the kernels (``kernels.triton``) hold one row of ``S`` (its last dimension) per Triton
 program, so a value of a group is full (``S``), one value per row (``S[:-1] + [1]``, what a
 reduction over the last dimension leaves) or narrow (``S[:-1] + [w]``, a slice of the row); an
 operand from outside may be anything that broadcasts to one of them. RMSNorm as Hugging Face writes it (``pow``, ``mean``, ``add``,

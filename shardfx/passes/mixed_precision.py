@@ -4,7 +4,7 @@ Requires: VAL on every node, ROLE on placeholders, OUTPUTS on the output node.
 Ensures:  under ``Options.precision`` bf16 or fp16, the ops of ``LOW_PRECISION`` (matmuls,
           convolutions, attention, mixture-of-experts layers' experts; forward and backward)
           read their fp32 operands cast to the low dtype and produce it (the experts' routing
-          weights excepted), but the matmuls of MoE routers stay fp32 (``moe.router``);
+          weights excepted), but the matmuls of MoE routers stay fp32 (``passes.experts_router``);
           the ops of ``FULL_PRECISION`` (softmax, norms, losses,
           exp/log/pow, sums and means) read theirs in the dtype they were traced in (fp32), a
           reduction with a ``dtype`` argument accumulating into it instead of reading a cast
@@ -48,6 +48,7 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, fake_value, op_nodes
 from shardfx.passes.assign_phase import assign_phase
 from shardfx.request.precision import DTYPES
+from shardfx.ir.contract import contract, on_inputs, on_ops, on_output
 
 aten = torch.ops.aten
 
@@ -126,7 +127,7 @@ class PrecisionReport:
     full_in: tuple[str, ...] = ("fp32",)  # the dtypes those FULL_PRECISION ops compute in
     uncast: tuple[tuple[str, int], ...] = ()  # (dtype, count): matmul-class ops left in a
     # dtype that is not cast (fp64), as autocast leaves it
-    routers: int = 0  # matmuls of mixture-of-experts routers, kept in fp32 (``moe.router``)
+    routers: int = 0  # matmuls of mixture-of-experts routers, kept in fp32 (``passes.experts_router``)
 
     def __str__(self) -> str:
         full = f"{self.full} in {'/'.join(self.full_in) or 'fp32'} (softmax, norms, loss, " \
@@ -150,6 +151,10 @@ class PrecisionReport:
         return text
 
 
+@contract(requires=[on_ops(M.VAL, "VAL"),
+                    on_inputs(M.ROLE, "ROLE"),
+                    on_output(M.OUTPUTS, "OUTPUTS")],
+          ensures=[on_ops(M.VAL, "VAL")])
 def mixed_precision(gm: fx.GraphModule, options) -> fx.GraphModule:
     precision = options.precision
     if not precision.low:

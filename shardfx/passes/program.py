@@ -3,7 +3,7 @@
 A program pass is a function ``(program, options) -> program`` over a ``codegen.program.Program``
 (the module every rank of a role runs, its input and output roles, and the collectives it
 issues), like an IR pass over the IR: its docstring says what it requires and ensures, the pass
-manager (``passes.manager.run_program_passes``) verifies the program after it in debug runs and
+manager (``compiler.manager.run_program_passes``) verifies the program after it in debug runs and
 keeps its text for ``plan.dump``. Under pp the program is cut into per-stage parts by one of
 them (``split_stages``): the passes after it see the cut program, whose ``module`` calls one
 submodule per (stage, part), and treat each part as a program of its own (``graphs``).
@@ -28,6 +28,10 @@ from shardfx.passes.fusion import fuse
 from shardfx.passes.zero import zero_gather, zero_layouts, zero_reduce_scatter
 from shardfx.codegen.program import graphs
 from shardfx.codegen.stages import whole_backward
+from shardfx.codegen.program import (BUCKETED, NO_KERNEL, no_parts,
+                                     returned_gradient)
+from shardfx.ir import meta as M
+from shardfx.ir.contract import contract, holds, on_ops
 
 
 def program_passes(options) -> list:
@@ -59,6 +63,7 @@ def uses_triton(options) -> bool:
     return options.kernels == "triton"
 
 
+@contract(requires=[NO_KERNEL])
 def chunked_loss(program: Program, options) -> Program:
     """Requires/Ensures: ``passes.fused_loss`` (the LM head and its cross-entropy, forward and
     backward, one op over chunks of rows sized for the plan's device model; the logits never
@@ -72,6 +77,7 @@ def chunked_loss(program: Program, options) -> Program:
     return program
 
 
+@contract(ensures=[BUCKETED])
 def bucket_gradients_pass(program: Program, options) -> Program:
     """Requires/Ensures: ``codegen.bucketing`` (gradient all-reduces, and ZeRO's gradient
     reduce-scatters, in buckets started as soon as their last gradient exists)."""
@@ -82,6 +88,9 @@ def bucket_gradients_pass(program: Program, options) -> Program:
 bucket_gradients_pass.__name__ = "bucket_gradients"
 
 
+@contract(requires=[BUCKETED],
+          ensures=[holds("no gradient returned: each is stepped where it is final",
+                         "not returned", returned_gradient)])
 def optimizer_in_backward(program: Program, options) -> Program:
     """Requires/Ensures: ``codegen.step_in_backward`` (each block's parameters stepped where
     their gradients are final and nothing reads them any more; the gradients not returned)."""
@@ -99,6 +108,9 @@ def optimizer_in_backward(program: Program, options) -> Program:
     return program
 
 
+@contract(requires=[holds("STAGE on every op", "STAGE",
+                         lambda program: on_ops(M.STAGE).failing(program.module))],
+          ensures=[holds("a forward part per stage (stage{s}_F)", "stage{s}_F", no_parts)])
 def split_stages(program: Program, options) -> Program:
     """Requires: STAGE and PHASE on every op (``codegen.stages.inherit_stages`` for a tp
     program). Ensures: ``codegen.stages.split_stages``: the program's module calls one part per

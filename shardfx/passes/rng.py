@@ -50,6 +50,7 @@ from shardfx.ir import meta as M
 from shardfx.passes.random_draws import (call, draws, fmix32, is_random, keep_mask, on_stream,
                                          sample, shape_of)
 from shardfx.kernels.device import collective_device
+from shardfx.ir.contract import contract, holds, on_ops
 
 aten = torch.ops.aten
 RNG_NAME = "rng"  # the RNG input's name: [seed, step, slice]
@@ -75,6 +76,18 @@ class RandomReport:
         return line
 
 
+def _drawing(gm: fx.GraphModule) -> str | None:
+    """The first op of a training graph still drawing on shardfx's stream, for the contract."""
+    if gm.meta[M.GRAPH].mode is not M.Mode.TRAIN:
+        return None
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and is_random(n.target)
+                 and draws(n.target, n.args, n.kwargs) and on_stream(n.target)), None)
+    return None if node is None else node.format_node()
+
+
+@contract(requires=[on_ops(M.VAL, "VAL")],
+          ensures=[holds("no op of a training graph drawing on shardfx's stream left",
+                         "random op", _drawing)])
 def rng_stream(gm: fx.GraphModule, options) -> fx.GraphModule:
     if gm.meta[M.GRAPH].mode is not M.Mode.TRAIN:
         return gm

@@ -45,6 +45,7 @@ from shardfx.errors import MeshError, ShardingError
 from shardfx.ir import meta as M
 from shardfx.kernels.experts import EXPERTS
 from shardfx.rules.experts import hidden_split
+from shardfx.ir.contract import contract, on_inputs
 
 # Module names (the last FQN component before .weight/.bias) of Megatron's parallel linears.
 COLUMN = r"(q_proj|k_proj|v_proj|query|key|value|qkv_proj|c_attn|gate_proj|up_proj|w1|w3|c_fc|fc1|fc_in)"
@@ -57,6 +58,8 @@ TRANSPOSED = ("Conv1D",)
 FUSED = r"(c_attn|qkv_proj)"
 
 
+@contract(requires=[on_inputs(M.ROLE, "ROLE")],
+          ensures=[on_inputs(M.ANNOTATION, "ANNOTATION")])
 def shard_annotate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = options.mesh
     axes = [a for a, _ in mesh.axes]

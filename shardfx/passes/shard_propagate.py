@@ -42,10 +42,13 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import hashable, map_nodes, op_nodes, operands
 from shardfx.kernels.experts import EXPERTS_BACKWARD
 from shardfx.passes.shard_annotate import sequence_parallel, sequence_shape
+from shardfx.ir.contract import contract, on_inputs, on_ops, on_output
 
 log = logging.getLogger("shardfx.passes.shard_propagate")
 
 
+@contract(requires=[on_inputs(M.ANNOTATION, "ANNOTATION"), on_ops(M.VAL, "VAL")],
+          ensures=[on_ops(M.SHARDING, "SHARDING"), on_output(M.SHARDING, "SHARDING")])
 def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
     mesh = planning_mesh(options.mesh.axes)
     split = _sequence_split(gm, options)
@@ -70,7 +73,7 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
                                                    inputs=(None,))
             spec[node] = out
             continue
-        given = node.meta.get(M.CHOICE)  # the solver's (passes.auto_shard)
+        given = node.meta.get(M.CHOICE)  # the solver's (auto.shard)
         block = _block_key(node, given, spec)
         if block in memo:
             sharding, out = _rebound(node, *memo[block])

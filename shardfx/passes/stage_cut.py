@@ -42,10 +42,13 @@ from shardfx.errors import PipelineError
 from shardfx.request.hints import PIPE_SPLIT
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
+from shardfx.ir.contract import contract, on_inputs, on_ops
 
 CANDIDATE_SLACK = 1.5  # a cut may carry up to this many times the cheapest cut's bytes
 
 
+@contract(requires=[on_ops(M.PHASE, "PHASE"), on_ops(M.COST, "COST"), on_inputs(M.ROLE, "ROLE")],
+          ensures=[on_ops(M.STAGE, "STAGE")])
 def stage_cut(gm: fx.GraphModule, options) -> fx.GraphModule:
     stages = options.stages
     forward = [n for n in op_nodes(gm.graph) if n.meta[M.PHASE] is M.Phase.FORWARD]

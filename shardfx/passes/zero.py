@@ -29,11 +29,13 @@ import torch.fx as fx
 
 from shardfx.codegen.bucketing import BUCKET_BYTES, fill_buckets
 from shardfx.codegen.program import Program
-from shardfx.codegen.redistribute import Collective
+from shardfx.codegen.redistribute import Collective, Purpose
 from shardfx.codegen.zero import (emit, emit_padded, finish_gather, finish_reduce_scatter,
                                   issue_gather, issue_reduce_scatter)
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, phases, tensor_val
+from shardfx.codegen.program import BUCKETED, NO_BUCKET
+from shardfx.ir.contract import contract
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -52,6 +54,7 @@ def zero_layouts(program: Program, dp: int) -> dict[str, M.ZeroShard]:
     return out
 
 
+@contract(requires=[NO_BUCKET])
 def zero_reduce_scatter(program: Program, options) -> Program:
     """Requires: the SPMD program of a mesh with dp (``codegen.spmd``): each gradient returned
     reduced over every axis it is partial on (``wait(all_reduce(g, "sum", group_dp))`` among
@@ -102,13 +105,12 @@ def zero_reduce_scatter(program: Program, options) -> Program:
         records.append(Collective("reduce_scatter", "dp", _dtype_bytes(started.args[0])[1],
                                   f"ZeRO gradient bucket {b} ({len(fqns)} grads: "
                                   f"{', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''}): "
-                                  "P -> ZeRO rows on dp"))
+                                  "P -> ZeRO rows on dp", purpose=Purpose.ZERO))
     out.args = (tuple(values),)
     graph.eliminate_dead_code()
     program.module.recompile()
-    reduced = {f"return grad {program.outputs[g[0]].name}: " for g in grads}
-    kept = [c for c in program.collectives
-            if not (c.axis == "dp" and any(c.reason.startswith(r) for r in reduced))]
+    reduced = {program.outputs[g[0]] for g in grads}
+    kept = [c for c in program.collectives if not (c.axis == "dp" and c.output in reduced)]
     return dataclasses.replace(program, collectives=tuple(kept + records))
 
 
@@ -136,6 +138,7 @@ def _unreduced_over(value: fx.Node, group: fx.Node) -> fx.Node | None:
     return None  # reduced before the op that made it: whole on every rank
 
 
+@contract(requires=[BUCKETED])
 def zero_gather(program: Program, options) -> Program:
     """Requires: ``zero_reduce_scatter`` ran; PHASE on the program's ops.
     Ensures: each parameter of ``zero_layouts`` is taken as this rank's shard (its VAL the
@@ -193,7 +196,8 @@ def zero_gather(program: Program, options) -> Program:
                     gathered[p] = full
             nbytes = sum(_shard_bytes(layouts[p.meta[M.ROLE].name], p) for p in bucket)
             records.append(Collective("all_gather", "dp", nbytes, f"ZeRO-3 {tag} bucket {b} "
-                                      f"({_names(bucket)}): ZeRO rows -> R on dp"))
+                                      f"({_names(bucket)}): ZeRO rows -> R on dp",
+                                      purpose=Purpose.ZERO))
     graph.eliminate_dead_code()
     graph.lint()
     program.module.recompile()

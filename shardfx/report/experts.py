@@ -34,7 +34,7 @@ def expert_layers(plan) -> list[ExpertLayer]:
     ep = plan.mesh.axis("ep")
     out = []
     for node in plan.ir.graph.find_nodes(op="call_function", target=EXPERTS):
-        if node.meta.get(M.PHASE) is M.Phase.BACKWARD:  # a recomputation (passes.remat)
+        if node.meta.get(M.PHASE) is M.Phase.BACKWARD:  # a recomputation (auto.remat)
             continue
         w_in, capacity, layer = node.args[3], node.args[-2], node.args[-1]
         out.append(ExpertLayer(layer, w_in.meta[M.VAL].shape[0], ep, capacity))

@@ -2,7 +2,7 @@
 
 The why is the cost terms: the chosen plan's predicted compute and communication next to those
 of the named plans (``megatron``, ``replicate``): planned in full where the integer program
-priced them close to its choice (``auto.finalists``), else as it priced them; and the
+priced them close to its choice (``compiler.finalists``), else as it priced them; and the
 parameters where the choice departs from Megatron's, one line per parameter of a block (the
 same for every block of a stamped list).
 """

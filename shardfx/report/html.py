@@ -31,6 +31,7 @@ from shardfx.ir.units import flops, nbytes
 from shardfx.report.summary import by_module, collective_totals
 from shardfx.schedule.check import simulate
 from shardfx.report.experts import expert_layers
+from shardfx.report.text import auto_notes
 
 CSS = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#222;max-width:1300px}
@@ -230,7 +231,7 @@ def _collectives(collectives) -> str:
 
 def _solver(plan) -> str:
     """What ``shard="auto"`` chose and why (empty for a plan it did not make)."""
-    lines = plan._auto_notes()
+    lines = auto_notes(plan)
     if not lines:
         return ""
     items = "".join(f"<li>{escape(line.strip())}</li>" for line in lines[1:])

@@ -9,6 +9,7 @@ from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.ir import meta as M
 from shardfx.auto.remat import by_module, group_name
 from shardfx.ir.units import flops, nbytes
+from shardfx.codegen.redistribute import Purpose
 
 
 def memory_notes(plan) -> list[str]:
@@ -29,7 +30,7 @@ def memory_notes(plan) -> list[str]:
         k, dp = plan.options.zero, plan.mesh.axis("dp")
         held = {1: "the optimizer state", 2: "the optimizer state and gradients",
                 3: "the optimizer state, gradients and parameters"}[k]
-        gathers = [c for c in plan.collectives if c.kind == "all_gather" and "ZeRO" in c.reason]
+        gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.purpose is Purpose.ZERO]
         notes.append(f"ZeRO-{k} over dp={dp}: each rank keeps 1/{dp} of {held} ("
                      f"{len(plan.zero_layouts)} parameters, dim-0 rows, padded)"
                      + (f"; {len(gathers)} parameter all-gathers per step, a block at a "

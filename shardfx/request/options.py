@@ -32,16 +32,16 @@ class Options:
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
     kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
     fused_loss: bool | str = True  # the LM head's matmul and cross-entropy in chunks
-    # (passes.fused_loss); "auto" is decided by the plan (Plan._choose_fused_loss)
+    # (passes.fused_loss); "auto" is decided by the compiler (compiler.compile.choose_fused_loss)
     zero: int | str = 0  # ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters;
     # "auto" until the plan chooses (auto.zero_stage), an int in every program pass
     optimizer_in_backward: bool = False  # step each block's parameters as their gradients are
     # final, in the backward (codegen.step_in_backward)
     capacity_factor: float | None = None  # MoE experts' capacity (shardfx.experts); None: dropless
-    device: torch.device = torch.device("cpu")  # where the programs run (runtime.device)
+    device: torch.device = torch.device("cpu")  # where the programs run (kernels.device)
     device_model: Any = None  # a shardfx.cost.device_model.DeviceModel: the speeds time is traded at
     held_by: int = 1  # the stages a pipeline's IR, planned over its stage mesh, is cut into:
-    # each device holds about 1/held_by of its parameters (passes.auto_shard's memory)
+    # each device holds about 1/held_by of its parameters (auto.shard's memory)
     whole_mesh: MeshSpec | None = None  # a pipeline's whole mesh, where ``mesh`` is a stage's:
     # the dp axis the ZeRO stage divides over (auto.zero_stage)
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
+from shardfx.request.option_docs import summary
 
 
 def _f(default: Any, help: str, kind: type = None, choices: tuple = (),
@@ -54,24 +55,16 @@ class Run:
 
 
 @dataclass
-class Parallel:
-    mesh: str = _f("", "device mesh, e.g. dp=2,tp=2 (default: one device)")
-    shard: str = _f("auto", "how weights split over tp: auto (a solver picks by the device "
-                            "model), megatron, megatron-sp (and the sequence over tp), "
-                            "replicate (tp ranks as data parallel)",
+class Parallel:  # partition()'s options: their help is theirs (request/option_docs.py)
+    mesh: str = _f("", summary("mesh"))
+    shard: str = _f("auto", summary("shard"),
                     choices=("auto", "megatron", "megatron-sp", "replicate"))
-    zero: int | str = _f("auto", "ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and "
-                                 "parameters; auto: the cheapest that fits the memory",
-                         object, (0, 1, 2, 3, "auto"), zero_stage)
-    precision: str = _f("fp32", "what matmuls and attention compute in",
-                        choices=("fp32", "bf16", "fp16"))
-    microbatches: int | None = _f(None, "with a pp axis: slices of the batch", int)
-    schedule: str | None = _f(None, "with a pp axis: gpipe | 1f1b | interleaved-1f1b | "
-                                    "zero-bubble", str)
-    virtual_stages: int | None = _f(None, "with a pp axis: stages per rank", int)
-    capacity_factor: float | None = _f(None, "mixture of experts: each expert takes at most "
-                                             "this multiple of its even share of a rank's "
-                                             "tokens, the rest dropped; none: dropless", float)
+    zero: int | str = _f("auto", summary("zero"), object, (0, 1, 2, 3, "auto"), zero_stage)
+    precision: str = _f("fp32", summary("precision"), choices=("fp32", "bf16", "fp16"))
+    microbatches: int | None = _f(None, summary("microbatches"), int)
+    schedule: str | None = _f(None, summary("schedule"), str)
+    virtual_stages: int | None = _f(None, summary("virtual_stages"), int)
+    capacity_factor: float | None = _f(None, summary("capacity_factor"), float)
 
 
 @dataclass

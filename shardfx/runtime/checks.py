@@ -24,9 +24,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from shardfx.errors import InputError, ShardfxError
+from shardfx.ir import meta as M
 from shardfx.kernels.device import collective_device
+from shardfx.partitioner.constants import describe
 
 if TYPE_CHECKING:
     from shardfx.plan import Plan
@@ -150,3 +153,73 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     tol = RTOL * max(float(a[-1]), float(b[-1]))
     close = ((a - b).abs() <= tol) | (a == b) | (a.isnan() & b.isnan())
     return bool(close.all())
+
+
+def check_step_inputs(plan: "Plan", args: Any, targets: Any, inference: bool = False
+                  ) -> list[torch.Tensor]:
+    """Flatten a step's inputs, checking them against what the plan was captured with:
+    structure, then each tensor's shape, dtype and device (the plan's, or the CPU), and that
+    a training step has a training plan."""
+    where = "runner.forward" if inference else "runner.step"
+    if not inference and plan.mode is not M.Mode.TRAIN:
+        raise InputError("this plan was built for inference (no loss_fn)",
+                         where=where, fix="call partition(..., loss_fn=...) to "
+                         "train, or use runner.forward(args)")
+    want_args, want_targets = plan.captured.in_spec.children()
+    _check_structure("args", args, want_args, where)
+    if not inference:
+        _check_structure("targets", targets, want_targets, where)
+    leaves = [s for s in plan.captured.leaves
+              if not (inference and s.name.startswith("targets"))]
+    flat = pytree.tree_leaves((args, () if inference else targets))
+    for t, s in zip(flat, leaves):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != s.shape or t.dtype != s.dtype:
+            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(
+                f"{s.name} is {got}; the plan was built for {list(s.shape)} {s.dtype}",
+                where=s.name,
+                fix="shapes are static: call partition() again with example inputs of this "
+                "shape (or pad/batch your data to the planned shape)")
+        if t.device != plan.device and t.device.type != "cpu":  # the runner moves CPU ones
+            raise InputError(
+                f"{s.name} is on {t.device}; the plan runs on {plan.device}",
+                where=f"{where}, {s.name}",
+                fix=f"pass CPU tensors (each rank moves its slice) or tensors on "
+                    f"{plan.device}: x.to({str(plan.device)!r})")
+    return flat
+
+def _check_structure(what: str, value: Any, want: pytree.TreeSpec, where: str) -> None:
+    """``value`` (a step's args or targets) is structured as the example was, or an
+    InputError says how, in plain words."""
+    example = f"{where}((x,))" if where == "runner.forward" else f"{where}((x,), (y,))"
+    if not isinstance(value, tuple):
+        raise InputError(f"{what} must be a tuple, got {describe(value)}",
+                         where=f"{where}, {what}",
+                         fix=f"wrap a single tensor in a tuple: {example}")
+    spec = pytree.tree_flatten(value)[1]
+    if spec == want:
+        return
+    if what == "targets" and value == ():
+        n = want.num_leaves
+        raise InputError(
+            f"targets missing: the plan was built with {n} example target{'s' * (n > 1)} "
+            f"{_structure(want)}", where=f"{where}, targets",
+            fix=f"pass the targets loss_fn takes, as partition's example_targets: {example}")
+    raise InputError(
+        f"{what} are structured as {_structure(spec)}; the plan was built with "
+        f"{_structure(want)}", where=f"{where}, {what}",
+        fix=f"pass {what} as the same tuples/lists/dicts of tensors as the example {what}")
+
+
+def _structure(spec: pytree.TreeSpec) -> str:
+    """A pytree structure in Python's own notation: ``(Tensor, [Tensor], {'mask': Tensor})``."""
+    if spec.is_leaf():
+        return "Tensor"
+    kids = [_structure(c) for c in spec.children()]
+    if spec.type is tuple:
+        return f"({', '.join(kids)}{',' if len(kids) == 1 else ''})"
+    if spec.type is list:
+        return f"[{', '.join(kids)}]"
+    if spec.type is dict:
+        return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, kids)) + "}"
+    return f"{getattr(spec.type, '__name__', spec.type)}({', '.join(kids)})"

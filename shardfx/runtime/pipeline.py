@@ -64,8 +64,8 @@ from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.estimate.memory_pipeline import final_gradients
 from shardfx.runtime.buckets import GradBuckets
-from shardfx.runtime.checks import SameBatch, make_optimizer, same_plan
-from shardfx.runtime.compiled import StageProgram, Step
+from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
+from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
@@ -85,40 +85,40 @@ class PipelineRunner(PipelineState):
                  keep_grads: bool = False):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
         coord = coordinate(mesh)
-        self._plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
-        self._pp = mesh.get_group("pp")
+        self.plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
+        self.pp = mesh.get_group("pp")
         self._channels = channels(mesh, "pp")  # (from, to) pipeline ranks -> its group
-        self._ranks = dist.get_process_group_ranks(self._pp)  # pipeline rank -> global rank
+        self.ranks = dist.get_process_group_ranks(self.pp)  # pipeline rank -> global rank
         self._dp = mesh.get_group("dp") if plan.mesh.axis("dp") > 1 else None
         self.routed: dict[str, load.Routed] = {}  # the last step's MoE routing, this rank's
-        self._dp_size, self._dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
+        self._dp_size, self.dp_index = plan.mesh.axis("dp"), coord.get("dp", 0)
         inner = plan.mesh.stage()  # what each stage is sharded over: cp, tp and ep
         names = tuple(a for a, _ in inner.axes)
-        self._tp = Shards(inner, mesh[names]) if inner.size > 1 else None
+        self.tp = Shards(inner, mesh[names]) if inner.size > 1 else None
         self.schedule = plan.schedule
         self.m = self.schedule.microbatches
         self._mean = plan.options.loss_reduction == "mean"  # else the slices' losses add up
-        self._program = StageProgram.of(plan.stage_program, plan.ir, self.schedule)
-        self._steps = self._program.steps(self.rank)
+        self.program = StageProgram.of(plan.stage_program, plan.ir, self.schedule)
+        self._steps = self.program.steps(self.rank)
         self.device = plan.device
         model = plan.model
         check_weights(model, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # runtime.heap
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        reads = self._program.reads(self.rank).values()
+        reads = self.program.reads(self.rank).values()
         # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors
-        self._params = {r.name: self._local(r.name, params[r.name]) for r in reads
+        self.params = {r.name: self._local(r.name, params[r.name]) for r in reads
                         if r.kind is M.InputKind.PARAM}
-        self._buffers = {r.name: buffers[r.name].to(self.device) for r in reads
+        self.buffers = {r.name: buffers[r.name].to(self.device) for r in reads
                          if r.kind is M.InputKind.BUFFER}
         self._constants: dict[tuple, torch.Tensor] = {}  # (program, name) -> on this device
-        self._owned = {fqn for fqn in self._params
-                       if self._program.producer(M.OutputKind.GRAD, fqn) == self.rank}
-        self._zero, self._stepped = self._zero_rows(plan), {}  # ZeRO-1/2 over dp
-        for fqn in self._zero.layouts if self._zero is not None else ():
-            self._params[fqn], self._stepped[fqn] = self._zero.hold(fqn, self._params[fqn].detach())
-        owned = [self._trained()[fqn] for fqn in sorted(self._owned)]
+        self.owned = {fqn for fqn in self.params
+                       if self.program.producer(M.OutputKind.GRAD, fqn) == self.rank}
+        self.zero, self.stepped = self._zero_rows(plan), {}  # ZeRO-1/2 over dp
+        for fqn in self.zero.layouts if self.zero is not None else ():
+            self.params[fqn], self.stepped[fqn] = self.zero.hold(fqn, self.params[fqn].detach())
+        owned = [self.trained()[fqn] for fqn in sorted(self.owned)]
         self.optimizer = make_optimizer(optimizer, owned)
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
@@ -127,7 +127,9 @@ class PipelineRunner(PipelineState):
         self._same_batch = SameBatch(plan)
         same_plan(plan)  # runtime.checks: every rank would issue the same collectives
         # random draws (dropout, noise): [seed, step, slice] (passes.rng); the seed agreed once by every rank
-        self._seed = draw_seed() if reads_rng(plan.stage_program) else 0
+        # the seed of this runner's random stream (``passes.rng``; 0 when the program draws
+        # nothing): with ``step_count``, what ``random_draws.on_stream_eagerly`` replays
+        self.rng_seed = draw_seed() if reads_rng(plan.stage_program) else 0
         self.step_count = 0  # steps taken: random draws depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
@@ -150,30 +152,24 @@ class PipelineRunner(PipelineState):
         """The current loss scale (fp16 plans; ``shardfx.runtime.loss_scale``), else None."""
         return None if self.loss_scaler is None else self.loss_scaler.scale
 
-    @property
-    def rng_seed(self) -> int:
-        """The seed of this runner's random stream (``passes.rng``; 0 when the program draws
-        nothing): with ``step_count``, what ``random_draws.on_stream_eagerly`` replays."""
-        return self._seed
-
     def _local(self, fqn: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """This rank's tp shard of a parameter, or the model's own when the stage is whole
         and on this rank's device (else a copy there: the stage's weights alone move)."""
-        placements = self._program.placements.get(fqn, ())
-        if self._tp is None or not any(isinstance(p, (Shard, _StridedShard)) for p in placements):
+        placements = self.program.placements.get(fqn, ())
+        if self.tp is None or not any(isinstance(p, (Shard, _StridedShard)) for p in placements):
             if param.device == self.device:
                 return param
             local = param.detach()
         else:
-            local = self._tp.local(param.detach(), placements)
+            local = self.tp.local(param.detach(), placements)
         return torch.nn.Parameter(local.to(self.device, copy=True),
                                   requires_grad=param.requires_grad)
 
     def _full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""
-        if self._tp is None:
+        if self.tp is None:
             return local
-        return self._tp.full(local, self._program.placements.get(fqn, ()))
+        return self.tp.full(local, self.program.placements.get(fqn, ()))
 
     # --- a training step -------------------------------------------------------------------
 
@@ -184,7 +180,7 @@ class PipelineRunner(PipelineState):
         """One optimizer step over several global batches (``runtime.accumulate``): each runs
         the schedule; their gradients add up, each reduced over dp as the schedule ends."""
         batches = accumulated(batches)
-        trained = self._trained()
+        trained = self.trained()
         for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
         load.start()
@@ -194,12 +190,12 @@ class PipelineRunner(PipelineState):
             self._batch = index
             losses.append(self._backward(args, targets, trained))
         self.step_count += 1
-        self.routed = load.stepped(self._plan)
+        self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
         self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
                                      self.clip_grad_norm)
-        if self._zero is not None:  # every replica's updated rows, gathered
-            self._zero.after_step(self._stepped, self._dp.group_name)
+        if self.zero is not None:  # every replica's updated rows, gathered
+            self.zero.after_step(self.stepped, self._dp.group_name)
         self._share_tied()
         release(trained.values(), self.keep_grads)
         return self._broadcast_loss(mean_loss(losses))
@@ -208,35 +204,35 @@ class PipelineRunner(PipelineState):
         """The last step's routing of this stage's mixture-of-experts layers over the whole
         batch (``Runner.expert_load``): every rank calls it."""
         groups = [self._dp] if self._dp is not None else []
-        if self._tp is not None:
-            groups += [self._tp.mesh.get_group(a) for a in BATCH_SPLIT
-                       if self._tp.spec.axis(a) > 1]
-        return load.over_batch(self._plan, self.routed, groups)
+        if self.tp is not None:
+            groups += [self.tp.mesh.get_group(a) for a in BATCH_SPLIT
+                       if self.tp.spec.axis(a) > 1]
+        return load.over_batch(self.plan, self.routed, groups)
 
     def _backward(self, args: tuple, targets: tuple, trained: dict) -> torch.Tensor:
         """One batch through the schedule: its gradients added to the ``.grad`` of what this
         rank owns (ZeRO: its rows); returns its loss (this rank's part of it)."""
-        flat = self._plan.check_inputs(args, targets)
+        flat = check_step_inputs(self.plan, args, targets)
         self._same_batch(flat)
         self._grads = {}
-        weights = {fqn: p.detach() for fqn, p in self._params.items()} | self._buffers
+        weights = {fqn: p.detach() for fqn, p in self.params.items()} | self.buffers
         # replicas combine their gradients (average, as DDP, or sum), each bucket reduced as
         # soon as its gradients are final (runtime.buckets); ZeRO-2 reduce-scatters them
-        zero2 = self._zero is not None and self._zero.stage == 2
+        zero2 = self.zero is not None and self.zero.stage == 2
         self._buckets = None if self._dp is None else GradBuckets(
             self._dp, self._dp_size, self._mean, self._reduce_dtype,
-            rows=self._zero.layouts if zero2 else None)
-        loss = self._execute(self._program, self._steps, flat, weights)
+            rows=self.zero.layouts if zero2 else None)
+        loss = self._execute(self.program, self._steps, flat, weights)
         rows = {}
         if self._buckets is not None:
             self.all_reduces = self._buckets.finish()
             rows, self._buckets = self._buckets.rows, None
         for fqn, p in trained.items():
-            g = self._grads.get(fqn) if fqn in self._owned else None
+            g = self._grads.get(fqn) if fqn in self.owned else None
             if g is None:
                 continue
-            if fqn in self._stepped:  # this replica's rows
-                g = rows[fqn] if zero2 else self._zero.rows(fqn, g)
+            if fqn in self.stepped:  # this replica's rows
+                g = rows[fqn] if zero2 else self.zero.rows(fqn, g)
             if p.grad is None:
                 p.grad = g
             else:
@@ -249,13 +245,13 @@ class PipelineRunner(PipelineState):
         over dp every replica holds the same (ZeRO: its rows), over tp as placed (decided
         once: the layouts do not change)."""
         if self._counted is None:
-            axes = (("dp", self._dp_size),) + (self._tp.spec.axes if self._tp else ())
-            coord = {"dp": self._dp_index, **(self._tp.coord if self._tp else {})}
+            axes = (("dp", self._dp_size),) + (self.tp.spec.axes if self.tp else ())
+            coord = {"dp": self.dp_index, **(self.tp.coord if self.tp else {})}
             self._counted = {
-                fqn: counted((Replicate(), *self._program.placements.get(fqn, ())), axes, coord,
-                             "dp" if fqn in self._stepped else None) for fqn in self._owned}
+                fqn: counted((Replicate(), *self.program.placements.get(fqn, ())), axes, coord,
+                             "dp" if fqn in self.stepped else None) for fqn in self.owned}
         return [Grad(p.grad, self._counted[fqn]) for fqn, p in trained.items()
-                if fqn in self._owned and p.grad is not None]
+                if fqn in self.owned and p.grad is not None]
 
     def _execute(self, program: StageProgram, steps: list[Step], flat: list,
                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -284,7 +280,7 @@ class PipelineRunner(PipelineState):
             self._spans.append((step.name, start, self._clock.now()))
             for key in step.frees:  # its last reader on this rank ran: let it go
                 del self._store[key]
-            if program is self._program and self._buckets is not None:
+            if program is self.program and self._buckets is not None:
                 for fqn in self._final[index]:  # no later action adds to them
                     self._buckets.add(self._grads[fqn], fqn)
             self._held.append(len({mb for part, _, mb in self._store if part.endswith("_F")}))
@@ -304,10 +300,10 @@ class PipelineRunner(PipelineState):
 
     def _send(self, value: torch.Tensor, dst: int):
         """Post a send to pipeline rank ``dst`` on this direction's own group."""
-        return dist.isend(value, self._ranks[dst], group=self._channels[(self.rank, dst)])
+        return dist.isend(value, self.ranks[dst], group=self._channels[(self.rank, dst)])
 
     def _recv(self, buf: torch.Tensor, src: int):
-        return dist.irecv(buf, self._ranks[src], group=self._channels[(src, self.rank)])
+        return dist.irecv(buf, self.ranks[src], group=self._channels[(src, self.rank)])
 
     def _run(self, program: StageProgram, call, mb: int, flat: list,
              weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -329,7 +325,7 @@ class PipelineRunner(PipelineState):
                 elif role.kind is M.OutputKind.LOSS:
                     loss = value.detach() / self.m if self._mean else value.detach()
                 elif role.kind is M.OutputKind.BUFFER_UPDATE:
-                    self._buffers[role.name].copy_(value)
+                    self.buffers[role.name].copy_(value)
                 elif role.kind is M.OutputKind.OUTPUT:
                     self._outputs[role.index][mb] = value
             if o.local:
@@ -352,7 +348,7 @@ class PipelineRunner(PipelineState):
         """Per part this rank runs, the gradient outputs it keeps as they are (decided once:
         ``memory_pipeline.owned_gradients``, which the memory model counts the same way)."""
         calls = {c.part: c for step in self._steps for c in step.calls}
-        return {part: owned_gradients(getattr(self._program.module, part), c.outputs)
+        return {part: owned_gradients(getattr(self.program.module, part), c.outputs)
                 for part, c in calls.items()}
 
     def _accumulator(self, program: StageProgram, call, index: int,
@@ -360,7 +356,7 @@ class PipelineRunner(PipelineState):
         """A gradient's accumulator from its first microbatch's ``value``: the tensor itself
         where nothing else holds its storage, else a copy of its own (the sum must not show
         through a view, an input, another output or what a later part reads)."""
-        if program is self._program and index in self._kept.get(call.part, ()):
+        if program is self.program and index in self._kept.get(call.part, ()):
             return value
         return value.clone()
 
@@ -376,19 +372,19 @@ class PipelineRunner(PipelineState):
             return torch.full((), share * seed(self.loss_scaler),
                               dtype=program.input_val(name).dtype, device=self.device)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
-            return self._tp.mesh_input(role)
+            return self.tp.mesh_input(role)
         if role.kind is M.InputKind.CONSTANT:  # the same whole tensor on every device
             key = (id(program), name)
             if key not in self._constants:
                 self._constants[key] = program.constants[name].to(self.device)
             return self._constants[key]
         if role.kind is M.InputKind.RNG:  # slice: this replica's microbatch mb, in batch order
-            piece = (self._batch * self._dp_size + self._dp_index) * self.m + mb
-            return rng_value(self._seed, self.step_count, piece).to(self.device)
-        mine = flat[role.index].chunk(self._dp_size)[self._dp_index]  # this replica's rows
+            piece = (self._batch * self._dp_size + self.dp_index) * self.m + mb
+            return rng_value(self.rng_seed, self.step_count, piece).to(self.device)
+        mine = flat[role.index].chunk(self._dp_size)[self.dp_index]  # this replica's rows
         mine = mine.chunk(self.m)[mb]
-        if self._tp is not None:  # megatron-sp: this tp rank's part of the sequence
-            mine = self._tp.local(mine, program.placements.get(role.name, ()))
+        if self.tp is not None:  # megatron-sp: this tp rank's part of the sequence
+            mine = self.tp.local(mine, program.placements.get(role.name, ()))
         return mine.to(self.device)  # moved: only this microbatch's
 
     # --- inference --------------------------------------------------------------------------
@@ -397,7 +393,7 @@ class PipelineRunner(PipelineState):
         """The model's output for the global batch ``args``, on every rank: each microbatch
         through the stages' forward programs (a training plan's forward-only program, cut
         where the training plan keeps each weight), the outputs joined along the batch."""
-        flat = self._plan.check_inputs(args, (), inference=True)
+        flat = check_step_inputs(self.plan, args, (), inference=True)
         if self._forward is None:
             self._forward = self._compile_forward(flat[0].shape[0] // (self._dp_size * self.m))
         program, steps, spec, outputs = self._forward
@@ -409,7 +405,7 @@ class PipelineRunner(PipelineState):
                 mine = torch.cat([self._outputs[role.index][mb] for mb in range(self.m)])
             else:
                 mine = torch.empty(shape, dtype=val.dtype, device=self.device)
-            dist.broadcast(mine, src=self._ranks[owner], group=self._pp)
+            dist.broadcast(mine, src=self.ranks[owner], group=self.pp)
             if self._dp is not None:  # every replica's rows, in order
                 parts = [torch.empty_like(mine) for _ in range(self._dp_size)]
                 dist.all_gather(parts, mine.contiguous(), group=self._dp)
@@ -420,9 +416,9 @@ class PipelineRunner(PipelineState):
     def _compile_forward(self, rows: int) -> tuple:
         """The forward program, this rank's steps of it, the output structure, and per model
         output (role, producing rank, fake value of one microbatch's), checked batch-first."""
-        split, ir, spec = self._plan.inference_stages()
-        if split is self._plan.stage_program:  # an inference plan: its program is the one
-            program, steps = self._program, self._steps
+        split, ir, spec = self.plan.inference_stages()
+        if split is self.plan.stage_program:  # an inference plan: its program is the one
+            program, steps = self.program, self._steps
         else:
             schedule = forward_only(self.schedule.ranks, self.m,
                                     self.schedule.stages // self.schedule.ranks)
@@ -444,21 +440,21 @@ class PipelineRunner(PipelineState):
     def _inference_weights(self, program: StageProgram) -> dict[str, torch.Tensor]:
         """The weights the forward program reads on this rank: the trained ones, resharded over
         tp where the forward program places them differently."""
-        out, buffers = {}, dict(self._plan.model.named_buffers())
+        out, buffers = {}, dict(self.plan.model.named_buffers())
         for role in program.reads(self.rank).values():
             fqn = role.name
             if role.kind is M.InputKind.BUFFER:
-                out[fqn] = self._buffers.get(fqn, buffers[fqn]).to(self.device)
+                out[fqn] = self.buffers.get(fqn, buffers[fqn]).to(self.device)
             elif role.kind is M.InputKind.PARAM:
-                if fqn not in self._params:
+                if fqn not in self.params:
                     raise PipelineError(
                         f"the forward program reads {fqn} on pipeline rank {self.rank}, which "
                         "does not train it", where="runner.forward",
                         fix="plan inference on its own: shardfx.partition(model, args, mesh=...)")
-                local = self._params[fqn].detach()
+                local = self.params[fqn].detach()
                 want = program.placements.get(fqn, ())
-                if self._tp is not None and want != self._program.placements.get(fqn, ()):
-                    local = self._tp.local(self._full(fqn, local), want)
+                if self.tp is not None and want != self.program.placements.get(fqn, ()):
+                    local = self.tp.local(self.full(fqn, local), want)
                 out[fqn] = local
         return out
 
@@ -468,10 +464,10 @@ class PipelineRunner(PipelineState):
         """(FQN, owning pipeline rank, reading ranks) of each parameter several ranks read;
         worked out once, used after every step."""
         out = []
-        for fqn in sorted({r.name for r in self._program.roles.values()
+        for fqn in sorted({r.name for r in self.program.roles.values()
                            if r.kind is M.InputKind.PARAM}):
-            readers = self._program.readers(fqn)
-            owner = self._program.producer(M.OutputKind.GRAD, fqn)
+            readers = self.program.readers(fqn)
+            owner = self.program.producer(M.OutputKind.GRAD, fqn)
             if owner is not None and len(readers) > 1:
                 out.append((fqn, owner, readers))
         return out
@@ -479,7 +475,7 @@ class PipelineRunner(PipelineState):
     def _share_tied(self) -> None:
         """A parameter several stages read is updated by its owner, then sent to the others."""
         for fqn, owner, readers in self._tied:
-            p = self._params.get(fqn)
+            p = self.params.get(fqn)
             for r in readers:
                 if r != owner and self.rank == owner:
                     self._send(p.detach().contiguous(), r).wait()
@@ -491,7 +487,7 @@ class PipelineRunner(PipelineState):
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         last = self.schedule.rank_of(self.schedule.stages - 1)
-        dist.broadcast(loss, src=self._ranks[last], group=self._pp)
+        dist.broadcast(loss, src=self.ranks[last], group=self.pp)
         if self._dp is not None:  # the batch's loss: over data-parallel replicas
             dist.all_reduce(loss, group=self._dp)
             if self._mean:
@@ -504,8 +500,8 @@ class PipelineRunner(PipelineState):
         """Every rank's (action, start, end) of the last step, in seconds from the step's start
         (a collective: call it on every rank)."""
         mine = [(a, self._clock.seconds(b), self._clock.seconds(e)) for a, b, e in self._spans]
-        spans: list = [None] * len(self._ranks)
-        dist.all_gather_object(spans, mine, group=self._pp)
+        spans: list = [None] * len(self.ranks)
+        dist.all_gather_object(spans, mine, group=self.pp)
         t0 = min(s[1] for rank in spans for s in rank)  # clocks of one machine; see trace()
         return [[(a, b - t0, e - t0) for a, b, e in rank] for rank in spans]
 
@@ -539,9 +535,9 @@ class PipelineRunner(PipelineState):
         """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""
         if not plan.options.zero:
             return None
-        whole = {fqn: self._params[fqn] for fqn in self._owned}
+        whole = {fqn: self.params[fqn] for fqn in self.owned}
         layouts = {fqn: M.ZeroShard(tuple(t.shape), self._dp_size) for fqn, t in whole.items()}
         gather = zero_gather_programs(whole, self._dp_size)
         for program in gather:
             place(program.module, self.device)
-        return ZeroRows(layouts, plan.options.zero, self._dp_index, self._dp, gather)
+        return ZeroRows(layouts, plan.options.zero, self.dp_index, self._dp, gather)

@@ -2,7 +2,7 @@
 
 Each rank holds its stages' tensors (tp shards) and steps the parameters whose gradients it
 makes (under ZeRO-1/2, its dp replica's rows of them). A checkpoint takes what each rank holds
-as it holds it (``_holdings``, ``runtime.saving``); ``state_dict`` and ``grads`` give the full
+as it holds it (``holdings``, ``runtime.saving``); ``state_dict`` and ``grads`` give the full
 tensors on every rank, each broadcast over pp by the rank that updates it (``_holder``).
 """
 
@@ -25,10 +25,10 @@ class PipelineState:
     def parameters(self):
         """This rank's parameters (its tp shards; under ZeRO, its rows of those it owns), those
         its optimizer steps and the others it reads (a tied weight another rank owns)."""
-        return self._trained().values()
+        return self.trained().values()
 
     def _trained(self) -> dict[str, torch.Tensor]:
-        return {**self._params, **self._stepped}
+        return {**self.params, **self.stepped}
 
     def save(self, path, **meta):
         """Write this runner's training state to the checkpoint ``path``, on every rank, all
@@ -40,75 +40,75 @@ class PipelineState:
         returns its meta."""
         return saving.load(self, path)
 
-    def _holdings(self) -> tuple[dict, dict]:
-        """What this rank holds, for a checkpoint (``Runner._holdings``): its stages' tensors (tp
+    def holdings(self) -> tuple[dict, dict]:
+        """What this rank holds, for a checkpoint (``Runner.holdings``): its stages' tensors (tp
         shards), and the parameters it owns as its optimizer steps them."""
-        axes = self._tp.spec.axes if self._tp is not None else ()
-        coord = self._tp.coord if self._tp is not None else {}
+        axes = self.tp.spec.axes if self.tp is not None else ()
+        coord = self.tp.coord if self.tp is not None else {}
         model, stepped = {}, {}
-        for fqn, t in {**self._params, **self._buffers}.items():
-            placements = self._program.placements.get(fqn, ())
+        for fqn, t in {**self.params, **self.buffers}.items():
+            placements = self.program.placements.get(fqn, ())
             model[fqn] = Held(t, offsets(t.shape, placements, axes, coord),
                               parts=parts(t.shape, placements, axes, coord))
-        for fqn in self._owned:
-            if fqn in self._stepped:
-                z = self._zero.layouts[fqn]
-                stepped[fqn] = (self._stepped[fqn], zero_held(
-                    self._stepped[fqn], z, self._dp_index, model[fqn].offsets, model[fqn].parts))
+        for fqn in self.owned:
+            if fqn in self.stepped:
+                z = self.zero.layouts[fqn]
+                stepped[fqn] = (self.stepped[fqn], zero_held(
+                    self.stepped[fqn], z, self.dp_index, model[fqn].offsets, model[fqn].parts))
             else:
-                stepped[fqn] = (self._params[fqn], model[fqn])
+                stepped[fqn] = (self.params[fqn], model[fqn])
         return model, stepped
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's full gradients, on every rank (each sent by its owner): a runner
         made with ``keep_grads=True`` keeps them."""
         check_kept(self.keep_grads)
-        mine, trained = {}, self._trained()
-        for fqn in sorted(self._owned):  # ZeRO: every replica's rows; then every tp shard
+        mine, trained = {}, self.trained()
+        for fqn in sorted(self.owned):  # ZeRO: every replica's rows; then every tp shard
             g = trained[fqn].grad
             if g is not None:
-                mine[fqn] = self._full(fqn, self._zero.whole(fqn, g) if fqn in self._stepped
+                mine[fqn] = self.full(fqn, self.zero.whole(fqn, g) if fqn in self.stepped
                                        else g)
         return self._gather(mine, self._grad_shapes())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors on every rank, each sent by the rank that trains it. (The runner
         updates the model's own tensors in place, so a rank's copy of what it owns is current.)"""
-        model = self._plan.model
+        model = self.plan.model
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-        tensors |= {fqn: self._full(fqn, p) for fqn, p in self._params.items()}
-        tensors |= self._buffers  # this rank's copies, on its device, updated by its steps
+        tensors |= {fqn: self.full(fqn, p) for fqn, p in self.params.items()}
+        tensors |= self.buffers  # this rank's copies, on its device, updated by its steps
         mine = {fqn: t for fqn, t in tensors.items() if self._holder(fqn) == self.rank}
         full = self._gather(mine, self._state_shapes())
-        return {fqn: full[self._plan.canonical(fqn)] for fqn in self._plan.state_names}
+        return {fqn: full[self.plan.canonical(fqn)] for fqn in self.plan.state_names}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Every rank takes its weights (its tp shards) from a full state dict, as
         ``state_dict`` gives it."""
         def local(fqn: str, t: torch.Tensor) -> torch.Tensor:
-            placements = self._program.placements.get(fqn, ())
-            return t if self._tp is None or fqn not in self._params else \
-                self._tp.local(t, placements)
+            placements = self.program.placements.get(fqn, ())
+            return t if self.tp is None or fqn not in self.params else \
+                self.tp.local(t, placements)
 
-        load_state(self._plan, state, {**self._params, **self._buffers}, local)
+        load_state(self.plan, state, {**self.params, **self.buffers}, local)
 
     def _holder(self, fqn: str) -> int:
         """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or
         its buffer update), else the first that reads it."""
         for kind in (M.OutputKind.GRAD, M.OutputKind.BUFFER_UPDATE):
-            rank = self._program.producer(kind, fqn)
+            rank = self.program.producer(kind, fqn)
             if rank is not None:
                 return rank
-        return min(self._program.readers(fqn), default=0)
+        return min(self.program.readers(fqn), default=0)
 
     def _state_shapes(self) -> dict[str, torch.Tensor]:
-        model = self._plan.model
+        model = self.plan.model
         return dict(model.named_parameters()) | dict(model.named_buffers())
 
     def _grad_shapes(self) -> dict[str, torch.Tensor]:
-        model = dict(self._plan.model.named_parameters())
+        model = dict(self.plan.model.named_parameters())
         return {fqn: t for fqn, t in model.items()
-                if self._program.producer(M.OutputKind.GRAD, fqn) is not None}
+                if self.program.producer(M.OutputKind.GRAD, fqn) is not None}
 
     def _gather(self, mine: dict, shapes: dict) -> dict[str, torch.Tensor]:
         out = {}
@@ -118,6 +118,6 @@ class PipelineState:
             t = mine[fqn].detach().to(self.device, copy=True) \
                 if self.rank == owner and mine.get(fqn) is not None \
                 else torch.empty(val.shape, dtype=val.dtype, device=self.device)
-            dist.broadcast(t, src=self._ranks[owner], group=self._pp)
+            dist.broadcast(t, src=self.ranks[owner], group=self.pp)
             out[fqn] = t
         return out

@@ -34,8 +34,8 @@ from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counte
                                             release)
 from shardfx.cost.optimizer import check_optimizer
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
-from shardfx.runtime.checks import SameBatch, make_optimizer, same_plan
-from shardfx.runtime.compiled import Output
+from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
+from shardfx.codegen.steps import Output
 from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.released import released
@@ -56,7 +56,7 @@ class Runner:
     def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None,
                  loss_scaling=None, clip_grad_norm: float | None = None,
                  keep_grads: bool = False):
-        self._plan = plan
+        self.plan = plan
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         self._in_backward = plan.options.optimizer_in_backward  # codegen.step_in_backward
         self._stepped_grads: dict[str, torch.Tensor] = {}  # keep_grads: stepped in the backward
@@ -95,7 +95,9 @@ class Runner:
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
         self._same_batch = SameBatch(plan)
         # random draws (dropout, noise): [seed, step, 0] (passes.rng); the seed agreed once by every rank
-        self._seed = draw_seed() if reads_rng(plan.program.module) else 0
+        # the seed of this runner's random stream (``passes.rng``; 0 when the program draws
+        # nothing): with ``step_count``, what ``random_draws.on_stream_eagerly`` replays
+        self.rng_seed = draw_seed() if reads_rng(plan.program.module) else 0
         self.step_count = 0  # steps taken: random draws depend on it; set it when resuming
         self.clip_grad_norm = clip_limit(clip_grad_norm)
         self.grad_norm: float | None = None  # the last step's, before clipping (when clipping)
@@ -126,17 +128,17 @@ class Runner:
         self._tangent = 1.0 / len(batches)  # d(mean of the batches' losses)/d(one of them)
         losses = []
         for index, (args, targets) in enumerate(batches):
-            flat = self._plan.check_inputs(args, targets)
+            flat = check_step_inputs(self.plan, args, targets)
             self._same_batch(flat)
             self._batch = index  # its random draws are its own
             into = self._accumulators(trained) if index else {}
-            outs = self._run(self._plan.program, flat, into)
+            outs = self._run(self.plan.program, flat, into)
             losses.append(next(v for r, v in outs if r.kind is M.OutputKind.LOSS))
             self._set_grads(trained, {r.name: v for r, v in outs
                                       if r.kind is M.OutputKind.GRAD and r.name not in into})
             del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
         self.step_count += 1
-        self.routed = load.stepped(self._plan)
+        self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
         if not self._in_backward:  # else each block stepped in the program (step_in_backward)
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
@@ -168,7 +170,7 @@ class Runner:
         """This rank's gradients, each with whether it counts it in the global norm (decided
         once: the layouts do not change)."""
         if self._counted is None:
-            axes = self._plan.mesh.axes
+            axes = self.plan.mesh.axes
             coord = self._shards.coord if self._shards is not None else {}
             self._counted = {name: counted(self._placements.get(name, ()), axes, coord,
                                            "dp" if name in self._stepped else None)
@@ -181,16 +183,10 @@ class Runner:
         """The current loss scale (fp16 plans; ``shardfx.runtime.loss_scale``), else None."""
         return None if self.loss_scaler is None else self.loss_scaler.scale
 
-    @property
-    def rng_seed(self) -> int:
-        """The seed of this runner's random stream (``passes.rng``; 0 when the program draws
-        nothing): with ``step_count``, what ``random_draws.on_stream_eagerly`` replays."""
-        return self._seed
-
     def forward(self, args: tuple) -> Any:
         """The model's output for ``args``, computed by the inference program."""
-        flat = self._plan.check_inputs(args, (), inference=True)
-        program, out_spec = self._plan.inference_program()
+        flat = check_step_inputs(self.plan, args, (), inference=True)
+        program, out_spec = self.plan.inference_program()
         outs = sorted((r.index, v) for r, v in self._run(program, flat)
                       if r.kind is M.OutputKind.OUTPUT)
         return pytree.tree_unflatten([v for _, v in outs], out_spec)
@@ -209,7 +205,7 @@ class Runner:
 
     @functools.cached_property
     def _summing(self) -> Accumulating | None:
-        program = self._plan.program
+        program = self.plan.program
         return accumulating(program.module, [Output(i, (r,), False, []) for i, r in
                                              enumerate(program.outputs)
                                              if r.kind is M.OutputKind.GRAD])
@@ -254,7 +250,7 @@ class Runner:
                 self._constants[node] = node.meta[M.CONSTANT].value.to(self.device)
             return self._constants[node]
         if role.kind is M.InputKind.RNG:  # the same on every device: masks follow global places
-            return rng_value(self._seed, self.step_count, self._batch).to(self.device)
+            return rng_value(self.rng_seed, self.step_count, self._batch).to(self.device)
         if self._shards is not None:  # this rank's slice, then moved: not the whole batch
             return self._shards.local(flat[role.index], node.meta[M.ANNOTATION]).to(self.device)
         return flat[role.index].to(self.device)
@@ -263,15 +259,15 @@ class Runner:
 
     def expert_load(self) -> dict[str, load.Routed]:
         """The last step's routing of each mixture-of-experts layer (tokens per expert, tokens
-        dropped), over the whole batch: every rank calls it (``moe.load``)."""
+        dropped), over the whole batch: every rank calls it (``kernels.expert_load``)."""
         batch = [self._shards.mesh.get_group(a) for a in BATCH_SPLIT
-                 if self._plan.mesh.axis(a) > 1]
-        return load.over_batch(self._plan, self.routed, batch)
+                 if self.plan.mesh.axis(a) > 1]
+        return load.over_batch(self.plan, self.routed, batch)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own FQNs (tied weights under each of their names)."""
         tensors = {**self._params, **self._buffers}
-        return {fqn: self._full(self._plan.canonical(fqn), tensors) for fqn in self._plan.state_names}
+        return {fqn: self._full(self.plan.canonical(fqn), tensors) for fqn in self.plan.state_names}
 
     def _full(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         local = tensors[name].detach()
@@ -296,7 +292,7 @@ class Runner:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         tensors = {**self._params, **self._buffers}
         local = (lambda name, t: t) if self._shards is None else self._local
-        load_state(self._plan, state, tensors, local)
+        load_state(self.plan, state, tensors, local)
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full``: its tp shard, and under ZeRO-3 its rows of that."""
@@ -345,11 +341,11 @@ class Runner:
         returns its meta (``runtime.saving``)."""
         return saving.load(self, path)
 
-    def _holdings(self) -> tuple[dict, dict]:
+    def holdings(self) -> tuple[dict, dict]:
         """What this rank holds, for a checkpoint: per FQN of a parameter or buffer, the tensor
         and where it sits in the whole one; per parameter the optimizer steps, that tensor and
         where (``runtime.saving``)."""
-        axes = self._plan.mesh.axes
+        axes = self.plan.mesh.axes
         coord = self._shards.coord if self._shards is not None else {}
         zero = self._zero.layouts if self._zero is not None else {}
         model, stepped = {}, {}

@@ -122,8 +122,8 @@ def zero_held(rows: torch.Tensor, z, index: int, tp_offsets: tuple[int, ...],
 
 def state(runner) -> dict[str, torch.Tensor]:
     """This rank's checkpoint state: key -> Box or whole tensor."""
-    plan = runner._plan
-    model, stepped = runner._holdings()
+    plan = runner.plan
+    model, stepped = runner.holdings()
     out: dict[str, torch.Tensor] = {}
     for fqn in plan.state_names:
         held = model.get(plan.canonical(fqn))
@@ -157,9 +157,9 @@ def save(runner, path, extra: dict[str, Any] | None = None):
     opt = runner.optimizer
     meta = {
         "step": runner.step_count,
-        "seed": int(runner._seed),
-        "mesh": str(runner._plan.mesh),
-        "zero": runner._plan.options.zero,
+        "seed": int(runner.rng_seed),
+        "mesh": str(runner.plan.mesh),
+        "zero": runner.plan.options.zero,
         "loss_scaler": None if runner.loss_scaler is None else runner.loss_scaler.state_dict(),
         "optimizer": None if opt is None else {
             "class": type(opt).__name__, "hyperparameters": _hyperparameters(opt)},
@@ -184,7 +184,7 @@ def load(runner, path) -> dict[str, Any]:
         _make_state(runner)
     meta = checkpoint.load(path, state(runner), strict_optim=opt is not None)
     runner.step_count = meta["step"]  # a whole number >= 0 (checkpoint_files.META)
-    runner._seed = meta.get("seed", runner._seed)
+    runner.rng_seed = meta.get("seed", runner.rng_seed)
     if runner.loss_scaler is not None and meta.get("loss_scaler"):
         runner.loss_scaler.load_state_dict(meta["loss_scaler"])
     return meta

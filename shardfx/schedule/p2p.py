@@ -27,7 +27,7 @@ action, with the grid marked: a planning error, never a hang at run time.
 
 A message here is by default what one action sends the next stage (``messages_out``,
 ``messages_in``); the pipeline runner passes its own, every tensor one part sends another
-rank (``runtime.compiled``), since a value may also skip stages (a mask made in stage 0 and
+rank (``codegen.steps``), since a value may also skip stages (a mask made in stage 0 and
 read by every stage) and an action may send several.
 """
 
