@@ -165,7 +165,7 @@ class PipelineRunner(PipelineState):
         return torch.nn.Parameter(local.to(self.device, copy=True),
                                   requires_grad=param.requires_grad)
 
-    def _full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+    def full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""
         if self.tp is None:
             return local

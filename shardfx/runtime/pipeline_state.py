@@ -27,7 +27,7 @@ class PipelineState:
         its optimizer steps and the others it reads (a tied weight another rank owns)."""
         return self.trained().values()
 
-    def _trained(self) -> dict[str, torch.Tensor]:
+    def trained(self) -> dict[str, torch.Tensor]:
         return {**self.params, **self.stepped}
 
     def save(self, path, **meta):
