@@ -143,7 +143,7 @@ def _overflow():
     scaling = shardfx.LossScaling(init_scale=1024.0, growth_interval=2)
     runner = plan.runner(adamw, loss_scaling=scaling)
     runner.step(*batches[0])  # clean: AdamW's state exists
-    params = runner.params  # this rank's shards, by name
+    params = runner._params  # this rank's shards, by name
     before = {n: p.detach().clone() for n, p in params.items()}
     moments = [s["exp_avg"].clone() for s in runner.optimizer.state.values()]
     if torch.distributed.get_rank() == 1:

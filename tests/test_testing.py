@@ -281,10 +281,10 @@ def test_buffers_updated_in_forward_are_checked(monkeypatch):
     step = shardfx.Runner.step
 
     def forget_stats(self, *args):  # on one device the runner's buffers are the model's
-        stats = {n: b.clone() for n, b in self._plan.model.named_buffers()}
+        stats = {n: b.clone() for n, b in self.plan.model.named_buffers()}
         loss = step(self, *args)
         with torch.no_grad():
-            for n, b in self._plan.model.named_buffers():
+            for n, b in self.plan.model.named_buffers():
                 b.copy_(stats[n])
         return loss
 

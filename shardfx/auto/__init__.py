@@ -1,3 +1,4 @@
-"""The sharding solver behind ``shard="auto"``: every op's candidate strategies
-(``candidates``), what each costs on the device model (``costs``), and the integer program that
-chooses among them (``ilp``). ``auto.shard`` runs it."""
+"""The solvers: ``shard="auto"``'s placements (``shard``, the pass; ``candidates``, every op's
+strategies; ``costs``, their prices on the device model; ``ilp``, the integer program that
+chooses), the ZeRO stage (``zero_stage``) and what to recompute under a memory budget
+(``remat``, ``remat_search``)."""
