@@ -10,33 +10,22 @@ import re
 from typing import Callable
 
 import torch
-import torch.utils._pytree as pytree
 
-from shardfx.compiler.finalists import fall_back, keep_best
 from shardfx.cost.device_model import DeviceModel
 from shardfx.cost.device_model import device_model as choose_device_model
-from shardfx.errors import (InputError, LossError, MemoryBudgetError, PassError, PipelineError,
-                            ShardfxError)
+from shardfx.errors import InputError, PipelineError
 from shardfx.codegen.step_in_backward import check as check_optimizer_in_backward
-from shardfx.request.hints import check_hint_axes
-from shardfx.ir.graph import copy_ir
-from shardfx.ir.text import ir_to_text
 from shardfx.cost.optimizer import optimizer_model
 from shardfx.mesh import MeshSpec
-from shardfx.partitioner.capture import (Captured, capture, capture_leaves, check_model,
-                                         microbatch)
-from shardfx.partitioner.microbatching import check_one_row, check_slices, loss_reduction
-from shardfx.auto.shard import AUTO, solver
-from shardfx.compiler.manager import PassRecord, dump_failure
+from shardfx.partitioner.capture import check_model, microbatch
+from shardfx.partitioner.microbatching import check_slices
 from shardfx.request.options import Options
 from shardfx.compiler.driver import deferred_codegen, paused_gc
 from shardfx.plan import Plan
 from shardfx.request.precision import Precision
 from shardfx.kernels.device import choose_device
 from shardfx.schedule import GENERATORS, Schedule
-from shardfx.partitioner.experts_hf import recognise
-from shardfx.kernels.experts import EXPERTS
-from shardfx.compiler.compile import compile_captured
+from shardfx.compiler.compile import compile_model
 from shardfx.request import option_docs
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -255,107 +244,15 @@ def partition(
                      options)
 
 
-
 if partition.__doc__:  # None under python -OO
     partition.__doc__ = partition.__doc__.rstrip(" ") + option_docs.render()
 
 def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec: MeshSpec,
           options: Options) -> Plan:
-    slices = options.slices
-    captured = _capture(model, mb_args, loss_fn, mb_targets, options)
-    if slices > 1:  # steps take the whole batch: check them against its shapes
-        captured.leaves = capture_leaves(example_args, example_targets)
-        if loss_fn is not None:  # and the slices' losses must make the batch's
-            reduction = loss_reduction(loss_fn, captured.output, example_targets, slices)
-            options = dataclasses.replace(options, loss_reduction=reduction)
-    # hints name mesh axes: check them while the user's line of each is known
-    sharded = spec.stage() if options.stages > 1 else spec
-    if sharded.size > 1:
-        check_hint_axes(captured.gm, [a for a, _ in sharded.axes], [a for a, _ in spec.axes])
-    dump = os.environ.get("SHARDFX_DUMP")
-    captured_ir = [PassRecord("capture", ir_to_text(captured.gm))] if dump else []
-    # shard="auto": the named plans the solver cannot tell from its choice are planned too,
-    # each from its own copy of the captured IR (planning rewrites the one it is given)
-    pristine = copy_ir(captured.gm) if options.shard == "auto" and solver(options) else None
-    def named(name: str) -> Plan:
-        return Plan(model, example_args, compile_captured(
-            dataclasses.replace(captured, gm=copy_ir(pristine)),
-            dataclasses.replace(options, shard=name)))
-
-    try:
-        try:
-            plan = Plan(model, example_args, compile_captured(captured, options))
-        except MemoryBudgetError as e:  # the solver's choice, planned, is over: a named one?
-            if pristine is None:
-                raise
-            plan = fall_back(e, captured.gm.meta.get(AUTO), named)
-        else:
-            if pristine is not None:
-                plan = keep_best(plan, named)
-    except PassError as e:  # shardfx's fault: write what exists for the report
-        dump_failure(e, captured_ir, captured.gm)
-        raise
-    if dump:
+    plan = Plan(model, example_args, compile_model(model, example_args, loss_fn, example_targets,
+                                                   mb_args, mb_targets, spec, options))
+    if dump := os.environ.get("SHARDFX_DUMP"):
         plan.dump(dump)
     return plan
 
 
-def _capture(model: torch.nn.Module, args: tuple, loss_fn: Callable | None, targets: tuple,
-             options: Options) -> Captured:
-    """``capture`` on one slice of the batch; a slice too small for the model, or a failure
-    that missing targets explain, is said in those terms."""
-    rows = next((t.shape[0] for t in pytree.tree_leaves(args)
-                 if isinstance(t, torch.Tensor) and t.dim()), 0)
-    check_one_row(model, rows, options.microbatches, options.slices // options.microbatches)
-    _check_experts_modules(model, options)
-    try:
-        captured = capture(model, args, loss_fn, targets, capacity=options.capacity_factor)
-    except ShardfxError as e:
-        if isinstance(e, LossError) and targets == () and \
-                re.search(r"missing \d+ required positional argument", str(e.__cause__)):
-            raise LossError(
-                f"example_targets missing: loss_fn was called on the model output alone and "
-                f"raised {type(e.__cause__).__name__}: {e.__cause__}",
-                where="partition(..., example_targets=...)",
-                fix="pass the targets loss_fn takes as a tuple: "
-                    "partition(model, example_args, loss_fn, (targets,))") from e.__cause__
-        raise
-    _check_experts(captured, options)
-    return captured
-
-
-def _asked_of_experts(options: Options) -> list[str]:
-    """The settings that need the model's experts to run as ``shardfx::experts``."""
-    asked = [f"capacity_factor={options.capacity_factor}"] if options.capacity_factor else []
-    return asked + ([f"ep={options.mesh.axis('ep')}"] if options.mesh.axis("ep") > 1 else [])
-
-
-def _check_experts_modules(model: torch.nn.Module, options: Options) -> None:
-    """Before tracing: with a capacity or an ep axis, an experts module shardfx cannot run as
-    its op (``partitioner.experts_hf.why_not``) is named, with why."""
-    asked = _asked_of_experts(options)
-    if not asked:
-        return
-    _, missed = recognise(model)
-    if missed:
-        path, why = missed[0]
-        kind = type(model.get_submodule(path)).__name__
-        raise InputError(
-            f"{' and '.join(asked)} asked, and {path} is a mixture-of-experts layer shardfx "
-            f"cannot run as its experts op: {why}", where=f"{path} ({kind})",
-            fix="drop the ep axis and the capacity (its experts then run on every rank that "
-                "holds the layer), or compute the experts with shardfx.experts(...) "
-                "(docs/experts.md)")
-
-
-def _check_experts(captured: Captured, options: Options) -> None:
-    """After tracing: a capacity needs a mixture-of-experts layer (the ep axis says so in
-    ``shard_annotate``)."""
-    if options.capacity_factor and \
-            not captured.gm.graph.find_nodes(op="call_function", target=EXPERTS):
-        raise InputError(
-            f"capacity_factor={options.capacity_factor} asked, and the model has no "
-            "mixture-of-experts layer shardfx recognises",
-            where="partition(..., capacity_factor=...)",
-            fix="drop capacity_factor, or mark the model's experts with shardfx.experts(...) "
-                "(docs/experts.md)")

@@ -354,8 +354,10 @@ def test_the_default_is_never_predicted_slower_than_a_named_plan(mesh, kw, tmp_p
 def test_an_axis_that_buys_nothing_is_said_with_the_fix():
     """On tp=3 nothing of the tiny model divides by 3, not even the batch: every rank of tp
     would do the same work. ``print(plan)`` and a warning say so and what to do instead."""
-    with pytest.warns(UserWarning, match="the tp axis buys nothing.*use those devices as dp"):
+    said_as = "the tp axis buys nothing.*use those devices as dp"
+    with pytest.warns(UserWarning, match=said_as) as said:
         plan = _plan(tiny("llama"), {"tp": 3}, batch=4, fused_loss=False)
+    assert said[0].filename == __file__  # the line that called partition
     assert "the tp axis buys nothing" in str(plan)
     split = _plan(tiny("llama"), {"tp": 2}, device_model=FAST_LINKS, fused_loss=False)
     assert "buys nothing" not in str(split)

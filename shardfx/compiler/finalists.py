@@ -92,8 +92,9 @@ def _keep(plans: dict, planned: dict, report, mesh):
             kept = name
     chosen = plans[kept]
     chosen.ir.meta[AUTO] = report = dataclasses.replace(report, planned=planned, kept=kept)
-    if idle_axes(report):  # stack: _keep, keep_best or fall_back, api._plan, partition, caller
-        warnings.warn(f'shard="auto" on mesh {mesh}: {idle_words(report)}', stacklevel=5)
+    if idle_axes(report):  # stack: _keep, keep_best or fall_back, compile.compile_model,
+        #                    api._plan, partition, the caller (whom the warning names)
+        warnings.warn(f'shard="auto" on mesh {mesh}: {idle_words(report)}', stacklevel=6)
     return chosen
 
 
