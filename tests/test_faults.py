@@ -27,7 +27,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import shardfx
 from shardfx.mesh import MeshSpec
-from shardfx.runtime.launch import GRACE_S, LaunchError, launch
+from shardfx.runtime.launch import LaunchError, launch
+from shardfx.runtime.outcomes import GRACE_S
 
 TIMEOUT = 5.0  # seconds a collective may wait
 SLACK = 15.0  # start-up of a new process group and a loaded 2-core machine

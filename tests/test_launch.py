@@ -20,9 +20,8 @@ import torch.distributed as dist
 import shardfx
 from shardfx.errors import InputError, MeshError, ShardfxError
 from shardfx.mesh import MeshSpec
-from shardfx.runtime.launch import (CONSEQUENCE_S, LaunchError, _communication_error,
-                                    _first_failure, _Outcome, _results, launch, rank,
-                                    world_size)
+from shardfx.runtime.launch import LaunchError, _communication_error, launch, rank, world_size
+from shardfx.runtime.outcomes import CONSEQUENCE_S, Outcome, first_failure, results
 from shardfx.runtime.mesh import coordinate, device_mesh
 
 # ---- run on the ranks ---------------------------------------------------------------------------
@@ -210,7 +209,7 @@ def test_a_rank_that_exits_while_starting_is_told_from_a_crash():
     """A rank that exits before fn runs (the main module or fn cannot be imported there) is
     not blamed on a native crash or the out-of-memory killer."""
     with pytest.raises(LaunchError) as err:
-        _results([_Outcome("exited", exitcode=1, at=1.0), _Outcome("exited", exitcode=1, at=2.0)],
+        results([Outcome("exited", exitcode=1, at=1.0), Outcome("exited", exitcode=1, at=2.0)],
                  {}, "shardfx.launch('f', nprocs=2)", math.inf, 60.0, [False, False])
     assert "while its process was starting, before fn ran" in err.value.fix
     assert "out-of-memory" not in err.value.fix
@@ -234,20 +233,20 @@ def test_rank_raising_during_a_peers_collective_is_blamed_not_the_peer():
     assert "rank 0 raised RuntimeError" in err.value.where
 
 
-def outcome(at: float, kind: str = "raised", communication: bool = False) -> _Outcome:
-    return _Outcome(kind, at=at, communication=communication, exitcode=1)
+def outcome(at: float, kind: str = "raised", communication: bool = False) -> Outcome:
+    return Outcome(kind, at=at, communication=communication, exitcode=1)
 
 
 def test_first_failure_is_first_by_time_with_communication_errors_as_consequences():
-    ok = _Outcome("ok")
-    assert _first_failure([outcome(5.0), outcome(4.0), ok]) == 1  # by time, not by rank
+    ok = Outcome("ok")
+    assert first_failure([outcome(5.0), outcome(4.0), ok]) == 1  # by time, not by rank
     # a peer's "connection closed" stamped before the launcher saw rank 1 exit
-    assert _first_failure([outcome(4.0, communication=True), outcome(4.3, "exited")]) == 1
+    assert first_failure([outcome(4.0, communication=True), outcome(4.3, "exited")]) == 1
     # ... but not a failure that came well after it: the communication error came first
     late = 4.0 + CONSEQUENCE_S + 1
-    assert _first_failure([outcome(4.0, communication=True), outcome(late)]) == 0
+    assert first_failure([outcome(4.0, communication=True), outcome(late)]) == 0
     # only communication errors (a rank hung): the first to time out
-    assert _first_failure([None, outcome(4.2, communication=True),
+    assert first_failure([None, outcome(4.2, communication=True),
                            outcome(4.1, communication=True)]) == 2
 
 

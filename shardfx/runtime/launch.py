@@ -14,7 +14,7 @@ pipe and exit sentinel at once, so nothing can hang:
 - the first rank to fail, by the time it failed, is reported in a ``LaunchError`` with its
   traceback or exit code (a rank that a native crash kills, SIGSEGV or SIGABRT, first writes
   every thread's Python stack to its stderr; a communication error gives way to a failure of
-  another kind just after it: it is that failure seen from a peer, see ``_first_failure``);
+  another kind just after it: it is that failure seen from a peer, see ``first_failure``);
   the others get ``GRACE_S`` seconds to finish; those still running then are named, with their
   Python stacks, and killed;
 - ``deadline`` (default: none) bounds the whole run: past it every rank is killed and
@@ -47,17 +47,15 @@ import json
 import math
 import os
 import pickle
-import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import parent_process
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,36 +65,12 @@ import torch.multiprocessing as mp
 
 from shardfx.errors import InputError, ShardfxError
 from shardfx.runtime import watchdog
+from shardfx.runtime.outcomes import KILL_WAIT_S, LaunchError, Outcome, collect, results
 from shardfx.runtime.watchdog import STACK_SIGNAL, read_stacks
 
-GRACE_S = 2.0  # how long the other ranks may run on after the first one fails
-KILL_WAIT_S = 1.0  # between SIGTERM and SIGKILL
-CONSEQUENCE_S = 1.0  # a communication error this long before another failure is its consequence
 HEAD_START_S = 3.0  # under torchrun, how long the first rank has to report an error alone
 IMPORT_TIME_EXIT = 86  # a rank's exit code when starting it re-ran a script's launch call
 RANK_NAME = "shardfx-rank"  # a rank's process name: RANK_NAME + its rank
-
-
-class LaunchError(ShardfxError):
-    """A rank failed (``rank``: the first; its ``exitcode`` or ``traceback``), or time ran out.
-
-    ``stacks``: the Python stack of each rank still running when the launcher stopped it,
-    by rank (``running``: those ranks).
-    """
-
-    def __init__(self, cause: str, *, where: str | None = None, fix: str | None = None,
-                 rank: int | None = None, exitcode: int | None = None, tb: str | None = None,
-                 stacks: dict[int, str] | None = None):
-        super().__init__(cause, where=where, fix=fix)
-        self.rank, self.exitcode, self.traceback = rank, exitcode, tb
-        self.stacks = stacks or {}
-        self.running = sorted(self.stacks)
-        parts = [self.args[0]]
-        if tb:
-            parts.append(f"traceback of rank {rank}:\n{tb.rstrip()}")
-        parts += [f"stack of rank {r}, still running (most recent call first):\n{s.rstrip()}"
-                  for r, s in sorted(self.stacks.items())]
-        self.args = ("\n\n".join(parts),)
 
 
 def rank() -> int:
@@ -156,149 +130,13 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
                     writer.close()  # the rank holds the only write end: its exit reads as EOF
                 procs.append(proc)
                 pipes.append(reader)
-            outcomes = _collect(procs, pipes, time.monotonic() + deadline)
+            outcomes = collect(procs, pipes, time.monotonic() + deadline)
             stacks = _stacks(procs, outcomes, folder)
             started = [os.path.exists(_stack_file(folder, r)) for r in range(nprocs)]
         finally:
             _stop(procs, [r for r, o in enumerate(outcomes) if o is not None])
     _launched_at_import(outcomes, started, where)
-    return _results(outcomes, stacks, where, deadline, timeout, started)
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """How one rank ended: "ok" (value), "raised" (summary, tb) or "exited" (exitcode).
-
-    ``at``: when it failed (``time.time()``: the rank's clock as it caught the exception, or the
-    launcher's as it saw the rank exit); ``communication``: the failure is a collective's or a
-    connection's (see ``_communication_error``).
-    """
-
-    kind: str
-    value: Any = None
-    summary: str = ""
-    tb: str = ""
-    exitcode: int | None = None
-    at: float = 0.0
-    communication: bool = False
-
-    def __str__(self) -> str:  # "returned", "raised ValueError: ...", "exited with code 3"
-        if self.kind != "exited":
-            return "returned" if self.kind == "ok" else "raised " + self.summary.splitlines()[0]
-        if self.exitcode is not None and self.exitcode < 0:
-            name = signal.Signals(-self.exitcode).name
-            return f"was killed by signal {name} (exit code {self.exitcode})"
-        return f"exited with code {self.exitcode}"
-
-
-def _collect(procs: list, pipes: list[Connection], end: float) -> list[_Outcome | None]:
-    """Wait for every rank's outcome; after the first failure, for GRACE_S more at most."""
-    outcomes: list[_Outcome | None] = [None] * len(procs)
-    stop_at = end
-    while None in outcomes and (left := stop_at - time.monotonic()) > 0:
-        waiting = {}
-        for r, outcome in enumerate(outcomes):
-            if outcome is None:
-                waiting[pipes[r]] = waiting[procs[r].sentinel] = r
-        ready = wait(list(waiting), timeout=min(left, 60.0))  # deadline may be inf
-        seen_at = time.time()
-        for r in sorted({waiting[x] for x in ready}):
-            outcomes[r] = _read_outcome(pipes[r], procs[r], seen_at)
-            if outcomes[r].kind != "ok" and stop_at == end:
-                stop_at = min(end, time.monotonic() + GRACE_S)
-    return outcomes
-
-
-def _read_outcome(pipe: Connection, proc, seen_at: float) -> _Outcome:
-    """The message a rank sent, or how it exited (seen at ``seen_at``) when it sent none."""
-    try:
-        if pipe.poll():
-            kind, *rest = pickle.loads(pipe.recv_bytes())
-            if kind == "ok":
-                return _Outcome("ok", value=rest[0])
-            summary, tb, at, communication = rest
-            return _Outcome("raised", summary=summary, tb=tb, at=at, communication=communication)
-    except EOFError:
-        pass  # died without a message: fall through to the exit code
-    except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be unpickled here
-        return _Outcome("raised", summary=f"its result cannot be unpickled: {e!r}",
-                        tb=traceback.format_exc(), at=seen_at)
-    proc.join(KILL_WAIT_S)
-    return _Outcome("exited", exitcode=proc.exitcode, at=seen_at)
-
-
-def _first_failure(outcomes: list[_Outcome | None]) -> int:
-    """The rank that failed first, by the time it failed.
-
-    A rank's crash or exception reaches its peers as communication errors (connection closed,
-    collective timed out), and those can be stamped first: before the launcher sees a crashed
-    rank exit, or before an exception that unwinds through code using collectives reaches its
-    rank's handler. So a first failure that is a communication error gives way to another
-    rank's failure of another kind up to CONSEQUENCE_S later.
-    """
-    failed = sorted((o.at, r) for r, o in enumerate(outcomes) if o is not None and o.kind != "ok")
-    first_at, first = failed[0]
-    if outcomes[first].communication:
-        for at, r in failed:
-            if at - first_at <= CONSEQUENCE_S and not outcomes[r].communication:
-                return r
-    return first
-
-
-def _same_shardfx_error(outcomes: list[_Outcome | None]) -> str | None:
-    """The summary every rank raised, when it is one and the same shardfx error (bad input
-    every rank met alike: a mesh that does not match nprocs, a plan that cannot be made):
-    said once, with its own where and fix, without tracebacks from inside shardfx."""
-    summaries = {o.summary if o is not None and o.kind == "raised" else None for o in outcomes}
-    if len(summaries) != 1 or None in summaries:
-        return None
-    summary = summaries.pop()
-    name = summary.split(":", 1)[0]
-    return summary if name in _error_names(ShardfxError) else None
-
-
-def _error_names(cls: type) -> set[str]:
-    return {cls.__name__, *(n for sub in cls.__subclasses__() for n in _error_names(sub))}
-
-
-def _results(outcomes: list[_Outcome | None], stacks: dict[int, str], where: str,
-             deadline: float, timeout: float, started: list[bool]):
-    """The ranks' values in order, or the LaunchError for the first rank that failed
-    (``started``: by rank, whether it got as far as ``_worker``)."""
-    failed = [r for r, o in enumerate(outcomes) if o is not None and o.kind != "ok"]
-    if not failed and None not in outcomes:
-        return [o.value for o in outcomes]
-    if not failed:
-        running = [r for r, o in enumerate(outcomes) if o is None]
-        done = [f"rank {r} {o}" for r, o in enumerate(outcomes) if o is not None]
-        raise LaunchError(
-            f"timed out: ranks {running} still running after the {deadline:g} s deadline; "
-            "they were killed", where="; ".join([where, *done]), stacks=stacks,
-            fix=f"look for a rank stuck outside a collective (collectives fail after "
-            f"timeout={timeout:g} s; their stacks are below); for long runs pass a larger "
-            "deadline=")
-    if same := _same_shardfx_error(outcomes):
-        raise LaunchError(f"every rank raised {same}", where=where)
-    r = _first_failure(outcomes)
-    o = outcomes[r]
-    where = "; ".join([where, *(f"rank {i} {other or 'was killed while still running'}"
-                                for i, other in enumerate(outcomes) if i != r)])
-    fix = f"see rank {r}'s traceback below" if o.kind == "raised" else (
-        f"see rank {r}'s output above: os._exit, a native crash or the out-of-memory killer "
-        "end a process without a Python traceback")
-    if o.kind == "exited" and not started[r]:
-        fix = (f"see rank {r}'s output above: it exited while its process was starting, "
-               "before fn ran: importing the main module again or unpickling fn and its args "
-               "failed there (define fn in a module the ranks can import)")
-    if stacks and o.communication:
-        running = ", ".join(map(str, sorted(stacks)))
-        fix = (f"rank(s) {running} still ran {GRACE_S:g} s after rank {r}'s collective failed: "
-               "a rank that stops outside a collective makes its peers' collectives time out; "
-               "see the stacks below")
-    if o.kind == "raised":
-        raise LaunchError(f"rank {r} {o}", where=where, fix=fix, rank=r, tb=o.tb, stacks=stacks)
-    raise LaunchError(f"rank {r} {o} without returning a result", where=where, fix=fix, rank=r,
-                      exitcode=o.exitcode, stacks=stacks)
+    return results(outcomes, stacks, where, deadline, timeout, started)
 
 
 def _check_not_starting(where: str) -> None:
@@ -316,7 +154,7 @@ def _check_not_starting(where: str) -> None:
     raise _import_time_error(where)
 
 
-def _launched_at_import(outcomes: list[_Outcome | None], started: list[bool],
+def _launched_at_import(outcomes: list[Outcome | None], started: list[bool],
                         where: str) -> None:
     """A rank that exited with IMPORT_TIME_EXIT before reaching ``_worker``: the script
     launches at import time (``_check_not_starting``)."""
@@ -344,7 +182,7 @@ def _import_time_error(where: str) -> LaunchError:
             "process should run), so the ranks import the script without launching")
 
 
-def _stacks(procs: list, outcomes: list[_Outcome | None], folder: str) -> dict[int, str]:
+def _stacks(procs: list, outcomes: list[Outcome | None], folder: str) -> dict[int, str]:
     """The Python stacks of the ranks still running (no outcome yet), which each writes to its
     stack file when sent STACK_SIGNAL; the launcher's own watch thread is left out."""
     running = [r for r, o in enumerate(outcomes) if o is None and procs[r].is_alive()]
