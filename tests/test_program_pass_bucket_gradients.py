@@ -26,39 +26,11 @@ from shardfx.passes.program import bucket_gradients_pass, program_passes
 from shardfx.request.options import Options
 from shardfx.request.precision import Precision
 
+from program_graphs import TWO_BUCKETS
+
 DP2 = Options(mesh=MeshSpec.parse("dp=2"))
 
-MLP = """\
-graph train Mlp mesh dp=2
-  layers_0_weight: f32[4096, 2048] = param layers.0.weight  # R
-  layers_1_weight: f32[4, 4096] = param layers.1.weight  # R
-  layers_1_bias: f32[4] = param layers.1.bias  # R
-  x: f32[6, 2048] = input args[0]  # S(0)
-  y: f32[6, 4] = target targets[0]  # S(0)
-  tangent_loss: f32[] = tangent loss  # R
-  t_w0: f32[2048, 4096] = aten.t.default(layers_0_weight)  # fwd R
-  h: f32[6, 4096] = aten.mm.default(x, t_w0)  # fwd S(0)
-  r: f32[6, 4096] = aten.relu.default(h)  # fwd S(0)
-  t_w1: f32[4096, 4] = aten.t.default(layers_1_weight)  # fwd R
-  o: f32[6, 4] = aten.addmm.default(layers_1_bias, r, t_w1)  # fwd S(0)
-  d: f32[6, 4] = aten.sub.Tensor(o, y)  # fwd S(0)
-  sq: f32[6, 4] = aten.mul.Tensor(d, d)  # fwd S(0)
-  loss: f32[] = aten.sum.default(sq)  # fwd P
-  d2: f32[6, 4] = aten.mul.Tensor(d, 2.0)  # bwd S(0)
-  grad_o: f32[6, 4] = aten.mul.Tensor(d2, tangent_loss)  # bwd S(0)
-  t_go: f32[4, 6] = aten.t.default(grad_o)  # bwd S(1)
-  grad_w1: f32[4, 4096] = aten.mm.default(t_go, r)  # bwd P
-  grad_b1: f32[4] = aten.sum.dim_IntList(grad_o, [0])  # bwd P
-  t_t_w1: f32[4, 4096] = aten.t.default(t_w1)  # bwd R
-  grad_r: f32[6, 4096] = aten.mm.default(grad_o, t_t_w1)  # bwd S(0)
-  grad_h: f32[6, 4096] = aten.threshold_backward.default(grad_r, r, 0)  # bwd S(0)
-  t_gh: f32[4096, 6] = aten.t.default(grad_h)  # bwd S(1)
-  grad_w0: f32[4096, 2048] = aten.mm.default(t_gh, x)  # bwd P
-  output loss loss = loss
-  output grad layers.0.weight = grad_w0
-  output grad layers.1.weight = grad_w1
-  output grad layers.1.bias = grad_b1
-"""
+MLP = TWO_BUCKETS
 
 BUCKETED = """\
 graph
