@@ -5,7 +5,8 @@ the methods users call; the compiler's re-emits (``compiler.budget``, ``compiler
 work on it before any Plan exists.
 
 A re-emit replaces the program through ``emitted``, which forgets what was derived from the
-program before (the memory estimate, ZeRO's layouts and gather programs, the predicted step).
+program before (the memory estimate, the predicted step); ZeRO's layouts and gather programs are
+the parameters', kept per ZeRO stage.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Compiled:
         self.program_records: list = []  # the program passes of the last emission
         self.fused_loss_reason = ""  # why fused_loss="auto" fused the LM head ("" if it did not)
         self.zero_chosen = False  # the ZeRO stage chosen by the compiler (zero="auto")
-        self._derived: dict[str, object] = {}  # from the program: forgotten when it changes
+        self._derived: dict = {}  # from the program and options: forgotten when they change
 
     def emitted(self, program: Program | fx.GraphModule, collectives: list[Collective],
                 records: list | None = None) -> None:
@@ -72,7 +73,8 @@ class Compiled:
         else:
             self.program = program
         self.collectives = collectives
-        self._derived.clear()
+        for key in ("memory", "predicted", "summary"):  # ZeRO's layouts are the parameters':
+            self._derived.pop(key, None)  # kept while the stage is (remat does not change them)
 
     def forget_memory(self) -> None:
         """After a change the memory estimate depends on but the program does not show (the
@@ -80,7 +82,7 @@ class Compiled:
         self._derived.pop("memory", None)
         self._derived.pop("predicted", None)
 
-    def _derive(self, key: str, make):
+    def _derive(self, key, make):
         if key not in self._derived:
             self._derived[key] = make()
         return self._derived[key]
@@ -104,7 +106,8 @@ class Compiled:
         over dp (``passes.zero``); empty otherwise."""
         if not self.options.zero or self.program is None:
             return {}
-        return self._derive("zero_layouts", lambda: zero_layouts(self.program, self.mesh.axis("dp")))
+        return self._derive(("zero_layouts", self.options.zero),
+                            lambda: zero_layouts(self.program, self.mesh.axis("dp")))
 
     @property
     def zero_gather_programs(self) -> list[Program]:
@@ -119,7 +122,7 @@ class Compiled:
             for program in programs:
                 place(program.module, self.device)
             return programs
-        return self._derive("zero_gathers", make)
+        return self._derive(("zero_gathers", self.options.zero), make)
 
     def compiled_stages(self) -> StageProgram:
         """The per-stage parts and the schedule, compiled into each pipeline rank's steps
