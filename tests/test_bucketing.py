@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import shardfx
 from shardfx.codegen.bucketing import bucket_gradients
@@ -194,34 +195,41 @@ def test_bucketed_program_computes_the_same_bits(make, bucket_bytes):
 
 
 def _pipeline_buckets():
-    """On each of 2 replicas: gradients of mixed dtypes added one at a time with a 100-byte
-    cap; buckets start before the last is added, and every gradient ends as the mean."""
+    """On each of 2 replicas: a stage's gradients of mixed dtypes through the program passes
+    with a 100-byte cap, cut into parts (``codegen.replicas``) and run by ``ReplicaBuckets``
+    as the gradients become final one at a time."""
+
     import torch.distributed as dist
 
-    from shardfx.runtime.buckets import GradBuckets
+    from shardfx.codegen.bucketing import bucket_gradients
+    from shardfx.codegen.replicas import cut, replica_program
+    from shardfx.runtime.buckets import ReplicaBuckets
 
     rank = dist.get_rank()
-    grads = [torch.full((n,), float(rank + i), dtype=dtype)
-             for i, (n, dtype) in enumerate([(8, torch.float32), (16, torch.float32),
-                                             (4, torch.bfloat16), (40, torch.float32)])]
-    buckets = GradBuckets(dist.group.WORLD, 2, mean=True, bucket_bytes=100)
+    shapes = [(8, torch.float32), (16, torch.float32), (4, torch.bfloat16), (40, torch.float32)]
+    with FakeTensorMode():
+        fake = [(f"g{i}", torch.empty(n, dtype=dtype)) for i, (n, dtype) in enumerate(shapes)]
+    reduction = cut(bucket_gradients(replica_program(fake), bucket_bytes=100, in_place=True))
+    buckets = ReplicaBuckets({0: reduction}, dist.group.WORLD.group_name, torch.device("cpu"))
+    grads = {f"g{i}": torch.full((n,), float(rank + i), dtype=dtype)
+             for i, (n, dtype) in enumerate(shapes)}
+    buckets.start()
     started = []
-    for g in grads:
-        buckets.add(g)
-        started.append(len(buckets._flying) + buckets._done)
-    reduces = buckets.finish()
-    means = [g.float().unique().tolist() for g in grads]
-    return started, reduces, means
+    for name in grads:
+        buckets.final(name, grads)
+        started.append(len(buckets._started))
+    sums = [g.float().unique().tolist() for g in buckets.finish().values()]
+    return [b.names for b in reduction.buckets], started, buckets.collectives, sums
 
 
 def test_pipeline_replicas_reduce_each_bucket_once_it_is_final():
-    """runtime.buckets: fp32 8 + 16 floats (96 bytes) wait for more until the bf16 one, of
-    another dtype, starts them; the 160-byte one, over the cap, starts the bf16 bucket and then
-    itself: all three are under way before finish, and each gradient is the mean of the two
-    replicas' (rank + i and rank + 1 + i)."""
-    for started, reduces, means in shardfx.launch(_pipeline_buckets, nprocs=2):
-        assert started == [0, 0, 1, 3] and reduces == 3
-        assert means == [[0.5], [1.5], [2.5], [3.5]]
+    """runtime.buckets: fp32 8 + 16 floats (96 bytes) fill a bucket, the bf16 one gets its
+    own, the 160-byte one (over the cap) another; each bucket starts as soon as its last
+    gradient is final, and each gradient ends as the sum of the two replicas' (rank + i)."""
+    for names, started, collectives, sums in shardfx.launch(_pipeline_buckets, nprocs=2):
+        assert names == [("g0", "g1"), ("g2",), ("g3",)]
+        assert started == [0, 1, 2, 3] and collectives == 3
+        assert sums == [[1.0], [3.0], [5.0], [7.0]]
 
 
 def test_interleaved_stages_finish_their_gradients_at_different_actions():

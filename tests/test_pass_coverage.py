@@ -15,7 +15,7 @@ from shardfx.request.options import Options
 ROOT = Path(__file__).resolve().parent.parent
 EVERYTHING = Options(mesh=MeshSpec.parse({"dp": 2, "cp": 2, "tp": 2}), shard="auto",
                      fused_loss=True, zero=3, optimizer_in_backward=True, kernels="triton")
-PIPELINE = dataclasses.replace(EVERYTHING, mesh=MeshSpec.parse({"pp": 2, "tp": 2}), zero=0,
+PIPELINE = dataclasses.replace(EVERYTHING, mesh=MeshSpec.parse({"pp": 2, "dp": 2, "tp": 2}), zero=0,
                                optimizer_in_backward=False)
 
 

@@ -147,6 +147,46 @@ def test_memory_budget_error_names_the_zero_stage_that_fits():
     assert plan_of(1, memory_budget=budget).memory_estimate()[0] <= budget
 
 
+def _dp_collectives(plan: shardfx.Plan) -> dict[tuple, int]:
+    """(kind, purpose) -> bytes of the gradient collectives over dp a step issues: an SPMD
+    plan's program's, or each pipeline stage's reduction (``codegen.replicas``)."""
+    if plan.program is not None:
+        records = plan.program.collectives
+    else:
+        records = [c for r in plan.stage_program.meta[M.REPLICAS].values()
+                   for c in r.collectives]
+    out: dict[tuple, int] = {}
+    for c in records:
+        if c.axis == "dp" and c.purpose.value in ("bucket", "zero"):
+            out[(c.kind, c.purpose.value)] = out.get((c.kind, c.purpose.value), 0) + c.nbytes
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_pipeline_reduces_over_dp_what_an_spmd_plan_does(zero):
+    """pp x dp runs the SPMD program passes on each stage's gradients: the same collectives
+    (all-reduce buckets; ZeRO-2's reduce-scatter into rows) over the same bytes as dp alone,
+    each stage's buckets its own."""
+    spmd = plan_of(zero)
+    pipeline = plan_of(zero, mesh={"pp": 2, "dp": 2}, microbatches=2)
+    want = {("reduce_scatter", "zero") if zero >= 2 else ("all_reduce", "bucket")}
+    assert set(_dp_collectives(spmd)) == want == set(_dp_collectives(pipeline))
+    assert _dp_collectives(spmd) == _dp_collectives(pipeline)
+    assert set(pipeline.stage_program.meta[M.REPLICAS]) == {0, 1}
+
+
+def test_a_tied_embedding_is_reduced_once_by_the_stage_owning_its_gradient():
+    """GPT-2's tied embedding is read by the first and the last stage: its gradient is summed
+    over dp once, in the bucket of the stage the runner steps it on; every other trained
+    parameter in its own stage's."""
+    plan = plan_of(0, "gpt2", {"pp": 2, "dp": 2}, microbatches=2)
+    names = {s: [n for b in r.buckets for n in b.names]
+             for s, r in plan.stage_program.meta[M.REPLICAS].items()}
+    everything = [n for stage in names.values() for n in stage]
+    assert sorted(everything) == sorted(n for n, p in plan.model.named_parameters())
+    assert "transformer.wte.weight" in names[0] and "transformer.ln_f.weight" in names[1]
+
+
 # --- training equal to one device, on real processes -------------------------------------------
 
 

@@ -38,7 +38,7 @@ from torch.fx._lazy_graph_module import _make_graph_module
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective, Purpose
 from shardfx.ir import meta as M
-from shardfx.ir.graph import insert_op
+from shardfx.ir.graph import insert_op, right_after
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -145,7 +145,7 @@ def _grads(graph: fx.Graph, roles: Sequence[M.OutputRole]) -> list[_Grad]:
                 break
             chain.insert(0, (inner.args[0], inner))
         value = chain[0][0].args[0]
-        if isinstance(value, fx.Node) and value.op == "call_function":
+        if isinstance(value, fx.Node) and value.op in ("call_function", "placeholder"):
             out.append(_Grad(value, chain, wait_roles[0]))
     return out
 
@@ -201,7 +201,7 @@ def _emit_bucket(graph: fx.Graph, name: str, b: _Bucket, output: fx.Node) -> Non
 
     # Flatten and start the reduction as soon as the bucket's last gradient exists. (A bucket
     # of one gradient reduces it flat, without the copy a cat would make.)
-    with graph.inserting_before(b.grads[-1].value.next):
+    with right_after(b.grads[-1].value):
         flat = []
         for i, g in enumerate(b.grads):
             # reshape, not view: a kernel may lay a gradient out unlike its traced strides

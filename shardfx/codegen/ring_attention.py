@@ -72,7 +72,7 @@ class _Passing:
     def wait(self) -> list[torch.Tensor]:
         """The received buffers. The dense copies made to send go now (and the sent tensors,
         if ours): the process group's thread holds a finished send's tensor a while (as
-        ``runtime.buckets`` says)."""
+        ``runtime.released`` says)."""
         for w in self._works:
             w.wait()
         for c in self._copies:

@@ -84,7 +84,7 @@ class StageProgram:
         places on the pp axis."""
         self.module, self.schedule, self._vals = split, schedule, vals
         self.parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
-        self._stage = {name: int(name[5:].split("_")[0]) for name in self.parts}
+        self._stage = {name: stage_of(name) for name in self.parts}
         placeholders = split.graph.find_nodes(op="placeholder")
         self.roles = {n.name: n.meta[M.ROLE] for n in placeholders}
         self._input_vals = {n.name: n.meta.get(M.VAL) for n in placeholders}
@@ -212,6 +212,11 @@ class StageProgram:
         """The fake value (shape, dtype) of a part's output, to receive it into."""
         node = getattr(self.module, part).graph.output_node().args[0][index]
         return node.meta.get(M.VAL, self._vals.get(node.name))
+
+
+def stage_of(part: str) -> int:
+    """The stage a part (``stage3_B``) computes."""
+    return int(part[5:].split("_")[0])
 
 
 def source(value: fx.Node) -> tuple[str, int]:

@@ -147,8 +147,12 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             best = now
 
     sending = 0  # gloo frees a send's buffer only when the step's end waits for it
+    sent: set[tuple] = set()  # saved values also sent
     reducing = 0  # dp buckets started (counted to the step's end: an upper bound)
     final = final_gradients(steps)
+    reductions = _reductions(program, rank) if dp > 1 and train else {}
+    missing = {key: set(b.names) for key, b in reductions.items()}
+    bucket_of = {fqn: key for key, b in reductions.items() for fqn in b.names}
     for index, step in enumerate(steps):
         mb = step.action.microbatch
         for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
@@ -186,15 +190,25 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                                  f"{step.name} ({call.part}, gradients)")
                 if o.local:
                     saved[(call.part, o.index, mb)] = nbytes
+                    if o.sends:  # once freed here, its send holds it to the step's end
+                        sent.add((call.part, o.index, mb))
                 elif o.sends:
                     sending += nbytes
         for key in step.frees:
-            saved.pop(key, None)
+            freed = saved.pop(key, 0)
+            sending += freed if key in sent else 0
             comm.pop(key, None)
-        if dp > 1:  # final here: flattened into a bucket, all-reduced across replicas
-            reducing += sum(grads.get(fqn, 0) for fqn in final[index])
+        for fqn in final[index] if reductions else ():  # final here: its bucket issued
+            key = bucket_of[fqn]  # once its last gradient is (``runtime.buckets``)
+            missing[key].discard(fqn)
+            if not missing[key]:
+                peak, started = _issue(reductions[key].issue)
+                consider(0, peak + sending + reducing, f"{step.name} (dp bucket {key[1]} of "
+                         f"stage {key[0]})")
+                reducing += started
     if reducing:  # waited for after the sends (``runtime.pipeline`` lets them go then)
-        consider(0, reducing, "dp all-reduce")
+        finish = max(_issue(r.finish)[0] for r in _stage_reductions(program, rank).values())
+        consider(0, finish + reducing, "dp all-reduce")
     comm.clear()
     sending = reducing = 0
     if zero:  # the whole gradients go; the optimizer steps this replica's rows
@@ -204,6 +218,26 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
         consider(zero_gather_peak(zero_gather_programs(whole, dp)), 0, "ZeRO gather")
     return best
+
+
+def _stage_reductions(program, rank: int) -> dict:
+    """Stage -> its ``codegen.replicas.Reduction``, for the stages ``rank`` runs."""
+    return {s: r for s, r in program.module.meta.get(M.REPLICAS, {}).items()
+            if program.schedule.rank_of(s) == rank}
+
+
+def _reductions(program, rank: int) -> dict:
+    """(stage, bucket) -> its ``codegen.replicas.Bucket``, for the stages ``rank`` runs."""
+    return {(s, i): b for s, r in _stage_reductions(program, rank).items()
+            for i, b in enumerate(r.buckets)}
+
+
+def _issue(module: fx.GraphModule) -> tuple[int, int]:
+    """A reduction part's peak above its inputs, and the bytes of what it returns (a started
+    collective's buffer, which lives until the finish part waits for it)."""
+    peak, _, _ = walk(module.graph, lambda n: "communication")
+    out = module.graph.output_node().args[0]
+    return sum(peak.values()), sum(value_bytes(v) for v in out if isinstance(v, fx.Node))
 
 
 def _shape_bytes(shape, dtype) -> int:

@@ -13,8 +13,9 @@ What is counted, per device (one rank; in a pipeline, its busiest one):
 - **collectives**: each one in the program (tp's redistributions, dp's gradient buckets,
   ZeRO's reduce-scatters and gathers, and ZeRO-1/2's gather after the optimizer step),
   ``DeviceModel.collective_seconds`` on the link of its mesh axis (``DeviceModel.link_of``).
-  A pipeline's dp replicas reduce their gradients in the runner: one all-reduce of each
-  rank's gradients over dp (a reduce-scatter and a gather of the parameters under ZeRO-1/2).
+  A pipeline's dp replicas reduce each stage's gradients in the buckets the compiler emitted
+  for it (``codegen.replicas``: all-reduces, or ZeRO-2's reduce-scatters), then ZeRO-1/2
+  gathers the updated parameters.
 - **the optimizer's step**: memory-bound: each parameter (the rows this rank steps) read and
   written, its gradient read, each state tensor read and written.
 - **a pipeline** is simulated over its schedule (``schedule.simulate``) with each action's
@@ -169,20 +170,19 @@ def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float]) -> Predicte
 
 
 def _dp_reduce(plan, model: DeviceModel) -> dict[int, float]:
-    """Per pp rank, the runner's gradient reduction over dp (``runtime.buckets``)."""
+    """Per pp rank, its stages' gradient reductions over dp (each bucket's collective, as the
+    compiler emitted them: ``codegen.replicas``), then under ZeRO the gather of the updated
+    rows."""
     dp = plan.mesh.axis("dp")
     if dp == 1 or plan.mode is not M.Mode.TRAIN:
         return {}
     link = model.link_of(plan.mesh.axes, "dp")
-    out = {}
-    for label, (params, trained, _) in plan.state_rows().items():
-        rank = int(label.removeprefix("pp rank "))
-        grads = trained * (dp if plan.options.zero else 1)  # trained: this replica's rows
-        if plan.options.zero >= 2:
-            seconds = model.collective_seconds("reduce_scatter", grads, dp, link)
-        else:
-            seconds = model.collective_seconds("all_reduce", grads, dp, link)
-        if plan.options.zero:  # the updated rows back to every replica
-            seconds += model.collective_seconds("all_gather", params, dp, link)
-        out[rank] = seconds
+    out = {rank: 0.0 for rank in range(plan.mesh.axis("pp"))}
+    for stage, reduction in plan.stage_program.meta[M.REPLICAS].items():
+        out[plan.schedule.rank_of(stage)] += sum(
+            model.collective_seconds(c.kind, c.nbytes, dp, link) for c in reduction.collectives)
+    if plan.options.zero:  # the updated rows back to every replica
+        for label, (params, _, _) in plan.state_rows().items():
+            out[int(label.removeprefix("pp rank "))] += \
+                model.collective_seconds("all_gather", params, dp, link)
     return out

@@ -24,6 +24,14 @@ def fake_mode_of(graph: fx.Graph):
     raise ValueError("graph has no FakeTensor values; was it captured by shardfx?")
 
 
+def right_after(node: fx.Node):
+    """Insert where ``node``'s value has just been made: right after it; for an input, at the
+    end, before the output (code never goes between inputs, and what is inserted for one
+    input follows what was inserted for the inputs before it)."""
+    graph = node.graph
+    return graph.inserting_before(graph.output_node() if node.op == "placeholder" else node.next)
+
+
 def insert_op(graph: fx.Graph, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> fx.Node:
     """Insert ``op(*args)`` at the graph's current insertion point, with its FakeTensor value."""
     node = graph.call_function(op, args, kwargs)

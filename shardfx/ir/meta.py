@@ -49,6 +49,7 @@ AUTO = "shardfx.auto"  # gm.meta: the solver's AutoReport (``auto.shard``)
 PRECISION = "shardfx.precision"  # gm.meta: passes.mixed_precision.PrecisionReport
 RANDOM = "shardfx.random"  # gm.meta: passes.rng.RandomReport
 MASK = "shardfx.mask"  # attention ops: passes.causal_mask's AttentionMask
+REPLICAS = "shardfx.replicas"  # a pipeline's split module: stage -> codegen.replicas.Reduction
 
 
 class Mode(str, enum.Enum):
@@ -89,6 +90,7 @@ class InputKind(str, enum.Enum):
     CONSTANT = "constant"  # a tensor the model makes from Python values (x[:, [0, 1]]'s index),
     # or reads from outside the model (a global, a tensor loss_fn closes over)
     RNG = "rng"  # i64[3] [seed, step, slice]: the random stream's state (passes.rng)
+    GRAD = "grad"  # a gradient a pipeline stage made, into its dp reduction (codegen.replicas)
 
     def __str__(self) -> str:
         return self.value

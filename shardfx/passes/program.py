@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program
+from shardfx.codegen.replicas import cut, replica_program
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
 from shardfx.cost.device_model import default_model
@@ -28,6 +29,7 @@ from shardfx.passes.fusion import fuse
 from shardfx.passes.zero import zero_gather, zero_layouts, zero_reduce_scatter
 from shardfx.codegen.program import graphs
 from shardfx.codegen.stages import whole_backward
+from shardfx.codegen.steps import source, stage_of
 from shardfx.codegen.program import (BUCKETED, NO_KERNEL, no_parts,
                                      returned_gradient)
 from shardfx.ir import meta as M
@@ -37,7 +39,9 @@ from shardfx.ir.contract import contract, holds, on_ops
 def program_passes(options) -> list:
     """The program passes a plan with ``options`` runs, in order."""
     spmd = options.stages == 1 and options.mesh.size > 1  # one program for a dp/tp mesh
-    zero = options.zero if spmd else 0  # a pipeline's ZeRO is its runner's
+    zero = options.zero if spmd else 0  # a pipeline's ZeRO-2: in replica_reductions
+    #                                     (ZeRO-1/2's gathers after the step: the runner's)
+    replicas = options.stages > 1 and options.mesh.axis("dp") > 1
     return [
         *([chunked_loss] if options.fused_loss else []),  # LM head + loss in chunks: first,
         #                                          while the ATen ops it replaces are all there
@@ -50,6 +54,9 @@ def program_passes(options) -> list:
         *([optimizer_in_backward] if options.optimizer_in_backward else []),  # after the
         #             buckets: a gradient is final once its bucket's reduction is waited for
         *([split_stages] if options.stages > 1 else []),  # a pipeline: F, B, W parts per stage
+        *([replica_reductions] if replicas else []),  # a pipeline's dp: each stage's gradients
+        #      summed (or ZeRO-2's rows) by the passes above, in parts the runner issues as the
+        #      stage's gradients become final
         *([triton_fusion] if uses_triton(options) else []),  # memory-bound ops in Triton
         #                                      kernels: last, on the ops that will really run
     ]
@@ -116,6 +123,37 @@ def split_stages(program: Program, options) -> Program:
     program). Ensures: ``codegen.stages.split_stages``: the program's module calls one part per
     (stage, F|B|W); inputs, outputs and collectives unchanged."""
     return dataclasses.replace(program, module=_split(program.module, whole_backward(options)))
+
+
+@contract(requires=[holds("a forward part per stage (stage{s}_F)", "stage{s}_F", no_parts)])
+def replica_reductions(program: Program, options) -> Program:
+    """Requires: the program split into stages (``split_stages``), a dp axis.
+    Ensures: ``module.meta[REPLICAS]``: per stage that makes gradients, a
+    ``codegen.replicas.Reduction`` of them over dp: its ``replica_program`` (the gradients in
+    the order the stage's parts make them) through the passes an SPMD program's gradients go
+    through (``zero_reduce_scatter`` under ZeRO-2, ``bucket_gradients``), cut into parts
+    (its ``collectives`` one per bucket). The parts themselves are unchanged. The tangent the
+    runner feeds is the batch's share of the loss over every replica, so the sum over dp is
+    the gradient (as in an SPMD program)."""
+    split = program.module
+    outputs = split.graph.output_node().args[0]
+    made: dict[int, list] = {}  # stage -> ((part, position), fqn, value)
+    for value, role in zip(outputs, program.outputs):
+        if role.kind is not M.OutputKind.GRAD:
+            continue
+        part, index = source(value)
+        node = getattr(split, part).graph.output_node().args[0][index]
+        position = list(node.graph.nodes).index(node)
+        made.setdefault(stage_of(part), []).append(((part, position), role.name,
+                                                    node.meta[M.VAL]))
+    reductions = {}
+    for stage, grads in sorted(made.items()):
+        replicas = replica_program([(fqn, val) for _, fqn, val in sorted(grads, key=lambda g: g[0])])
+        if options.zero >= 2:
+            replicas = zero_reduce_scatter(replicas, options)
+        reductions[stage] = cut(bucket_gradients_pass(replicas, options))
+    split.meta[M.REPLICAS] = reductions
+    return program
 
 
 def triton_fusion(program: Program, options) -> Program:

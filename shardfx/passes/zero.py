@@ -33,7 +33,7 @@ from shardfx.codegen.redistribute import Collective, Purpose
 from shardfx.codegen.zero import (emit, emit_padded, finish_gather, finish_reduce_scatter,
                                   issue_gather, issue_reduce_scatter)
 from shardfx.ir import meta as M
-from shardfx.ir.graph import fake_mode_of, phases, tensor_val
+from shardfx.ir.graph import fake_mode_of, phases, right_after, tensor_val
 from shardfx.codegen.program import BUCKETED, NO_BUCKET
 from shardfx.ir.contract import contract
 
@@ -48,8 +48,8 @@ def zero_layouts(program: Program, dp: int) -> dict[str, M.ZeroShard]:
     trained = {r.name for r in program.outputs if r.kind is M.OutputKind.GRAD}
     out = {}
     for node in program.module.graph.find_nodes(op="placeholder"):
-        role = node.meta[M.ROLE]
-        if role.kind is M.InputKind.PARAM and role.name in trained:
+        role = node.meta[M.ROLE]  # a parameter, or a pipeline stage's gradient (codegen.replicas)
+        if role.kind in (M.InputKind.PARAM, M.InputKind.GRAD) and role.name in trained:
             out[role.name] = node.meta.get(M.ZERO) or M.ZeroShard(tuple(node.meta[M.VAL].shape), dp)
     return out
 
@@ -94,7 +94,7 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     narrow = options.precision.narrower_reduce
     for b, bucket in enumerate(buckets):
         name, parts = f"zero_rs{b}", [g[2] for g in bucket]
-        with graph.inserting_before(bucket[-1][1].next):  # its last gradient exists: start it
+        with right_after(bucket[-1][1]):  # its last gradient exists: start it
             started = issue_reduce_scatter(graph, [g[1] for g in bucket], parts, group, name,
                                            narrow)
         with graph.inserting_before(out):  # wait as late as possible

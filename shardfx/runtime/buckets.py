@@ -1,113 +1,73 @@
-"""Gradient buckets across data-parallel replicas of a pipeline, reduced while the step runs.
+"""A pipeline rank's gradients combined over its dp replicas, while the step runs.
 
-    buckets = GradBuckets(group, size=2, mean=True)
-    buckets.add(g)      # after the action that made g's last contribution on this rank
+    buckets = ReplicaBuckets(reductions, group_name, device)   # this rank's stages'
+    buckets.final(fqn, grads)   # after the action that made fqn's last contribution on this rank
     ...
-    buckets.finish()    # after the last action: wait, then every g holds the replicas' mean
+    reduced = buckets.finish()  # after the last action: FQN -> the sum over dp (ZeRO-2: rows)
 
-A gradient is final on a pipeline rank after the last action that adds to it (its stage's last
-microbatch's backward: ``final_gradients``). ``add`` packs final gradients, in the order they become final, into
-buckets of one dtype and at most ``BUCKET_BYTES`` (a larger one alone), and starts a bucket's
-all-reduce (``async_op``) as soon as it is full: the reduction of the last stages' gradients
-runs while the rank computes the backward of earlier microbatches and stages, as DDP overlaps
-its buckets with the backward (Li et al. 2020). On NCCL the all-reduce runs on the process
-group's own CUDA stream, and the default stream waits for it only in ``finish``; on gloo it
-runs on gloo's thread. A bucket whose all-reduce has completed is written back between actions
-(``retire``), so its buffer goes early. Every replica of a pipeline rank runs the same actions, so their buckets
-are the same gradients in the same order.
+The reductions are the compiler's (``passes.program.replica_reductions``: each stage's
+gradients through the same bucketing and ZeRO passes as an SPMD program's, cut into a part
+per bucket and a finish part by ``codegen.replicas``). A gradient is final on a pipeline
+rank after the last action that adds to it (its stage's last microbatch's backward:
+``final_gradients``). Once every gradient of a bucket is, ``final`` runs the bucket's issue
+part: its collective starts (on NCCL on the process group's own stream, on gloo on its
+thread) and the rank goes on with the backward of earlier microbatches and stages, as DDP
+overlaps its buckets (Li et al. 2020). ``finish`` runs each stage's finish part: the waits,
+then the buckets split back into gradients. Every replica of a pipeline rank runs the same
+actions, so their buckets start in the same order.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.runtime.zero import padded
+from shardfx.codegen.replicas import Reduction
+from shardfx.kernels.device import place
+from shardfx.runtime.released import released
 
 
-class GradBuckets:
-    def __init__(self, group: dist.ProcessGroup, size: int, mean: bool,
-                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 rows: dict | None = None):
-        """``mean``: average over the ``size`` replicas (as DDP), else sum; ``reduce_dtype``:
-        a narrower dtype to sum in (``Precision.reduce``). ``rows`` (ZeRO-2: FQN ->
-        ``ZeroShard``): reduce-scatter instead, each replica getting its rows of each gradient
-        in ``self.rows`` (by FQN); the gradients themselves are left as they were."""
-        self.group, self.size, self.mean = group, size, mean
-        self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
-        self.layouts = rows
-        self.rows: dict[str, torch.Tensor] = {}
-        self._open: list[tuple[torch.Tensor, str | None]] = []
-        self._bytes = 0
-        self._flying: list[tuple[list, torch.Tensor, object, list]] = []  # in order
-        self._done = 0  # buckets written back before finish
+class ReplicaBuckets:
+    def __init__(self, reductions: dict[int, Reduction], group_name: str, device: torch.device):
+        """``reductions``: stage -> its ``Reduction``, for the stages this rank runs."""
+        self.reductions, self.group_name, self.device = reductions, group_name, device
+        self._bucket: dict[str, tuple[int, int]] = {}  # FQN -> (stage, bucket)
+        for stage, r in reductions.items():
+            for i, b in enumerate(r.buckets):
+                place(b.issue, device)
+                self._bucket.update({fqn: (stage, i) for fqn in b.names})
+            place(r.finish, device)
+        self._missing: dict[tuple[int, int], set[str]] = {}
+        self._started: dict[tuple[int, int], torch.Tensor] = {}
 
-    def add(self, grad: torch.Tensor, fqn: str | None = None) -> None:
-        """``grad`` (of parameter ``fqn``) is final on this rank: bucket it, and start the
-        bucket once full."""
-        nbytes = grad.numel() * grad.element_size()
-        if self._open and (self._open[0][0].dtype != grad.dtype
-                           or self._bytes + nbytes > self.bucket_bytes):
-            self._start()
-        self._open.append((grad, fqn))
-        self._bytes += nbytes
-        if self._bytes >= self.bucket_bytes:
-            self._start()
+    def start(self) -> None:
+        """A new step: every bucket waits for all of its gradients."""
+        self._missing = {(s, i): set(b.names) for s, r in self.reductions.items()
+                         for i, b in enumerate(r.buckets)}
+        self._started = {}
 
-    def _start(self) -> None:
-        bucket, self._open, self._bytes = self._open, [], 0
-        if self.layouts is None:
-            flat = torch.cat([g.reshape(-1) for g, _ in bucket])
-        else:  # rank-major: each replica's rows of every gradient together (codegen.zero)
-            flat = torch.cat([padded(g, self.layouts[fqn]).reshape(self.size, -1)
-                              for g, fqn in bucket], dim=1).reshape(-1)
-        if self.reduce_dtype is not None and flat.is_floating_point():
-            flat = flat.to(self.reduce_dtype)  # summed narrower, widened back in finish
-        if self.layouts is None:
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._flying.append((bucket, flat, work, [flat]))
-            return
-        out = flat.new_empty(flat.numel() // self.size)
-        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
-        self._flying.append((bucket, out, work, [out]))  # gloo copies the input
+    def final(self, fqn: str, grads: dict[str, torch.Tensor]) -> None:
+        """``fqn``'s gradient (in ``grads``) is final on this rank: start its bucket's
+        collective once the bucket's last gradient is."""
+        key = self._bucket[fqn]
+        missing = self._missing[key]
+        missing.discard(fqn)
+        if not missing:
+            stage, i = key
+            bucket = self.reductions[stage].buckets[i]
+            issue = released(bucket.issue, self.device)
+            self._started[key] = issue(*[grads[n] for n in bucket.names], self.group_name)[0]
 
-    def retire(self) -> None:
-        """Write back the buckets whose all-reduce has completed (without waiting), so their
-        buffers go before the step ends."""
-        while self._flying and self._flying[0][2].is_completed():
-            self._write_back(*self._flying.pop(0))
-            self._done += 1
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Wait for every bucket; FQN -> its gradient summed over dp (ZeRO-2: this replica's
+        rows of it)."""
+        out = {}
+        for stage, r in sorted(self.reductions.items()):
+            started = [self._started.pop((stage, i)) for i in range(len(r.buckets))]
+            values = released(r.finish, self.device)(*started)
+            out.update({role.name: v for role, v in zip(r.outputs, values)})
+        return out
 
-    def finish(self) -> int:
-        """Start the last bucket, wait for every one, and write the results back into the
-        gradients. Returns how many all-reduces the step took."""
-        if self._open:
-            self._start()
-        for flying in self._flying:
-            self._write_back(*flying)
-        done, self._done, self._flying = self._done + len(self._flying), 0, []
-        return done
-
-    def _write_back(self, bucket: list, result: torch.Tensor, work, scratch: list) -> None:
-        """Wait for ``work``, then its ``result`` into the gradients (ZeRO-2: into
-        ``self.rows``). The ``scratch`` buffers (the all-reduced bucket; the reduce-scatter's
-        output unless the rows view it) are freed here: the process group's own thread (gloo's worker, NCCL's watchdog) holds the
-        work and its tensors a while after the wait, so dropping them would free the memory at
-        a moment that differs from step to step."""
-        work.wait()
-        wide = result.to(bucket[0][0].dtype)
-        if self.mean:
-            wide /= self.size
-        if self.layouts is not None:  # ZeRO-2: this replica's rows of each
-            shapes = [self.layouts[fqn].shard_shape for _, fqn in bucket]
-            sizes = [torch.Size(s).numel() for s in shapes]
-            for (_, fqn), part, shape in zip(bucket, wide.split(sizes), shapes):
-                self.rows[fqn] = part.view(shape)
-        else:
-            for (g, _), part in zip(bucket, wide.split([g.numel() for g, _ in bucket])):
-                g.copy_(part.view_as(g))
-        kept = wide.data_ptr() if self.layouts is not None else None  # the rows view it
-        for t in scratch:
-            if t.data_ptr() != kept:
-                t.untyped_storage().resize_(0)
+    @property
+    def collectives(self) -> int:
+        """Collectives a step issues."""
+        return sum(len(r.buckets) for r in self.reductions.values())

@@ -32,7 +32,8 @@ into a copy of it; once every accumulator a part writes exists, the part's accum
 variant adds each matmul's and embedding's weight gradient into it where it is made
 (``codegen.accumulate_into``: no fresh gradient per microbatch, no separate add). The tangent
 is 1/m when the batch's loss is the mean of the microbatch losses and 1 when it is their sum (``Options.loss_reduction``, found at planning
-time); dp replicas average or add alike, in DDP-sized buckets. The optimizer steps each rank's
+time); dp replicas sum their gradients in the buckets the compiler emitted for each stage
+(``runtime.buckets``), each replica's tangent its share of the whole batch's loss. The optimizer steps each rank's
 own parameters, and a parameter read by several stages (a tied embedding) is sent from the
 stage that owns its gradient to the others after each step. Its training state, for
 checkpoints and as full tensors on every rank: ``runtime.pipeline_state``.
@@ -63,7 +64,7 @@ from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_ste
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.estimate.memory_pipeline import final_gradients
-from shardfx.runtime.buckets import GradBuckets
+from shardfx.runtime.buckets import ReplicaBuckets
 from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
 from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
@@ -123,7 +124,6 @@ class PipelineRunner(PipelineState):
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
-        self._reduce_dtype = plan.options.precision.narrower_reduce
         self._same_batch = SameBatch(plan)
         same_plan(plan)  # runtime.checks: every rank would issue the same collectives
         # random draws (dropout, noise): [seed, step, slice] (passes.rng); the seed agreed once by every rank
@@ -140,7 +140,7 @@ class PipelineRunner(PipelineState):
         self._grads: dict[str, torch.Tensor] = {}
         self._kept = self._kept_outputs()  # part -> gradients taken as accumulators, no copy
         self._final = final_gradients(self._steps)  # step index -> gradients done there
-        self._buckets: GradBuckets | None = None
+        self._buckets = self._replica_buckets()  # the stages' gradients over dp
         self.all_reduces = 0  # dp buckets the last step reduced
         self._clock = Clock(self.device)  # device time: CUDA events on a GPU
         self._spans: list[tuple[str, Any, Any]] = []  # (action, start, end) marks of the clock
@@ -216,17 +216,21 @@ class PipelineRunner(PipelineState):
         self._same_batch(flat)
         self._grads = {}
         weights = {fqn: p.detach() for fqn, p in self.params.items()} | self.buffers
-        # replicas combine their gradients (average, as DDP, or sum), each bucket reduced as
-        # soon as its gradients are final (runtime.buckets); ZeRO-2 reduce-scatters them
+        # replicas sum their gradients (each replica's tangent its share of the whole
+        # batch's loss), each bucket issued as soon as its gradients are final
+        # (runtime.buckets); ZeRO-2 reduce-scatters them into each replica's rows
         zero2 = self.zero is not None and self.zero.stage == 2
-        self._buckets = None if self._dp is None else GradBuckets(
-            self._dp, self._dp_size, self._mean, self._reduce_dtype,
-            rows=self.zero.layouts if zero2 else None)
+        if self._buckets is not None:
+            self._buckets.start()
         loss = self._execute(self.program, self._steps, flat, weights)
         rows = {}
         if self._buckets is not None:
-            self.all_reduces = self._buckets.finish()
-            rows, self._buckets = self._buckets.rows, None
+            reduced = self._buckets.finish()
+            self.all_reduces = self._buckets.collectives
+            if zero2:
+                rows = reduced
+            else:
+                self._grads.update(reduced)
         for fqn, p in trained.items():
             g = self._grads.get(fqn) if fqn in self.owned else None
             if g is None:
@@ -269,9 +273,7 @@ class PipelineRunner(PipelineState):
             self._post(steps[0], posted)
         for index, step in enumerate(steps):
             for r in step.receives:  # other ranks' data first: the span is compute only
-                buf, work = posted.pop(r.key)
-                work.wait()
-                self._store[r.key] = buf
+                self._store[r.key] = _arrived(*posted.pop(r.key))  # no name left holding it
             if index + 1 < len(steps):  # the next action's data comes in during this one
                 self._post(steps[index + 1], posted)
             start = self._clock.now()
@@ -280,13 +282,11 @@ class PipelineRunner(PipelineState):
             self._spans.append((step.name, start, self._clock.now()))
             for key in step.frees:  # its last reader on this rank ran: let it go
                 del self._store[key]
+            self._sends = [w for w in self._sends if not w.is_completed()]
             if program is self.program and self._buckets is not None:
                 for fqn in self._final[index]:  # no later action adds to them
-                    self._buckets.add(self._grads[fqn], fqn)
+                    self._buckets.final(fqn, self._grads)
             self._held.append(len({mb for part, _, mb in self._store if part.endswith("_F")}))
-            self._sends = [w for w in self._sends if not w.is_completed()]
-            if self._buckets is not None:
-                self._buckets.retire()  # those reduced by now: written back, buffers freed
         for work in self._sends:
             work.wait()
         self._sends = []  # a finished send's work still holds its tensor: not to the step
@@ -368,7 +368,8 @@ class PipelineRunner(PipelineState):
         if role.kind in (M.InputKind.PARAM, M.InputKind.BUFFER):
             return weights[role.name]
         if role.kind is M.InputKind.TANGENT:  # d(mean, or sum, of m losses)/d(one of them)
-            share = (1.0 / self.m if self._mean else 1.0) * self._tangent
+            # (and of every dp replica's: their gradients are summed)
+            share = (1.0 / (self.m * self._dp_size) if self._mean else 1.0) * self._tangent
             return torch.full((), share * seed(self.loss_scaler),
                               dtype=program.input_val(name).dtype, device=self.device)
         if role.kind is M.InputKind.MESH:  # group(tp) / coord(tp)
@@ -531,6 +532,14 @@ class PipelineRunner(PipelineState):
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
+    def _replica_buckets(self) -> ReplicaBuckets | None:
+        """The reductions over dp the compiler emitted for this rank's stages."""
+        if self._dp is None or self.plan.mode is not M.Mode.TRAIN:
+            return None
+        mine = {s: r for s, r in self.plan.stage_program.meta[M.REPLICAS].items()
+                if self.schedule.rank_of(s) == self.rank}
+        return ReplicaBuckets(mine, self._dp.group_name, self.device)
+
     def _zero_rows(self, plan) -> ZeroRows | None:
         """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""
         if not plan.options.zero:
@@ -541,3 +550,9 @@ class PipelineRunner(PipelineState):
         for program in gather:
             place(program.module, self.device)
         return ZeroRows(layouts, plan.options.zero, self.dp_index, self._dp, gather)
+
+
+def _arrived(buf: torch.Tensor, work) -> torch.Tensor:
+    """``buf`` once its receive ``work`` is done."""
+    work.wait()
+    return buf
