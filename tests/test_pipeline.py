@@ -233,6 +233,21 @@ def test_dump_of_a_pipeline_plan(tmp_path):
         assert "def forward" in (out / f"{part}.py").read_text(), part
     grid, lists = (out / "schedule.txt").read_text().split("\n\n")
     assert Schedule.parse(grid) == Schedule.parse(lists) == plan.schedule
+    assert not list(out.glob("*_replicas.py"))  # no dp: nothing to sum over replicas
+
+
+def test_dump_of_a_pipeline_with_dp_shows_each_stage_s_sum_over_replicas(tmp_path):
+    """With dp, each stage's reduction: a bucket's issue part starting its all-reduce, then
+    the finish part waiting for it."""
+    (x,), (y,) = rows(1)[0]
+    plan = shardfx.partition(TwoStages(), (x,), sum_loss, (y,), mesh={"pp": 2, "dp": 2},
+                             microbatches=2)
+    out = plan.dump(tmp_path)
+    for stage in (0, 1):
+        text = (out / f"stage{stage}_replicas.py").read_text()
+        issue, finish = text.split("# finish")
+        assert "# bucket0 issue: " in issue and "all_reduce" in issue and "wait" not in issue
+        assert "wait_tensor" in finish
 
 
 class WithMean(torch.nn.Module):

@@ -1,11 +1,13 @@
-"""``plan.dump(dir)``: every pass's IR, the programs, the schedule, the summary, plan.html and the
-fused kernels, as files a person can read."""
+"""``plan.dump(dir)``: every pass's IR, the programs (a pipeline's parts, and each stage's sum
+over dp), the schedule, the summary, plan.html and the fused kernels, as files a person can
+read."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from shardfx.ir import meta as M
 from shardfx.kernels.triton import FusedKernel
 from shardfx.report.html import plan_html
 
@@ -24,6 +26,8 @@ def write_dump(plan, directory: str | os.PathLike) -> Path:
         for name, part in plan.stage_program.named_children():  # stage0_F, stage1_B, ...
             (out / f"{name}.py").write_text(part.code)
         (out / "stages.py").write_text(plan.stage_program.code)  # the order parts feed
+        for stage, reduction in plan.stage_program.meta.get(M.REPLICAS, {}).items():
+            (out / f"stage{stage}_replicas.py").write_text(reduction.source)  # dp's sums
         (out / "schedule.txt").write_text(f"{plan.schedule}\n\n"
                                           f"{plan.schedule.format_lists()}\n")
     (out / "plan.txt").write_text(str(plan))
