@@ -80,13 +80,18 @@ class Reduction:
     finish: fx.GraphModule  # (*each bucket's started collective, in order) -> outputs
     outputs: tuple[M.OutputRole, ...]  # one GRAD per output: the sum, or this rank's rows
     collectives: tuple[Collective, ...]  # one per bucket
+    gathers: tuple[Program, ...] = ()  # ZeRO-1/2: every rank's updated rows of the stage's
+    #                                    parameters, after the step (``codegen.zero``)
 
     @property
     def source(self) -> str:
         """The parts as readable Python, in the order the runner calls them."""
         text = [f"# bucket{i} issue: {', '.join(b.names)}\n{b.issue.code}"
                 for i, b in enumerate(self.buckets)]
-        return "\n".join(text + [f"# finish\n{self.finish.code}"])
+        text += [f"# finish\n{self.finish.code}"]
+        text += [f"# ZeRO gather {i}, after the optimizer step\n{g.module.code}"
+                 for i, g in enumerate(self.gathers)]
+        return "\n".join(text)
 
 
 def cut(program: Program) -> Reduction:

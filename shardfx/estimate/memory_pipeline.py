@@ -29,7 +29,6 @@ from shardfx.ir import meta as M
 from shardfx.cost.optimizer import OptimizerModel, optimizer_state, optimizer_temporaries
 from shardfx.cost.values import bases, tensor_bytes, writes_input, value_bytes
 from shardfx.estimate.memory import DeviceMemory, kind_of, walk, zero_gather_peak
-from shardfx.codegen.zero import zero_gather_programs
 
 
 @dataclass
@@ -216,7 +215,8 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if train and optimizer.name != "none":
         consider(optimizer_temporaries(rows, optimizer, device), 0, "optimizer step")
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
-        consider(zero_gather_peak(zero_gather_programs(whole, dp)), 0, "ZeRO gather")
+        gathers = [g for r in _stage_reductions(program, rank).values() for g in r.gathers]
+        consider(zero_gather_peak(gathers), 0, "ZeRO gather")
     return best
 
 

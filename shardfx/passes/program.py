@@ -20,6 +20,7 @@ import torch.fx as fx
 from shardfx.codegen.bucketing import bucket_gradients
 from shardfx.codegen.program import Program
 from shardfx.codegen.replicas import cut, replica_program
+from shardfx.codegen.zero import zero_gather_programs
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
 from shardfx.cost.device_model import default_model
@@ -132,11 +133,14 @@ def replica_reductions(program: Program, options) -> Program:
     ``codegen.replicas.Reduction`` of them over dp: its ``replica_program`` (the gradients in
     the order the stage's parts make them) through the passes an SPMD program's gradients go
     through (``zero_reduce_scatter`` under ZeRO-2, ``bucket_gradients``), cut into parts
-    (its ``collectives`` one per bucket). The parts themselves are unchanged. The tangent the
+    (its ``collectives`` one per bucket); under ZeRO-1/2, the programs gathering every rank's
+    updated rows of the stage's parameters after the step (``codegen.zero.gather_programs``). The parts themselves are unchanged. The tangent the
     runner feeds is the batch's share of the loss over every replica, so the sum over dp is
     the gradient (as in an SPMD program)."""
     split = program.module
     outputs = split.graph.output_node().args[0]
+    params = {n.meta[M.ROLE].name: n.meta[M.VAL] for n in split.graph.find_nodes(op="placeholder")
+              if n.meta[M.ROLE].kind is M.InputKind.PARAM}
     made: dict[int, list] = {}  # stage -> ((part, position), fqn, value)
     for value, role in zip(outputs, program.outputs):
         if role.kind is not M.OutputKind.GRAD:
@@ -151,7 +155,10 @@ def replica_reductions(program: Program, options) -> Program:
         replicas = replica_program([(fqn, val) for _, fqn, val in sorted(grads, key=lambda g: g[0])])
         if options.zero >= 2:
             replicas = zero_reduce_scatter(replicas, options)
-        reductions[stage] = cut(bucket_gradients_pass(replicas, options))
+        gathers = zero_gather_programs({fqn: params[fqn] for _, fqn, _ in grads},
+                                       options.mesh.axis("dp")) if options.zero in (1, 2) else []
+        reductions[stage] = dataclasses.replace(cut(bucket_gradients_pass(replicas, options)),
+                                                gathers=tuple(gathers))
     split.meta[M.REPLICAS] = reductions
     return program
 
