@@ -184,13 +184,41 @@ def test_at_most_eight_modules_at_the_top():
     assert len(top) <= TOP_LEVEL_LIMIT, top
 
 
+MEASURES = ("shardfx.cost", "shardfx.estimate")  # the cost model: what ops and programs cost
+MADE = ("shardfx.codegen", "shardfx.passes")  # what makes the programs
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def costing_code(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of code generation or passes by the cost model."""
+    return sorted((a, b) for a, bs in graph.items() for b in bs
+                  if _under(a, MEASURES) and _under(b, MADE))
+
+
+def test_the_cost_model_imports_no_code_generation():
+    """Ops state their own cost (``workspace``, ``steps_optimizer``, FLOPs and bytes through
+    ``cost.node``) and the programs the memory model walks are handed to it (ZeRO's gather
+    programs, a pipeline stage's reductions in the split module's meta): cost/ and estimate/
+    import neither codegen/ nor passes/."""
+    found = costing_code(graph())
+    assert not found, ("the cost model imports code generation: let the op state what it costs "
+                       f"or pass the program in: {found}")
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
-    """An upward edge, a circle through an import inside a function, and an unexplained lazy
-    import are each found; none is found where there is none."""
+    """An upward edge, a circle through an import inside a function, an unexplained lazy
+    import and code generation imported by the cost model are each found; none is found where
+    there is none."""
     assert upward({"shardfx.ir.graph": {"shardfx.plan"}, "shardfx.plan": {"shardfx.ir.graph"}}) \
         == [("shardfx.ir.graph", "shardfx.plan")]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert circles({"a": {"b"}, "b": set()}) == []
+    assert costing_code({"shardfx.estimate.memory": {"shardfx.codegen.zero", "shardfx.ir.meta"},
+                         "shardfx.compiler.shallow": {"shardfx.passes.zero"}}) == \
+        [("shardfx.estimate.memory", "shardfx.codegen.zero")]
     lazy = tmp_path / "lazy.py"
     lazy.write_text("def f():\n    from shardfx.plan import Plan\n    from shardfx.api import "
                     "partition  # lazy: a reason\n    return Plan, partition\n")

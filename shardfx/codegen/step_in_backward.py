@@ -72,6 +72,7 @@ def step_parameters(temporaries: int, names: tuple[str, ...], *grads):
 
 
 step_parameters.workspace = lambda temporaries, names, *grads: temporaries  # memory model
+step_parameters.steps_optimizer = True  # the memory model: no step after the program
 
 
 @contextlib.contextmanager

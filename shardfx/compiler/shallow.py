@@ -50,9 +50,11 @@ import numpy as np
 import torch
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
+from shardfx.codegen.zero import program_gathers
 from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import phases
+from shardfx.passes.zero import zero_layouts
 from shardfx.estimate.memory import KINDS, DeviceMemory, spmd_moments
 from shardfx.auto.remat import Choice, Problem, apply, undo
 from shardfx.auto.remat_search import (choose, device_group, fit as fit_whole, held_once,
@@ -210,7 +212,11 @@ def _moments(program, options) -> dict:
     phase = phases(program.module.graph)
     backward = [n for n, p in phase.items() if p is M.Phase.BACKWARD]
     half = {n: ("backward", 2 * i // len(backward)) for i, n in enumerate(backward)}
-    return spmd_moments(program, options, True, lambda node: half.get(node, "forward"))
+    dp = options.mesh.axis("dp")
+    layouts = zero_layouts(program, dp) if options.zero else {}
+    gathers = program_gathers(program, layouts, dp) if options.zero in (1, 2) else []
+    return spmd_moments(program, options, True, lambda node: half.get(node, "forward"),
+                        layouts, gathers)
 
 
 def _extend(near: DeviceMemory, far: DeviceMemory, d1: int, d2: int, depth: int

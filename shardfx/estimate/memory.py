@@ -43,9 +43,6 @@ from shardfx.ir.graph import arg_values, phases
 from shardfx.cost.optimizer import (OptimizerModel, optimizer_model, optimizer_state,
                                     optimizer_temporaries, stepped_value)
 from shardfx.cost.values import bases, is_collective, readers, tensor_bytes, value_bytes
-from shardfx.codegen.zero import program_gathers
-from shardfx.passes.zero import zero_layouts
-from shardfx.codegen.step_in_backward import step_parameters
 
 log = logging.getLogger("shardfx.estimate.memory")
 
@@ -81,8 +78,7 @@ class DeviceMemory:
 
 # --- one program -------------------------------------------------------------------------------
 
-def spmd_memory(program, options, train: bool = True, layouts: dict | None = None,
-                gathers: list | None = None) -> DeviceMemory:
+def spmd_memory(program, options, train: bool, layouts: dict, gathers: list) -> DeviceMemory:
     """The peak of a generated program run by ``runtime.runner`` (one device, or the SPMD
     program every device of a dp/tp mesh runs: its values have this device's local shapes),
     the fullest of ``spmd_moments``."""
@@ -90,19 +86,13 @@ def spmd_memory(program, options, train: bool = True, layouts: dict | None = Non
     return max(moments.values(), key=lambda m: m.total)  # the first of equals
 
 
-def spmd_moments(program, options, train: bool = True, moment=None,
-                 layouts: dict | None = None, gathers: list | None = None
+def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: list
                  ) -> dict[object, DeviceMemory]:
     """``program_moments`` of the ``program`` (``codegen.program.Program``) a plan with
     ``options`` runs. Under ZeRO the optimizer's state and, at its step, the gradients are this
     rank's rows (``layouts``: FQN -> ``ZeroShard``, ``passes.zero.zero_layouts``); stages 1 and
-    2 then run ``gathers`` (the gather programs, a bucket at a time: ``runtime.zero``). Both
-    made from the program where not given (a plan passes the ones it keeps)."""
-    dp = options.mesh.axis("dp")
-    if layouts is None:
-        layouts = zero_layouts(program, dp) if options.zero else {}
-    if gathers is None:
-        gathers = program_gathers(program, layouts, dp) if options.zero in (1, 2) else []
+    2 then run ``gathers`` (the gather programs, a bucket at a time: ``runtime.zero``), as the
+    compiler emitted them."""
     return program_moments(program.module, train, optimizer_model(options.optimizer),
                            options.device, layouts, options.zero, gathers, moment)
 
@@ -153,7 +143,8 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
 def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:
     """The optimizer's steps inside the program (``codegen.step_in_backward``): there the
     walk counts their temporaries (the op's ``workspace``), and there is no step after it."""
-    return graph.find_nodes(op="call_function", target=step_parameters)
+    return [n for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "steps_optimizer", False)]
 
 
 def zero_gather_peak(programs: list) -> int:
