@@ -196,3 +196,33 @@ def test_megatron_sp_reduce_scatters_onto_the_sequence(shard, tokens, residual, 
     assert ir_to_text(gm) == expected
     assert needs(gm)["view"] == "(R)"  # under megatron-sp: the all-gather of the sequence
     assert needs(gm)["relu"] == f"({residual})"  # P -> R, or P -> S(1): a reduce-scatter
+
+
+CP = textwrap.dedent("""\
+    graph train Scale mesh cp=2,tp=2
+      w: f32[8] = param w  # RR
+      x: f32[2, 8, 8] = input args[0]  # C(1)R
+      tangent_loss: f32[] = tangent loss  # RR
+      m: f32[2, 8, 8] = aten.mul.Tensor(x, w)  # fwd C(1)R
+      loss: f32[] = aten.sum.default(m)  # fwd PR
+      e: f32[2, 8, 8] = aten.expand.default(tangent_loss, [2, 8, 8])  # bwd RR
+      gm: f32[2, 8, 8] = aten.mul.Tensor(e, x)  # bwd C(1)R
+      gw: f32[8] = aten.sum.dim_IntList(gm, [0, 1])  # bwd PR
+      output loss loss = loss
+      output grad w = gw
+    """)
+
+
+def test_a_split_over_cp_is_its_balanced_chunks():
+    """A sequence split over cp is ``C(1)`` (``ir.cp_layout.Chunks``: rank r holds chunks r and
+    2n-1-r), on the input and on every op that keeps it; a plain ``S(1)`` declared on the cp
+    axis comes out as the chunks it is, and the printed text reads back the same."""
+    from shardfx.ir.cp_layout import Chunks
+
+    gm = propagate(CP.replace("# C(1)R", "# S(1)R", 1))
+    assert ir_to_text(gm) == CP
+    x = gm.graph.find_nodes(op="placeholder")[1]
+    assert type(x.meta[M.ANNOTATION][0]) is Chunks
+    assert type(x.meta[M.ANNOTATION][1]).__name__ == "Replicate"
+    assert needs(gm)["gm"] == "(C(1)R, C(1)R)"  # the replicated e: its chunks taken (take)
+    assert ir_to_text(text_to_ir(CP)) == CP

@@ -120,7 +120,7 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
     if isinstance(h, Partial) and split(w):
         log.append(Collective("reduce_scatter", axis.axis, _bytes(x), why, *module, output=output))
         x = _dim_to_front(emit, x, w.dim)
-        if axis.axis == cp_layout.AXIS:
+        if cp_layout.chunked(w):
             x = cp_layout.shuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
                                   cp_layout.split_factor(w))
         elif strided.factor(w) > 1:
@@ -134,13 +134,13 @@ def _one(emit: Emit, x: fx.Node, h, w, axis: MeshInputs, reason: str, log: list,
         x = _dim_to_front(emit, x, h.dim)
         x = emit(c10d.wait_tensor.default,
                  emit(c10d.all_gather_into_tensor.default, x, n, axis.group))
-        if axis.axis == cp_layout.AXIS:
+        if cp_layout.chunked(h):
             x = cp_layout.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n,
                                     cp_layout.split_factor(h))
         elif strided.factor(h) > 1:
             x = strided.unshuffle(emit, x, tuple(x.meta[M.VAL].shape), n, strided.factor(h))
         return _dim_from_front(emit, x, h.dim)
-    if isinstance(h, Replicate) and split(w) and axis.axis == cp_layout.AXIS:
+    if isinstance(h, Replicate) and cp_layout.chunked(w):
         return cp_layout.take(emit, x, tuple(x.meta[M.VAL].shape), w.dim, axis.coord, n,
                               cp_layout.split_factor(w))
     if isinstance(h, Replicate) and strided.factor(w) > 1:

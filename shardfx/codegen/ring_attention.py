@@ -41,7 +41,7 @@ from torch.distributed.tensor import Shard
 
 from shardfx.errors import PassError, ShardingError, user_line
 from shardfx.kernels.attention import attention, attention_backward  # the plan's device's kernel
-from shardfx.ir import meta as M
+from shardfx.ir import cp_layout, meta as M
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -268,12 +268,14 @@ def ring_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: dict)
             fix="set the attention dropout to 0 (attention_dropout, attn_pdrop), or drop cp")
     axes = [m.axis for m in mesh]
     q_at = 1 if backward else 0
-    split = [axes[i] for i, p in enumerate(inputs[q_at]) if type(p) is Shard and p.dim == 2]
+    split = [(axes[i], p) for i, p in enumerate(inputs[q_at]) if isinstance(p, Shard)
+             and p.dim == 2]
     if not split:
         return None
-    if split != ["cp"]:
+    if len(split) != 1 or split[0][0] != cp.axis or not cp_layout.chunked(split[0][1]):
         raise PassError(f"attention {node.name} is split on its sequence over "
-                        f"{', '.join(split)}: only cp runs it as a ring",
+                        f"{', '.join(f'{a} ({M.placements_str((p,))})' for a, p in split)}: "
+                        "only cp's chunks (C) run it as a ring",
                         where=node.format_node(), fix="this is a shardfx bug; report it")
     kind = RingAttentionBackward if backward else RingAttention
     op = kind(bool(given.get("is_causal", False)), given.get("scale"), cp.size)

@@ -6,14 +6,19 @@ size n is cut into 2n equal chunks and rank r holds chunks r and 2n-1-r, in that
 rank 0 holds chunks 0 and 7, rank 3 chunks 3 and 4): every rank does the same attention work
 (``codegen.ring_attention``), as Megatron's and PyTorch's context parallelism balance it.
 
-The placement stays ``Shard(d)``: every value split on the cp axis has its rows in this order,
-every operand of an op alike, so the ops that keep a dimension (pointwise ops, matmuls, norms,
-reshapes keeping the split) are unchanged and sums over it do not care; every value that depends
-on a position (RoPE's angles, position ids, a dropout mask's element index) enters through a
-``Replicate -> Shard`` on cp, which takes the chunks (``take``). Where a cp split is made or
-undone, the two chunks are placed: ``codegen.redistribute`` (in the program, ``emit`` building
-graph nodes) and ``runtime.shards`` (cutting the batch, putting outputs back together; ``emit``
-calling the op) share the functions below.
+Such a split is the placement ``Chunks(d)`` (``StridedChunks(d, k)`` for a dim of k sequences
+one after another, tokens flattened from (batch, sequence)), printed ``C(d)`` (``C(d,k)``) in
+the IR's text. They are ``Shard(d)`` and ``_StridedShard(d, k)`` to DTensor's rules (equal to
+them, hashed alike): every value split on the cp axis has its rows in this order, every operand
+of an op alike, so the ops that keep a dimension (pointwise ops, matmuls, norms, reshapes
+keeping the split) are unchanged and sums over it do not care; every value that depends on a
+position (RoPE's angles, position ids, a dropout mask's element index) enters through a
+``Replicate -> Chunks`` on cp, which takes the chunks (``take``). ``passes.shard_propagate``
+propagates plain splits and marks those on the cp axis as chunks when it is done (``mark``);
+from then on the IR says what each split is. Where a chunked split is made or undone, the two
+chunks are placed: ``codegen.redistribute`` (in the program, ``emit`` building graph nodes)
+and ``runtime.shards`` (cutting the batch, putting outputs back together; ``emit`` calling the
+op) share the functions below.
 """
 
 from __future__ import annotations
@@ -22,8 +27,56 @@ import operator
 
 import torch
 
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
 aten = torch.ops.aten
 AXIS = "cp"
+
+
+class Chunks(Shard):
+    """Dim ``dim`` split over cp in 2n chunks, rank r holding chunks r and 2n-1-r."""
+
+    def __repr__(self) -> str:
+        return f"Chunks(dim={self.dim})"
+
+
+class StridedChunks(_StridedShard):
+    """Dim ``dim`` as ``split_factor`` sequences one after another, each split as ``Chunks``."""
+
+    def __repr__(self) -> str:
+        return f"StridedChunks(dim={self.dim}, split_factor={self.split_factor})"
+
+
+def chunked(p) -> bool:
+    """Whether placement ``p`` is a split in balanced chunks."""
+    return isinstance(p, (Chunks, StridedChunks))
+
+
+def as_chunks(p):
+    """``p``, a split made on the cp axis, as the chunked split it is (else ``p``)."""
+    if type(p) is _StridedShard:
+        return StridedChunks(p.dim, split_factor=p.split_factor)
+    if type(p) is Shard:
+        return Chunks(p.dim)
+    return p
+
+
+def plain(p):
+    """``p`` as DTensor's rules know it: a chunked split as the plain split it is to them."""
+    if isinstance(p, StridedChunks):
+        return _StridedShard(p.dim, split_factor=p.split_factor)
+    return Shard(p.dim) if isinstance(p, Chunks) else p
+
+
+def mark(placements, axis: int):
+    """``placements`` (one per mesh axis; a tuple of such per output of a multi-output op; None)
+    with the split on mesh axis ``axis`` (cp's) made chunks."""
+    if placements is None or not placements:
+        return placements
+    if isinstance(placements[0], tuple) or placements[0] is None:
+        return tuple(mark(p, axis) for p in placements)
+    return tuple(as_chunks(p) if i == axis else p for i, p in enumerate(placements))
 
 
 def call(op, *args, **kwargs):

@@ -194,7 +194,8 @@ Placements = tuple  # tuple[torch.distributed.tensor.Placement, ...]
 
 def placements_str(p: Placements | None) -> str:
     """Compact form for dumps: ``S(0)R`` for Shard(0) on the first axis, Replicate on the second
-    (``S(1,3)``: a strided split of dim 1 in 3 parts, ``_StridedShard(1, split_factor=3)``)."""
+    (``S(1,3)``: a strided split of dim 1 in 3 parts, ``_StridedShard(1, split_factor=3)``;
+    ``C(1)``: dim 1 in cp's balanced chunks, ``ir.cp_layout.Chunks``)."""
     if p is None:
         return "-"
     if p and isinstance(p[0], tuple):  # several outputs
@@ -212,6 +213,10 @@ def _placement_str(x) -> str:
         return "P" if x.reduce_op == "sum" else f"P({x.reduce_op})"
     if name == "_StridedShard":  # dim ``dim`` is k parts, each split (``shardfx.ir.strided``)
         return f"S({x.dim},{x.split_factor})"
+    if name == "Chunks":  # cp's balanced chunks (``shardfx.ir.cp_layout``)
+        return f"C({x.dim})"
+    if name == "StridedChunks":
+        return f"C({x.dim},{x.split_factor})"
     return str(x)
 
 

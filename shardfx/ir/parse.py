@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardfx.errors import ParseError, ShardfxError, VerifyError
-from shardfx.ir import meta as M
+from shardfx.ir import cp_layout, meta as M
 from shardfx.ir.text import DTYPE_ABBR, target_str, type_str
 from shardfx.ir.verify import verify
 from shardfx.mesh import MeshSpec
@@ -50,7 +50,7 @@ from shardfx.request.options import Options
 
 _DTYPES = {abbr: dtype for dtype, abbr in DTYPE_ABBR.items()}
 _HEADER = re.compile(r"graph\s+(?P<mode>\w+)\s+(?P<model>\S+)(?:\s+mesh\s+(?P<mesh>\S+))?")
-_PLACEMENT = re.compile(r"S\((-?\d+)(?:,(\d+))?\)|R|P(?:\((\w+)\))?")
+_PLACEMENT = re.compile(r"[SC]\((-?\d+)(?:,(\d+))?\)|R|P(?:\((\w+)\))?")
 _OUTPUT = re.compile(r"output\s+(?P<kind>\w+)\s+(?P<name>\S+)\s*=\s*(?P<value>.+)")
 _NODE = re.compile(r"(?P<name>\w+):\s*(?P<type>[^=]+?)\s*=\s*(?P<rhs>.+?)"
                    r"(?:\s+#\s*(?P<notes>.*))?")  # name: type = rhs  # notes
@@ -125,10 +125,13 @@ class _Reader:
         if "".join(t for t, _ in found) != text or len(found) != len(self.info.mesh):
             raise self._error(f"cannot read placements {text!r} for mesh "
                               f"{MeshSpec(self.info.mesh)}",
-                              fix="one of S(dim), S(dim,parts), R, P per mesh axis, e.g. S(0)R")
-        return tuple((_StridedShard(int(m[1]), split_factor=int(m[2])) if m[2] else
-                      Shard(int(m[1]))) if t.startswith("S") else Replicate() if t == "R"
-                     else Partial(m[3] or "sum") for t, m in found)
+                              fix="one of S(dim), S(dim,parts), C(dim), R, P per mesh axis, "
+                              "e.g. S(0)R")
+        out = tuple((_StridedShard(int(m[1]), split_factor=int(m[2])) if m[2] else
+                     Shard(int(m[1]))) if t[0] in "SC" else Replicate() if t == "R"
+                    else Partial(m[3] or "sum") for t, m in found)
+        return tuple(cp_layout.as_chunks(p) if t.startswith("C") else p
+                     for (t, _), p in zip(found, out))
 
     # --- one method per kind of line ------------------------------------------------------
 

@@ -85,7 +85,25 @@ def shard_propagate(gm: fx.GraphModule, options) -> fx.GraphModule:
         node.meta[M.SHARDING] = sharding
         spec[node] = out
     _require_outputs(gm, mesh)
+    _mark_chunks(gm, options.mesh)
     return gm
+
+
+def _mark_chunks(gm: fx.GraphModule, mesh) -> None:
+    """Every split on the cp axis, of an input, an op's result or what an op needs, as the
+    balanced chunks it is (``ir.cp_layout.Chunks``): propagated as plain splits, said once."""
+    names = [a for a, _ in mesh.axes]
+    if mesh.axis(cp_layout.AXIS) == 1:
+        return
+    axis = names.index(cp_layout.AXIS)
+    for node in gm.graph.nodes:
+        if M.ANNOTATION in node.meta:
+            node.meta[M.ANNOTATION] = cp_layout.mark(node.meta[M.ANNOTATION], axis)
+        s = node.meta.get(M.SHARDING)
+        if s is not None:
+            node.meta[M.SHARDING] = dataclasses.replace(
+                s, out=cp_layout.mark(s.out, axis),
+                inputs=tuple(cp_layout.mark(p, axis) for p in s.inputs))
 
 
 def chosen(node: fx.Node, given: tuple, mesh: DeviceMesh) -> dict:
@@ -121,7 +139,9 @@ def planning_mesh(axes: tuple[tuple[str, int], ...]) -> DeviceMesh:
 
 
 def _spec(mesh: DeviceMesh, placements: M.Placements, val: torch.Tensor) -> DTensorSpec:
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(val.shape, val.stride(), val.dtype))
+    """(A chunked split as the plain one DTensor's rules know: ``_mark_chunks`` says it again.)"""
+    return DTensorSpec(mesh, tuple(map(cp_layout.plain, placements)),
+                       TensorMeta(val.shape, val.stride(), val.dtype))
 
 
 def _hint(node: fx.Node, spec: dict, mesh: DeviceMesh):

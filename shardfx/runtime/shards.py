@@ -37,7 +37,7 @@ class Shards:
     def local(self, full: torch.Tensor, placements: M.Placements) -> torch.Tensor:
         out = full
         for (axis, n), p in zip(self.spec.axes, placements):
-            if isinstance(p, (Shard, _StridedShard)) and axis == cp_layout.AXIS:
+            if cp_layout.chunked(p):
                 out = cp_layout.take(cp_layout.call, out, tuple(out.shape), p.dim,
                                      self.coord[axis], n, cp_layout.split_factor(p))
             elif strided.factor(p) > 1:
@@ -56,7 +56,7 @@ class Shards:
             front = out.movedim(p.dim, 0).contiguous()
             whole = front.new_empty((n * front.shape[0], *front.shape[1:]))
             dist.all_gather_single(whole, front, group=self.mesh.get_group(axis))
-            if axis == cp_layout.AXIS:
+            if cp_layout.chunked(p):
                 whole = cp_layout.unshuffle(cp_layout.call, whole, tuple(whole.shape), n,
                                             cp_layout.split_factor(p))
             elif strided.factor(p) > 1:
