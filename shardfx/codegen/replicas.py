@@ -97,8 +97,9 @@ class Reduction:
 def cut(program: Program) -> Reduction:
     """Requires: ``program`` a ``replica_program`` after its program passes: every collective
     it starts is a bucket's, read by nothing but its wait and what follows it.
-    Ensures: per started collective, in the order its last gradient is made, an issue part (the nodes it is made
-    from); a finish part with every other op; together they compute what ``program`` does."""
+    Ensures: per started collective, in the order its last gradient is made, an issue part
+    (the nodes it is made from); a finish part with every other op; together they compute
+    what ``program`` does."""
     graph = program.module.graph
     inputs = graph.find_nodes(op="placeholder")
     made = {n: _made_from(n, set(inputs)) for n in graph.nodes if n.target in STARTS}

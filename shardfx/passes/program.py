@@ -134,25 +134,29 @@ def replica_reductions(program: Program, options) -> Program:
     the order the stage's parts make them) through the passes an SPMD program's gradients go
     through (``zero_reduce_scatter`` under ZeRO-2, ``bucket_gradients``), cut into parts
     (its ``collectives`` one per bucket); under ZeRO-1/2, the programs gathering every rank's
-    updated rows of the stage's parameters after the step (``codegen.zero.gather_programs``). The parts themselves are unchanged. The tangent the
-    runner feeds is the batch's share of the loss over every replica, so the sum over dp is
-    the gradient (as in an SPMD program)."""
+    updated rows of the stage's parameters after the step (``codegen.zero.gather_programs``).
+    The parts themselves are unchanged. The tangent the runner feeds is the batch's share of
+    the loss over every replica, so the sum over dp is the gradient (as in an SPMD program)."""
     split = program.module
     outputs = split.graph.output_node().args[0]
     params = {n.meta[M.ROLE].name: n.meta[M.VAL] for n in split.graph.find_nodes(op="placeholder")
               if n.meta[M.ROLE].kind is M.InputKind.PARAM}
     made: dict[int, list] = {}  # stage -> ((part, position), fqn, value)
+    order: dict[str, dict[fx.Node, int]] = {}  # part -> its nodes' positions
     for value, role in zip(outputs, program.outputs):
         if role.kind is not M.OutputKind.GRAD:
             continue
         part, index = source(value)
-        node = getattr(split, part).graph.output_node().args[0][index]
-        position = list(node.graph.nodes).index(node)
-        made.setdefault(stage_of(part), []).append(((part, position), role.name,
+        graph = getattr(split, part).graph
+        if part not in order:
+            order[part] = {n: i for i, n in enumerate(graph.nodes)}
+        node = graph.output_node().args[0][index]
+        made.setdefault(stage_of(part), []).append(((part, order[part][node]), role.name,
                                                     node.meta[M.VAL]))
     reductions = {}
     for stage, grads in sorted(made.items()):
-        replicas = replica_program([(fqn, val) for _, fqn, val in sorted(grads, key=lambda g: g[0])])
+        in_order = sorted(grads, key=lambda g: g[0])
+        replicas = replica_program([(fqn, val) for _, fqn, val in in_order])
         if options.zero >= 2:
             replicas = zero_reduce_scatter(replicas, options)
         gathers = zero_gather_programs({fqn: params[fqn] for _, fqn, _ in grads},
