@@ -201,12 +201,12 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             key = bucket_of[fqn]  # once its last gradient is (``runtime.buckets``)
             missing[key].discard(fqn)
             if not missing[key]:
-                peak, started = _walk_part(reductions[key].issue)
+                peak, started = _issue(reductions[key].issue)
                 consider(0, peak + sending + reducing, f"{step.name} (dp bucket {key[1]} of "
                          f"stage {key[0]})")
                 reducing += started
     if reducing:  # waited for after the sends (``runtime.pipeline`` lets them go then)
-        finish = max(_walk_part(r.finish)[0] for r in stage_reductions(program, rank).values())
+        finish = max(_issue(r.finish)[0] for r in _stage_reductions(program, rank).values())
         consider(0, finish + reducing, "dp all-reduce")
     comm.clear()
     sending = reducing = 0
@@ -215,12 +215,12 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if train and optimizer.name != "none":
         consider(optimizer_temporaries(rows, optimizer, device), 0, "optimizer step")
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
-        gathers = [g for r in stage_reductions(program, rank).values() for g in r.gathers]
+        gathers = [g for r in _stage_reductions(program, rank).values() for g in r.gathers]
         consider(zero_gather_peak(gathers), 0, "ZeRO gather")
     return best
 
 
-def stage_reductions(program, rank: int) -> dict:
+def _stage_reductions(program, rank: int) -> dict:
     """Stage -> its ``codegen.replicas.Reduction``, for the stages ``rank`` runs."""
     return {s: r for s, r in program.module.meta.get(M.REPLICAS, {}).items()
             if program.schedule.rank_of(s) == rank}
@@ -228,11 +228,11 @@ def stage_reductions(program, rank: int) -> dict:
 
 def _reductions(program, rank: int) -> dict:
     """(stage, bucket) -> its ``codegen.replicas.Bucket``, for the stages ``rank`` runs."""
-    return {(s, i): b for s, r in stage_reductions(program, rank).items()
+    return {(s, i): b for s, r in _stage_reductions(program, rank).items()
             for i, b in enumerate(r.buckets)}
 
 
-def _walk_part(module: fx.GraphModule) -> tuple[int, int]:
+def _issue(module: fx.GraphModule) -> tuple[int, int]:
     """A reduction part's peak above its inputs, and the bytes of what it returns (a started
     collective's buffer, which lives until the finish part waits for it)."""
     peak, _, _ = walk(module.graph, lambda n: "communication")

@@ -62,7 +62,7 @@ from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import Grad, clip_limit, counted, finish_step, release
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
-from shardfx.estimate.memory_pipeline import final_gradients, stage_reductions
+from shardfx.estimate.memory_pipeline import final_gradients
 from shardfx.runtime.buckets import ReplicaBuckets
 from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
 from shardfx.codegen.steps import StageProgram, Step
@@ -535,8 +535,12 @@ class PipelineRunner(PipelineState):
         """The reductions over dp the compiler emitted for this rank's stages."""
         if self._dp is None or self.plan.mode is not M.Mode.TRAIN:
             return None
-        return ReplicaBuckets(stage_reductions(self.program, self.rank), self._dp.group_name,
-                              self.device)
+        return ReplicaBuckets(self._reductions(), self._dp.group_name, self.device)
+
+    def _reductions(self) -> dict:
+        """Stage -> its ``codegen.replicas.Reduction``, for this rank's stages."""
+        return {s: r for s, r in self.plan.stage_program.meta.get(M.REPLICAS, {}).items()
+                if self.schedule.rank_of(s) == self.rank}
 
     def _zero_rows(self, plan) -> ZeroRows | None:
         """ZeRO-1/2 over the dp replicas: the rows of each parameter this rank owns."""
@@ -544,8 +548,7 @@ class PipelineRunner(PipelineState):
             return None
         whole = {fqn: self.params[fqn] for fqn in self.owned}
         layouts = {fqn: M.ZeroShard(tuple(t.shape), self._dp_size) for fqn, t in whole.items()}
-        gather = [g for _, r in sorted(stage_reductions(self.program, self.rank).items())
-                  for g in r.gathers]
+        gather = [g for _, r in sorted(self._reductions().items()) for g in r.gathers]
         for program in gather:
             place(program.module, self.device)
         return ZeroRows(layouts, plan.options.zero, self.dp_index, self._dp, gather)
