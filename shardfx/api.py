@@ -59,9 +59,9 @@ def parse_bytes(size: int | float | str | None) -> int | None:
 
 
 def _kernels(kernels: str) -> str:
-    if kernels not in ("auto", "triton", "aten"):
+    if kernels not in ("auto", "compiled", "triton", "aten"):
         raise InputError(f"unknown kernels {kernels!r}", where="partition(..., kernels=...)",
-                         fix='"auto" (ATen ops until the fused kernels are faster), "triton" '
+                         fix='"auto", "compiled" (each program lowered by Inductor), "triton" '
                              "(on CPU through Triton's interpreter) or \"aten\"")
     return kernels
 

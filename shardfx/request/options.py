@@ -30,7 +30,7 @@ class Options:
     follow_stages: dict[str, tuple[int, ...]] | None = None  # weight FQN -> stages (stage_cut)
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
     precision: Precision = Precision()  # what ops compute in (passes.mixed_precision)
-    kernels: str = "auto"  # auto | triton | aten: fused Triton kernels (passes.fusion)
+    kernels: str = "auto"  # auto | compiled (runtime.lowered) | triton (passes.fusion) | aten
     fused_loss: bool | str = True  # the LM head's matmul and cross-entropy in chunks
     # (passes.fused_loss); "auto" is decided by the compiler (compiler.compile.choose_fused_loss)
     zero: int | str = 0  # ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters;

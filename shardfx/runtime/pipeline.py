@@ -68,7 +68,7 @@ from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer,
 from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
 from shardfx.runtime.heap import keep_freed_memory
-from shardfx.runtime.released import released
+from shardfx.runtime.lowered import runnable
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.shards import Shards
 from shardfx.runtime.timing import Clock
@@ -86,6 +86,7 @@ class PipelineRunner(PipelineState):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
         coord = coordinate(mesh)
         self.plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
+        self._compiled = plan.options.kernels == "compiled"  # runtime.lowered
         self.pp = mesh.get_group("pp")
         self._channels = channels(mesh, "pp")  # (from, to) pipeline ranks -> its group
         self.ranks = dist.get_process_group_ranks(self.pp)  # pipeline rank -> global rank
@@ -310,7 +311,7 @@ class PipelineRunner(PipelineState):
         module, summed = self._summing(program, call)
         inputs += [self._grads[name] for name in summed.values()]
         with torch.no_grad():
-            outs = released(module, self.device)(*inputs)  # a tuple, even of one
+            outs = runnable(module, self.device, self._compiled)(*inputs)  # a tuple, even of one
         loss = torch.zeros((), device=self.device)
         for o in call.outputs:
             value = outs[o.index]

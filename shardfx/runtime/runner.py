@@ -38,7 +38,7 @@ from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer,
 from shardfx.codegen.steps import Output
 from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
-from shardfx.runtime.released import released
+from shardfx.runtime.lowered import runnable
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import saving
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
@@ -59,6 +59,7 @@ class Runner:
         self.plan = plan
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         self._in_backward = plan.options.optimizer_in_backward  # codegen.step_in_backward
+        self._compiled = plan.options.kernels == "compiled"  # runtime.lowered
         self._stepped_grads: dict[str, torch.Tensor] = {}  # keep_grads: stepped in the backward
         if self._in_backward and clip_grad_norm is not None:
             raise InputError("this plan steps the optimizer in the backward, before the global "
@@ -223,7 +224,7 @@ class Runner:
             module = variant.module
             inputs += [into[name] for name in variant.names]
         with torch.no_grad(), stepping(self._step_in_backward):
-            values = released(module, self.device)(*inputs)
+            values = runnable(module, self.device, self._compiled)(*inputs)
         outs = []
         for role, value in zip(program.outputs, values):
             if role.kind is M.OutputKind.BUFFER_UPDATE:

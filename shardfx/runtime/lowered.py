@@ -1,0 +1,289 @@
+"""Compiled programs: a per-device program lowered by Inductor, one compile per distinct region.
+
+``partition(..., kernels="compiled")`` runs every per-device program (an SPMD program, a
+pipeline stage's F, B and W parts, an inference program) through ``lowered(module)``: the same
+program with each *region* of ATen ops replaced by one call of the code Inductor generated for
+it (C++ on CPU, Triton on GPU). The program's order of regions, its Python program ops and the
+values it frees are unchanged; inside a region Inductor fuses, reuses buffers and orders the
+collectives it contains around the compute.
+
+A region is a run of consecutive ATen ops (``_c10d_functional`` collectives included) of one
+stamped block (``M.BLOCK``: the forward of ``model.layers.3``, its backward) or of the glue
+between blocks (the embedding, the head and loss). A program op written in Python (ring
+attention's steps, the experts, the step in the backward, a CPU wait that lets go of gloo's
+buffers: ``runtime.released``) ends a region and runs as it is between two. Region code is
+keyed by its ops and their arguments, positions for values: the 80 forward blocks of an
+80-layer plan are one code, compiled once (for the shapes, strides and dtypes of its first
+call) and called 80 times — torchtitan's per-block ``torch.compile``, found in the program
+rather than asked for by wrapping modules. Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``)
+keeps the generated code between runs, so a second run of the same plan compiles in seconds.
+
+Regions made only of views (a reshape between two Python ops) run as they are: compiling them
+buys nothing. A region is compiled at its first call, on the values it is called with, so a
+step's first call pays the compile time, as ``torch.compile`` does; ``compiled_regions()``
+says how many codes were compiled and how long that took (``shardfx run`` prints it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from shardfx.ir import meta as M
+from shardfx.runtime.released import released
+
+log = logging.getLogger("shardfx.compile")
+
+_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What this process compiled so far: distinct region codes, the compiles they took (a code
+    called with new shapes compiles again) and the seconds spent."""
+
+    codes: int = 0
+    compiles: int = 0
+    seconds: float = 0.0
+    calls: int = 0  # region calls, for the share each compile served
+
+
+_totals = Compiled()
+_codes: dict[tuple, "_Code"] = {}
+
+
+def compiled_regions() -> Compiled:
+    """This process's compile counts so far (a copy)."""
+    return dataclasses.replace(_totals)
+
+
+def lowered(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` with each region of ATen ops a call of its compiled code (made once per
+    module; the codes are shared by every module of the process)."""
+    if module not in _copies:
+        _copies[module] = _lower(module)
+    return _copies[module]
+
+
+def regions(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The runs of ``graph``'s nodes that are compiled as one region each, in program order
+    (module docstring): each a run of consecutive compilable ops of one block instance, or of
+    glue, that computes more than views. Every value a region makes that is read after it is a
+    tensor (a multi-output op whose parts are read elsewhere runs as it is)."""
+    opaque: set[fx.Node] = set()
+    while True:
+        runs = _runs(graph, opaque)
+        split = {n for run in runs for n in _outputs(run) if not _is_tensor(n)}
+        if not split:
+            return [run for run in runs if not all(_is_view(n) for n in run)]
+        opaque |= split
+
+
+# --- finding the regions -----------------------------------------------------------------
+
+
+def _compilable(node: fx.Node, opaque: set[fx.Node]) -> bool:
+    if node.op != "call_function" or node in opaque:
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and _compilable(src, opaque)
+    return isinstance(node.target, torch._ops.OpOverload)
+
+
+def _instances(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each stamped op's block instance: a new one starts where the list, the unit (forward,
+    backward) changes or its place in the block does not grow."""
+    out, last, instance = {}, None, -1
+    for node in nodes:
+        place = node.meta.get(M.BLOCK)
+        if place is None:
+            continue
+        if last is None or (place.path, place.unit) != (last.path, last.unit) or \
+                place.index <= last.index:
+            instance += 1
+        out[node], last = instance, place
+    return out
+
+
+def _labels(nodes: list[fx.Node]) -> list[Any]:
+    """Per node, the block instance it belongs to, or ``None`` (glue): an unstamped op between
+    two ops of the same instance (a collective codegen inserted, a cast) belongs to it."""
+    instances = _instances(nodes)
+    before, seen = [], None
+    for node in nodes:
+        seen = instances.get(node, seen)
+        before.append(seen)
+    after, seen = [None] * len(nodes), None
+    for i in range(len(nodes) - 1, -1, -1):
+        seen = instances.get(nodes[i], seen)
+        after[i] = seen
+    return [b if b is not None and b == a else None for b, a in zip(before, after)]
+
+
+def _runs(graph: fx.Graph, opaque: set[fx.Node]) -> list[list[fx.Node]]:
+    nodes = list(graph.nodes)
+    runs: list[list[fx.Node]] = []
+    current, label = [], object()
+    for node, node_label in zip(nodes, _labels(nodes)):
+        if not _compilable(node, opaque):
+            current, label = [], object()
+            continue
+        if not current or node_label != label:
+            current, label = [], node_label
+            runs.append(current)
+        current.append(node)
+    return runs
+
+
+def _outputs(run: list[fx.Node]) -> list[fx.Node]:
+    """The values ``run`` makes that are read after it, in program order."""
+    inside = set(run)
+    return [n for n in run if any(u not in inside for u in n.users)]
+
+
+def _inputs(run: list[fx.Node]) -> list[fx.Node]:
+    """The values ``run`` reads from before it, in the order it first reads them."""
+    inside, out = set(run), {}
+    for node in run:
+        for arg in node.all_input_nodes:
+            if arg not in inside:
+                out.setdefault(arg, None)
+    return list(out)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get(M.VAL), torch.Tensor)
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return True
+    return any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+# --- lowering ----------------------------------------------------------------------------
+
+
+def _lower(module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``module`` whose regions are calls of ``_Region``s."""
+    graph = module.graph
+    first = {run[0]: run for run in regions(graph)}
+    out = fx.Graph()
+    out._codegen = graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    skip: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in skip:
+            continue
+        run = first.get(node)
+        if run is None:
+            env[node] = out.node_copy(node, env.__getitem__)
+            continue
+        inputs, outputs = _inputs(run), _outputs(run)
+        call = out.call_function(_Region(_code(run, inputs, outputs)),
+                                 tuple(env[n] for n in inputs))
+        for i, value in enumerate(outputs):
+            env[value] = out.call_function(operator.getitem, (call, i))
+            env[value].meta = dict(value.meta)
+        skip.update(run)
+    return fx.GraphModule(module, out, class_name=type(module).__name__)
+
+
+def _code(run: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> "_Code":
+    """The region's code, shared with every earlier region of the same ops and arguments."""
+    place = {n: ("in", i) for i, n in enumerate(inputs)}
+    place.update((n, ("op", i)) for i, n in enumerate(run))
+    ops = tuple((str(n.target), _key(n.args, place), _key(n.kwargs, place)) for n in run)
+    key = (ops, tuple(place[n] for n in outputs))
+    if key not in _codes:
+        _codes[key] = _Code(_graph_of(run, inputs, outputs), _describe(run))
+        _totals.codes += 1
+    return _codes[key]
+
+
+def _key(value: Any, place: dict[fx.Node, tuple]) -> Any:
+    if isinstance(value, fx.Node):
+        return place[value]
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_key(v, place) for v in value))
+    if isinstance(value, dict):
+        return tuple((k, _key(v, place)) for k, v in value.items())
+    return repr(value)
+
+
+def _graph_of(run: list[fx.Node], inputs: list[fx.Node],
+              outputs: list[fx.Node]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env = {n: graph.placeholder(f"in_{i}") for i, n in enumerate(inputs)}
+    for node in run:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule({}, graph)
+
+
+def _describe(run: list[fx.Node]) -> str:
+    place = next((n.meta[M.BLOCK] for n in run if M.BLOCK in n.meta), None)
+    where = f"{'forward' if place.unit == 'f' else 'backward'} block of {place.path}" \
+        if place is not None else f"glue at {run[0].name}"
+    return f"{where} ({len(run)} ops)"
+
+
+class _Code:
+    """One region code: its graph, compiled for each distinct set of input shapes, strides,
+    dtypes and devices it is called with (once, in a plan: plans are static-shaped)."""
+
+    def __init__(self, graph: fx.GraphModule, description: str):
+        self.graph = graph
+        self.description = description
+        self._compiled: dict[tuple, Callable] = {}
+
+    def __call__(self, args: tuple) -> Any:
+        key = tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                    else repr(a) for a in args)
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self._compile(list(args))
+        _totals.calls += 1
+        return fn(*args)
+
+    def _compile(self, args: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when used
+
+        start = time.perf_counter()
+        fn = compile_fx(self.graph, args)
+        seconds = time.perf_counter() - start
+        _totals.compiles += 1
+        _totals.seconds += seconds
+        log.info("compiled %s in %.1f s (%d codes, %d compiles, %.1f s so far)",
+                 self.description, seconds, _totals.codes, _totals.compiles, _totals.seconds)
+        return fn
+
+
+class _Region:
+    """The call a lowered program makes for one region: its code on the region's inputs, a
+    tuple of the values read after it."""
+
+    def __init__(self, code: _Code):
+        self.code = code
+        self.__name__ = "region"  # FX prints a call_function target by its name
+
+    def __call__(self, *args) -> tuple:
+        return tuple(self.code(args))
+
+    def __repr__(self) -> str:
+        return f"region[{self.code.description}]"
+
+
+def runnable(module: fx.GraphModule, device: torch.device, compiled: bool) -> fx.GraphModule:
+    """The module a runner calls for a program on ``device``: ``released`` (on CPU, waits that
+    let go of gloo's buffers), then, for a compiled plan, ``lowered``."""
+    module = released(module, device)
+    return lowered(module) if compiled and isinstance(module, fx.GraphModule) else module
