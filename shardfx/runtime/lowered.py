@@ -255,16 +255,35 @@ class _Code:
         return fn(*args)
 
     def _compile(self, args: list) -> Callable:
+        """Inductor's code for ``args``; an input that is not a tensor (a rank's coordinate on
+        a mesh axis) is a constant of it, so the call passes only the tensors."""
         from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when used
 
         start = time.perf_counter()
-        fn = compile_fx(self.graph, args)
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        graph = self.graph if len(tensors) == len(args) else _with_constants(self.graph, args)
+        fn = compile_fx(graph, [args[i] for i in tensors])
         seconds = time.perf_counter() - start
         _totals.compiles += 1
         _totals.seconds += seconds
         log.info("compiled %s in %.1f s (%d codes, %d compiles, %.1f s so far)",
                  self.description, seconds, _totals.codes, _totals.compiles, _totals.seconds)
-        return fn
+        if len(tensors) == len(args):
+            return fn
+        return lambda *a: fn(*[a[i] for i in tensors])
+
+
+def _with_constants(module: fx.GraphModule, args: list) -> fx.GraphModule:
+    """``module`` with each input that is not a tensor in ``args`` replaced by its value."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            value = args[len(env)]
+            env[node] = graph.node_copy(node) if isinstance(value, torch.Tensor) else value
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule({}, graph)
 
 
 class _Region:
