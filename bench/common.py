@@ -45,10 +45,12 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def alternate(contestants: dict, warmup: int, steps: int) -> tuple[dict, dict]:
+def alternate(contestants: dict, warmup: int, steps: int,
+              first: dict | None = None) -> tuple[dict, dict]:
     """On every rank: each contestant's step in turn, ``warmup`` untimed rounds then ``steps``
     timed, barriers around each step (none in a process without a process group). Returns the
-    step times (seconds) and the last results."""
+    step times (seconds) and the last results; ``first`` gets each contestant's first step's
+    time (a compiled contestant's compile time is in it)."""
     import torch.distributed as dist
 
     barrier = dist.barrier if dist.is_available() and dist.is_initialized() else lambda: None
@@ -62,6 +64,8 @@ def alternate(contestants: dict, warmup: int, steps: int) -> tuple[dict, dict]:
             barrier()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
+            elif i == 0 and first is not None:
+                first[name] = time.perf_counter() - start
     return times, results
 
 

@@ -111,6 +111,8 @@ def label(race_key: str, name: str) -> str:
     _, peer_row, prefix = RACES[race_key]
     if name == PEER:
         return peer_row
+    if name.startswith("torch.compile"):
+        return name + " (compiled peer)"
     return prefix + ("defaults" if name == "shardfx" else name.split(" ", 1)[1])
 
 
@@ -162,7 +164,8 @@ def race(contestants: dict, warmup: int, steps: int, profile: bool) -> dict:
     cpu = {k: [] for k in contestants}
     losses = {k: [] for k in contestants}
     steps_ = {k: clocked(f, cpu[k], losses[k]) for k, f in contestants.items()}
-    times, _ = alternate(steps_, warmup, steps)
+    first: dict[str, float] = {}
+    times, _ = alternate(steps_, warmup, steps, first)
     cpu = {k: v[warmup:] for k, v in cpu.items()}
     if dist.is_initialized():
         ranks: list = [None] * dist.get_world_size()
@@ -171,7 +174,7 @@ def race(contestants: dict, warmup: int, steps: int, profile: bool) -> dict:
     else:
         cpu_ranks = {k: [v] for k, v in cpu.items()}
     out = dict(times=times, cpu_ranks=cpu_ranks, losses={k: v[-1] for k, v in losses.items()},
-               profiles={})
+               first=first, profiles={})
     if profile:
         out["profiles"] = {k: top_ops(f) for k, f in contestants.items()}
     return out
@@ -214,12 +217,42 @@ def one_device(size: dict, warmup: int, steps: int, profile: bool) -> dict:
         return loss.detach()
 
     contestants, notes = {PEER: eager}, []
-    for name, plan, seconds in planned(size, x, y, {}, other=True):
+    contestants.update(compiled_peers(size, x, y))
+    plans = planned(size, x, y, {}, other=True)
+    plans += [("shardfx kernels=compiled", plan, seconds)
+              for _, plan, seconds in planned(size, x, y, {"kernels": "compiled"}, other=False)]
+    for name, plan, seconds in plans:
         notes.append(f"{label('1', name)}: partition {seconds:.1f} s; {head(plan)}")
         runner = plan.runner(optimizer=adamw)
         contestants[name] = lambda runner=runner: runner.step((x,), (y,))
     out = race(contestants, warmup, steps, profile)
     out["notes"] = notes
+    return out
+
+
+def compiled_peers(size: dict, x, y) -> dict:
+    """What a user compiles without shardfx: ``torch.compile`` of each decoder layer, as
+    torchtitan compiles each TransformerBlock, and of the whole model; each with AdamW, the
+    backward through the compiled code (its first step compiles)."""
+    out = {}
+    for name in ("torch.compile per block", "torch.compile"):
+        model = llama(**size)
+        if name.endswith("per block"):
+            for layer in model.model.layers:
+                layer.compile()
+            forward = model
+        else:
+            forward = torch.compile(model)
+        opt = adamw(model.parameters())
+
+        def step(forward=forward, opt=opt):
+            loss = loss_fn(forward(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        out[name] = step
     return out
 
 
@@ -383,7 +416,7 @@ def rows_of(size_name: str, res: dict, labels: dict) -> tuple[list[str], list[st
                     f"{wmed[k] * 1e3:.0f} | {wmed[k] / wmed[PEER]:.2f}x | "
                     f"{min(cpu[k]) * 1e3:.0f} | {cmed[k] * 1e3:.0f} | "
                     f"{cmed[k] / cmed[PEER]:.2f}x | {res['losses'][k]:.6f} | "
-                    f"{'—' if k == PEER else f'{diff:.1e}'} |")
+                    f"{'—' if k == PEER else f'{diff:.1e}'} | {res['first'].get(k, 0):.1f} |")
         if k != PEER:
             verdicts.append(f"{size_name}, {labels[k]}: {wmed[k] / wmed[PEER]:.2f}x wall, "
                             f"{cmed[k] / cmed[PEER]:.2f}x CPU (median); loss differs by "
@@ -422,8 +455,9 @@ def table(key: str, results: dict, sizes: dict, a) -> str:
             f"next-token cross entropy, AdamW, fp32; {header}; {a.steps} timed steps after "
             f"{a.warmup} warm-up, contestants alternating", "",
             "| model | variant | wall min (ms) | wall median (ms) | vs peer | CPU min (ms) | "
-            f"CPU median (ms) | vs peer | loss after step {a.warmup + a.steps} | loss vs peer |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"CPU median (ms) | vs peer | loss after step {a.warmup + a.steps} | loss vs peer | "
+            "first step (s) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     verdicts, notes = [], []
     for size_name, res in results.items():
         labels = {k: label(key, k) for k in res["times"]}  # the peer first
