@@ -1,0 +1,167 @@
+"""kernels="compiled": every per-device program lowered by Inductor, one compile per region code.
+
+The regions of a program are checked in text (which ops each region holds, that stamped blocks
+share one code, that a Python program op ends a region and runs between two), and compiled
+plans of every kind train like one device by ``shardfx.testing``'s rule: one device in fp32,
+bf16 and fp16, with the optimizer in the backward and under a memory budget, and on real gloo
+processes dp with ZeRO-3, tp with megatron-sp, cp's ring attention, ep's experts, pp's 1F1B
+and zero-bubble with ZeRO-2 over dp, dp x tp. A cross-section runs by default; the rest with
+``pytest -m slow``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+import shardfx
+from models import lm_loss, tiny, token_batches
+from shardfx.runtime.lowered import compiled_regions, lowered, regions
+from shardfx.testing import compare_inference, compare_training
+
+pytest.importorskip("transformers")
+
+LAYERS = 4  # more than the two blocks capture traces: the others are stamped copies
+
+
+def _plan(**kw) -> shardfx.Plan:
+    (args, targets), = token_batches(1)
+    return shardfx.partition(tiny("llama", LAYERS), args, lm_loss, targets, **kw)
+
+
+# --- regions, in text ----------------------------------------------------------------------
+
+
+def test_each_stamped_block_is_a_region_and_blocks_share_one_code():
+    module = _plan(kernels="compiled").program.module
+    found = regions(module.graph)
+    calls = [n.target for n in lowered(module).graph.nodes if repr(n.target).startswith("region[")]
+    # the glue before the blocks, 4 forward blocks, the head and loss with their backward,
+    # 4 backward blocks, the embedding's backward: each region's ops in program order
+    assert len(found) == len(calls) == 2 + 2 * LAYERS + 1, calls
+    forward, backward = found[1:1 + LAYERS], found[2 + LAYERS:2 + 2 * LAYERS]
+    assert [len(r) for r in forward] == [len(forward[0])] * LAYERS
+    assert [len(r) for r in backward] == [len(backward[0])] * LAYERS
+    targets = {str(n.target) for r in forward for n in r}
+    assert "aten.mm.default" in targets and "aten.rsqrt.default" in targets
+    assert len({call.code for call in calls}) == 5  # the blocks: one forward, one backward code
+    assert [repr(c) for c in calls[1:1 + LAYERS]] == \
+        [f"region[forward block of model.layers ({len(forward[0])} ops)]"] * LAYERS
+
+
+def _python_op(x: torch.Tensor) -> torch.Tensor:  # a program op written in Python
+    return x * 2
+
+
+def test_a_python_program_op_ends_a_region_and_views_alone_are_not_compiled():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.sin.default, (x,))
+    b = graph.call_function(torch.ops.aten.cos.default, (a,))
+    p = graph.call_function(_python_op, (b,))
+    v = graph.call_function(torch.ops.aten.view.default, (p, [4]))
+    q = graph.call_function(_python_op, (v,))
+    m = graph.call_function(torch.ops.aten.var_mean.correction, (q,), {"correction": 0})
+    s = graph.call_function(operator.getitem, (m, 0))
+    c = graph.call_function(torch.ops.aten.add.Tensor, (s, a))
+    graph.output((c,))
+    for node, value in zip(graph.nodes, _values(graph, torch.randn(2, 2))):
+        node.meta["val"] = value
+    found = regions(graph)
+    assert [[n.name for n in r] for r in found] == [
+        ["sin_default", "cos_default"], ["var_mean_correction", "getitem", "add_tensor"]]
+    module = lowered(fx.GraphModule({}, graph))
+    x0 = torch.randn(2, 2)
+    want = (x0.sin().cos() * 2).view(4) * 2
+    want = want.var(correction=0) + x0.sin()
+    torch.testing.assert_close(module(x0)[0], want)
+
+
+def _values(graph: fx.Graph, x: torch.Tensor) -> list:
+    """Each node's value on ``x`` (for the ``val`` meta a captured graph carries)."""
+    env: dict = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            env[node] = x
+        elif node.op == "call_function":
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            env[node] = node.target(*args, **kwargs)
+        else:
+            env[node] = None
+    return [env[n] for n in graph.nodes]
+
+
+def test_unknown_kernels_is_a_named_error():
+    with pytest.raises(shardfx.InputError, match='"compiled"'):
+        _plan(kernels="inductor")
+
+
+# --- trains like one device ----------------------------------------------------------------
+
+
+def test_one_device_trains_and_infers_like_eager():
+    before = compiled_regions()
+    report = compare_training(tiny("llama", LAYERS), token_batches(3), lm_loss,
+                              kernels="compiled")
+    assert report.max() < 1e-5
+    after = compiled_regions()
+    assert after.calls - before.calls == 3 * (2 + 2 * LAYERS + 1)  # 11 regions a step
+    assert after.compiles - before.compiles <= 5  # once per code (none if cached in-process)
+    (args, _), = token_batches(1)
+    assert compare_inference(tiny("llama", LAYERS).eval(), args, kernels="compiled") < 1e-5
+
+
+@pytest.mark.parametrize("kw", [dict(precision="bf16"),
+                                pytest.param(dict(precision="fp16"), marks=pytest.mark.slow),
+                                pytest.param(dict(optimizer_in_backward=True),
+                                             marks=pytest.mark.slow)])
+def test_one_device_plan_kinds_train_like_eager(kw):
+    report = compare_training(tiny("llama", LAYERS), token_batches(2), lm_loss,
+                              kernels="compiled", **kw)
+    assert report.max() < 1e-5
+
+
+def _train(cases: list[tuple]) -> list[tuple[str, float]]:
+    """On every rank: ``compare_training`` of each (model, options) compiled; its largest
+    error beyond the rule."""
+    out = []
+    for name, kw in cases:
+        kw = dict(kw)
+        rows = kw.pop("rows", 4)
+        report = compare_training(tiny(name, LAYERS), token_batches(2, rows), lm_loss,
+                                  kernels="compiled", **kw)
+        out.append((f"{name} {kw}", report.max()))
+    return out
+
+
+def _check(results: list[list[tuple]]) -> None:
+    for rank in results:
+        for label, err in rank:
+            assert err < 1e-5, (label, err)
+
+
+def test_two_ranks_train_like_one_device():
+    _check(shardfx.launch(_train, [
+        ("llama", dict(mesh={"dp": 2}, zero=3)),
+        ("llama", dict(mesh={"pp": 2}, microbatches=2, rows=8)),
+    ], nprocs=2, timeout=300, deadline=1200))
+
+
+@pytest.mark.slow
+def test_every_plan_kind_on_real_processes_trains_like_one_device():
+    _check(shardfx.launch(_train, [
+        ("llama", dict(mesh={"tp": 2}, shard="megatron-sp")),
+        ("llama", dict(mesh={"cp": 2})),
+        ("mixtral", dict(mesh={"ep": 2})),
+        ("llama", dict(mesh={"pp": 2}, microbatches=4, schedule="interleaved-1f1b",
+                       virtual_stages=2, rows=8)),
+    ], nprocs=2, timeout=300, deadline=1800))
+    _check(shardfx.launch(_train, [
+        ("llama", dict(mesh={"dp": 2, "tp": 2}, shard="megatron", zero=1)),
+        ("llama", dict(mesh={"dp": 2, "pp": 2}, zero=2, microbatches=2,
+                       schedule="zero-bubble", rows=8)),
+    ], nprocs=4, timeout=300, deadline=1800))
