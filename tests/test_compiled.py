@@ -20,6 +20,7 @@ import torch.fx as fx
 import shardfx
 from models import lm_loss, tiny, token_batches
 from shardfx.runtime.lowered import compiled_regions, lowered, regions
+from shardfx.runtime.measure import allocated_peak, measured_peak
 from shardfx.testing import compare_inference, compare_training
 
 pytest.importorskip("transformers")
@@ -165,3 +166,31 @@ def test_every_plan_kind_on_real_processes_trains_like_one_device():
         ("llama", dict(mesh={"dp": 2, "pp": 2}, zero=2, microbatches=2,
                        schedule="zero-bubble", rows=8)),
     ], nprocs=4, timeout=300, deadline=1800))
+
+
+# --- the memory model holds for compiled programs --------------------------------------------
+
+
+def _peaks(kernels: str, **kw) -> tuple[int, int, int]:
+    """On this rank, after two steps: the plan's predicted peak and one step's peak measured
+    op by op (``measured_peak``) and off the allocator (``allocated_peak``: Inductor's
+    buffers too), the batch not counted."""
+    batches = token_batches(1, batch=8)
+    (x,), (y,) = batches[0]
+    plan = shardfx.partition(tiny("llama", LAYERS), (x,), lm_loss, (y,), kernels=kernels, **kw)
+    runner = plan.runner(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    for _ in range(2):
+        runner.step((x,), (y,))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    batch = x.nbytes + y.nbytes
+    ops = measured_peak(lambda: runner.step((x,), (y,)), runner, x, y).total - batch
+    allocated = allocated_peak(lambda: runner.step((x,), (y,)), runner, x, y).total - batch
+    return plan.memory_estimate()[rank], ops, allocated
+
+
+def test_predicted_peak_holds_for_a_compiled_plan_under_a_budget():
+    predicted, ops, allocated = _peaks("aten", memory_budget=1_500_000)
+    assert abs(allocated - ops) <= 64 and abs(predicted - ops) <= 0.01 * ops  # the two rulers
+    predicted, ops, allocated = _peaks("compiled", memory_budget=1_500_000)
+    assert ops < 0.8 * allocated  # Inductor's buffers are not seen op by op
+    assert abs(predicted - allocated) <= 0.05 * allocated, (predicted, allocated)

@@ -29,10 +29,13 @@ OPTIONS = {
         ``Precision`` that also names the dtype gradients are reduced in across dp
         (``passes.mixed_precision``); parameters, gradients and optimizer state stay fp32;
         fp16 plans scale the loss in the runner.""",
-    "kernels": """"triton" runs the memory-bound ops between matmuls as fused Triton kernels
-        (``passes.fusion``; on CPU through Triton's interpreter, slowly), "aten" as ATen ops,
-        "auto" ATen ops everywhere until the fused kernels measure faster on a GPU (they do
-        not yet: ``passes.program.uses_triton``).""",
+    "kernels": """"compiled" lowers every per-device program with Inductor (C++ on CPU, Triton
+        on GPU), one compile per distinct region: each stamped block's forward and backward
+        are compiled once and called for every layer (``runtime.lowered``); the first step
+        compiles. "triton" runs the memory-bound ops between matmuls as fused Triton kernels
+        of shardfx's own (``passes.fusion``; on CPU through Triton's interpreter, slowly),
+        "aten" as ATen ops one by one. "auto" (the default) runs ATen ops: a compile costs
+        seconds to minutes before the first step, which a short run does not win back.""",
     "fused_loss": """An LM head whose logits only feed a cross-entropy runs as one op over
         chunks of rows, forward and backward, so the (tokens, vocab) logits are never
         materialised (``passes.fused_loss``); False keeps the ATen ops; "auto" fuses only where

@@ -8,8 +8,8 @@ name with dashes: ``[training] clip_grad_norm`` is ``--clip-grad-norm``); a flag
 over the file, the file over the default. The tree, section by section:
 
     [run]         spec (MODULE:FACTORY), seed
-    [parallel]    mesh, shard, zero, precision, microbatches, schedule, virtual_stages,
-                  capacity_factor
+    [parallel]    mesh, shard, zero, precision, kernels, microbatches, schedule,
+                  virtual_stages, capacity_factor
     [optimizer]   lr, weight_decay, beta1, beta2, eps            (AdamW)
     [lr_schedule] warmup, decay (constant | cosine | linear), final_lr   (a fraction of lr)
     [training]    steps, accumulate, clip_grad_norm
@@ -61,6 +61,7 @@ class Parallel:  # partition()'s options: their help is theirs (request/option_d
                     choices=("auto", "megatron", "megatron-sp", "replicate"))
     zero: int | str = _f("auto", summary("zero"), object, (0, 1, 2, 3, "auto"), zero_stage)
     precision: str = _f("fp32", summary("precision"), choices=("fp32", "bf16", "fp16"))
+    kernels: str = _f("auto", summary("kernels"), choices=("auto", "compiled", "triton", "aten"))
     microbatches: int | None = _f(None, summary("microbatches"), int)
     schedule: str | None = _f(None, summary("schedule"), str)
     virtual_stages: int | None = _f(None, summary("virtual_stages"), int)

@@ -23,6 +23,7 @@ with ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` packag
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -163,6 +164,20 @@ def check_tensorboard(directory: str | None) -> None:
                              "([metrics] jsonl) and plot it with examples/plot_metrics.py")
 
 
+compiling = logging.getLogger("shardfx.compile")  # runtime.lowered: one line per region compiled
+
+
+class _Notes(logging.Handler):
+    """Log records printed above the progress bar."""
+
+    def __init__(self, progress: "Progress"):
+        super().__init__(logging.INFO)
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.note(f"compile: {record.getMessage()}")
+
+
 class Progress:
     """A progress bar, one line per step and a table at the end on rank 0 (``rich``)."""
 
@@ -170,6 +185,7 @@ class Progress:
         self.config, self.start, self.unit, self.on = config, start, unit, rank() == 0
         self.mesh = str(MeshSpec.parse(config.mesh))  # "dp=2,tp=2", "1 device"
         self.bar = None
+        self._compiles = _Notes(self)
 
     def __enter__(self) -> "Progress":
         if self.on:
@@ -180,10 +196,13 @@ class Progress:
             self.bar.start()
             self.task = self.bar.add_task(f"training {self.config.spec} on {self.mesh}",
                                           total=self.config.steps, completed=self.start)
+            compiling.addHandler(self._compiles)  # kernels="compiled": each region's compile
+            compiling.setLevel(logging.INFO)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
+            compiling.removeHandler(self._compiles)
             self.bar.stop()
 
     def step(self, m: StepMetrics) -> None:

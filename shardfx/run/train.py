@@ -131,6 +131,7 @@ def train(config: RunConfig) -> list[float]:
                 if (v := getattr(config.parallel, k)) is not None}
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
                              shard=config.shard, precision=config.precision, zero=config.zero,
+                             kernels=config.kernels,
                              capacity_factor=config.capacity_factor, **pipeline)
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")

@@ -4,19 +4,23 @@
 pipeline stage's F, B and W parts, an inference program) through ``lowered(module)``: the same
 program with each *region* of ATen ops replaced by one call of the code Inductor generated for
 it (C++ on CPU, Triton on GPU). The program's order of regions, its Python program ops and the
-values it frees are unchanged; inside a region Inductor fuses, reuses buffers and orders the
-collectives it contains around the compute.
+values it frees are unchanged; inside a region Inductor fuses ops and reuses buffers.
 
-A region is a run of consecutive ATen ops (``_c10d_functional`` collectives included) of one
-stamped block (``M.BLOCK``: the forward of ``model.layers.3``, its backward) or of the glue
-between blocks (the embedding, the head and loss). A program op written in Python (ring
-attention's steps, the experts, the step in the backward, a CPU wait that lets go of gloo's
-buffers: ``runtime.released``) ends a region and runs as it is between two. Region code is
-keyed by its ops and their arguments, positions for values: the 80 forward blocks of an
-80-layer plan are one code, compiled once (for the shapes, strides and dtypes of its first
-call) and called 80 times — torchtitan's per-block ``torch.compile``, found in the program
-rather than asked for by wrapping modules. Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``)
-keeps the generated code between runs, so a second run of the same plan compiles in seconds.
+A region is a run of consecutive ATen ops of one stamped block (``M.BLOCK``: the forward of
+``model.layers.3``, its backward) or of the glue between blocks (the embedding, the head and
+loss). A program op written in Python (ring attention's steps, the experts, the step in the
+backward, a CPU wait that lets go of gloo's buffers: ``runtime.released``) ends a region and
+runs as it is between two; so does a ``_c10d_functional`` collective, issued and waited where
+the program's passes put them (bucketing, ZeRO's prefetch). Inside a region Inductor lowers a
+functional collective by copying its input into a buffer of its own, held with the input:
+measured on CPU, the peak of a dp=2 x tp=2 Llama step went 8.2% over the memory model's
+prediction with the collectives inside, 3.1% with them between regions; ZeRO-3 22.4% and 8.1%.
+Region code is keyed by its ops and their arguments, positions for values: the 80 forward
+blocks of an 80-layer plan are one code, compiled once (for the shapes, strides and dtypes of
+its first call) and called 80 times — torchtitan's per-block ``torch.compile``, found in the
+program rather than asked for by wrapping modules. Inductor's on-disk cache
+(``TORCHINDUCTOR_CACHE_DIR``) keeps the generated code between runs, so a second run of the
+same plan compiles in seconds.
 
 Regions made only of views (a reshape between two Python ops) run as they are: compiling them
 buys nothing. A region is compiled at its first call, on the values it is called with, so a
@@ -66,7 +70,8 @@ def compiled_regions() -> Compiled:
 
 def lowered(module: fx.GraphModule) -> fx.GraphModule:
     """``module`` with each region of ATen ops a call of its compiled code (made once per
-    module; the codes are shared by every module of the process)."""
+    module; the codes are shared by every module of the process). Ensures: the same values,
+    made in the same order of regions, Python ops and collectives."""
     if module not in _copies:
         _copies[module] = _lower(module)
     return _copies[module]
@@ -90,12 +95,15 @@ def regions(graph: fx.Graph) -> list[list[fx.Node]]:
 
 
 def _compilable(node: fx.Node, opaque: set[fx.Node]) -> bool:
+    """An ATen op (or a part of one's result) a region may hold: not a Python op, not a
+    collective (module docstring)."""
     if node.op != "call_function" or node in opaque:
         return False
     if node.target is operator.getitem:
         src = node.args[0]
         return isinstance(src, fx.Node) and _compilable(src, opaque)
-    return isinstance(node.target, torch._ops.OpOverload)
+    return isinstance(node.target, torch._ops.OpOverload) and \
+        node.target.namespace != "_c10d_functional"
 
 
 def _instances(nodes: list[fx.Node]) -> dict[fx.Node, int]:
@@ -266,8 +274,8 @@ class _Code:
         seconds = time.perf_counter() - start
         _totals.compiles += 1
         _totals.seconds += seconds
-        log.info("compiled %s in %.1f s (%d codes, %d compiles, %.1f s so far)",
-                 self.description, seconds, _totals.codes, _totals.compiles, _totals.seconds)
+        log.info("%s in %.1f s (%d compiled of %d region codes, %.1f s so far)",
+                 self.description, seconds, _totals.compiles, _totals.codes, _totals.seconds)
         if len(tensors) == len(args):
             return fn
         return lambda *a: fn(*[a[i] for i in tensors])
