@@ -142,7 +142,9 @@ def planning(a) -> str:
 # --- 2. step time against PyTorch TP + DDP ----------------------------------------------------
 
 
-def peer(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def peer(model: torch.nn.Module, mesh, compiled: bool = False) -> torch.nn.Module:
+    """PyTorch's TP over ``mesh["tp"]`` and DDP over ``mesh["dp"]``; ``compiled``: each
+    decoder layer ``torch.compile``d between the two, as torchtitan applies TP, compile, DP."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     from torch.nn.parallel import DistributedDataParallel
@@ -152,6 +154,9 @@ def peer(model: torch.nn.Module, mesh) -> torch.nn.Module:
         plan |= {f"model.layers.{i}.{n}": ColwiseParallel() for n in COLUMN}
         plan |= {f"model.layers.{i}.{n}": RowwiseParallel() for n in ROW}
     parallelize_module(model, mesh["tp"], plan)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
     return DistributedDataParallel(model, device_mesh=mesh["dp"])
 
 

@@ -39,6 +39,12 @@ around each step in the multi-process races):
    model's rotary embeddings and no mask (SDPA's causal path, as ``LlamaModel`` does without
    padding); the last stage's losses are broadcast in the step so every rank returns the loss.
 
+Compiled contestants, in every race: shardfx with ``kernels="compiled"`` (each program's
+regions lowered by Inductor, ``runtime.lowered``) against what a user compiles without it:
+``torch.compile`` of each decoder layer (as torchtitan compiles each TransformerBlock: in race
+2 between TP and DDP, in race 3 inside each pipeline stage) and, on one device, of the whole
+model. Every row reports its first step's wall time, the compile's included.
+
 The other ``fused_loss`` setting: ``fused_loss=False`` (the head's ATen ops) where the default
 plan fused the LM head with its cross entropy (``plan.fused_losses()``), ``fused_loss=True``
 (the chunked head, its matmul recomputed in the backward) where it did not; the notes say
@@ -264,29 +270,35 @@ def dp_tp(size: dict, warmup: int, steps: int, profile: bool) -> dict | None:
 
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one intra-op thread each, for both
     x, y = data(size["vocab"])
-    [(_, plan, seconds)] = planned(size, x, y, dict(mesh={"dp": 2, "tp": 2}, shard="megatron"),
-                                   other=False)
-    runner = plan.runner(optimizer=adamw)
-    note = f"{label('2', 'shardfx')}: partition {seconds:.1f} s (rank 0); {head(plan)}"
-    del plan
+    options = dict(mesh={"dp": 2, "tp": 2}, shard="megatron")
+    contestants, notes = {}, []
+    for kernels in ("auto", "compiled"):
+        [(_, plan, seconds)] = planned(size, x, y, dict(options, kernels=kernels), other=False)
+        name = "shardfx" if kernels == "auto" else "shardfx kernels=compiled"
+        runner = plan.runner(optimizer=adamw)
+        notes.append(f"{label('2', name)}: partition {seconds:.1f} s (rank 0); {head(plan)}")
+        contestants[name] = lambda runner=runner: runner.step((x,), (y,))
+        del plan
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = peer(llama(**size), mesh)
-    opt = adamw(model.parameters())
     dp = mesh["dp"]
     xs, ys = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]
+    peers = {}
+    for name, compiled in ((PEER, False), ("torch.compile per block, TP + DDP", True)):
+        model = peer(llama(**size), mesh, compiled)
+        opt = adamw(model.parameters())
 
-    def peer_step():
-        loss = loss_fn(model(xs), ys)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        dist.all_reduce(loss, group=dp.get_group())  # the dp slices' means, summed
-        return loss / 2
+        def peer_step(model=model, opt=opt):
+            loss = loss_fn(model(xs), ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = loss.detach()
+            dist.all_reduce(loss, group=dp.get_group())  # the dp slices' means, summed
+            return loss / 2
 
-    out = race({PEER: peer_step, "shardfx": lambda: runner.step((x,), (y,))}, warmup, steps,
-               profile)
-    out["notes"] = [note]
+        peers[name] = peer_step
+    out = race({**peers, **contestants}, warmup, steps, profile)
+    out["notes"] = notes
     return out if dist.get_rank() == 0 else None
 
 
@@ -356,7 +368,10 @@ def pipelined(size: dict, warmup: int, steps: int, profile: bool) -> dict | None
     rank = dist.get_rank()
     contestants, runners, cuts, notes = {}, {}, {}, []
     options = dict(mesh={"pp": 2}, schedule="1f1b", microbatches=MICRO)
-    for name, plan, seconds in planned(size, x, y, options, other=True):
+    plans = planned(size, x, y, options, other=True)
+    plans += [("shardfx kernels=compiled", plan, seconds) for _, plan, seconds
+              in planned(size, x, y, dict(options, kernels="compiled"), other=False)]
+    for name, plan, seconds in plans:
         cuts[name] = cut_of(plan)
         notes.append(f"{label('3', name)}: partition {seconds:.1f} s (rank 0); {head(plan)}; "
                      f"stage 1 starts at model.layers.{cuts[name]}; schedule "
@@ -365,26 +380,34 @@ def pipelined(size: dict, warmup: int, steps: int, profile: bool) -> dict | None
         contestants[name] = lambda runner=runner: runner.step((x,), (y,))
         del plan
     cut = cuts["shardfx"]
-    lm = llama(**size)
-    module = FirstStage(lm, cut) if rank == 0 else LastStage(lm, cut)
-    del lm
-    stage = pipelining.PipelineStage(module, rank, 2, torch.device("cpu"))
-    pipe = pipelining.Schedule1F1B(stage, MICRO, loss_fn=logits_loss, scale_grads=True)
-    opt = adamw(module.parameters())
+    peers = {}
+    for name in (PEER, "torch.compile per block, Schedule1F1B"):
+        lm = llama(**size)
+        module = FirstStage(lm, cut) if rank == 0 else LastStage(lm, cut)
+        del lm
+        if name != PEER:  # each decoder layer compiled, as torchtitan does under pipelining
+            for layer in module.layers:
+                layer.compile()
+        stage = pipelining.PipelineStage(module, rank, 2, torch.device("cpu"))
+        pipe = pipelining.Schedule1F1B(stage, MICRO, loss_fn=logits_loss, scale_grads=True)
+        opt = adamw(module.parameters())
 
-    def peer_step():
-        losses: list = []
-        pipe.step(x) if rank == 0 else pipe.step(target=y, losses=losses)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        dist.broadcast(loss, src=1)  # the last stage has the losses
-        return loss
+        def peer_step(pipe=pipe, opt=opt):
+            losses: list = []
+            pipe.step(x) if rank == 0 else pipe.step(target=y, losses=losses)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+            dist.broadcast(loss, src=1)  # the last stage has the losses
+            return loss
+
+        peers[name] = peer_step
+    contestants = {**peers, **contestants}
 
     notes.append(f"peer: stage 0 = embedding + model.layers.0-{cut - 1} on rank 0, stage 1 = "
                  f"model.layers.{cut}-{size['layers'] - 1} + norm + lm_head on rank 1 "
                  "(shardfx's default cut)")
-    out = race({PEER: peer_step, **contestants}, warmup, steps, profile)
+    out = race(contestants, warmup, steps, profile)
     out["stages"] = {}
     for name, runner in runners.items():  # their last step's actions, per stage
         spans = [(Action.parse(a), e - b) for r in runner.timeline() for a, b, e in r]
