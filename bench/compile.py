@@ -45,7 +45,7 @@ def measure(who: str, layers: int, cache: str) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     torch.set_num_threads(1)
     import shardfx
-    from bench.spmd import batch, llama, loss_fn
+    from bench.spmd import batch, llama, loss_fn, train_step
 
     x, y = batch(SIZE["vocab"], BATCH, SEQ)
     model = llama(layers=layers, **SIZE)
@@ -59,15 +59,8 @@ def measure(who: str, layers: int, cache: str) -> dict:
         def step():
             return runner.step((x,), (y,))
     else:
-        forward = torch.compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step():
-            loss = loss_fn(forward(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
+        step = train_step(torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          x, y)
 
     times = []
     for _ in range(4):

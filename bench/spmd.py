@@ -81,6 +81,19 @@ def loss_fn(out, targets):
     return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
 
 
+def train_step(forward, opt, x, y):
+    """A plain training step of ``forward`` on ``(x, y)``: loss, backward, the optimizer's
+    step, gradients dropped; it returns the loss."""
+    def step():
+        loss = loss_fn(forward(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def batch(vocab: int, b: int, s: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, vocab, (b, s), generator=g) for _ in range(2))

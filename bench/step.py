@@ -88,7 +88,7 @@ import torch.nn.functional as F
 import shardfx
 from bench.common import alternate, append_results, clocked, count, machine
 from bench.pipeline import per_stage
-from bench.spmd import llama, loss_fn, peer
+from bench.spmd import llama, loss_fn, peer, train_step
 from shardfx.ir import meta as M
 from shardfx.schedule import Action, Kind
 
@@ -213,16 +213,7 @@ def one_device(size: dict, warmup: int, steps: int, profile: bool) -> dict:
     torch.set_num_threads(1)  # see the module docstring
     x, y = data(size["vocab"])
     model = llama(**size)
-    opt = adamw(model.parameters())
-
-    def eager():
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    contestants, notes = {PEER: eager}, []
+    contestants, notes = {PEER: train_step(model, adamw(model.parameters()), x, y)}, []
     contestants.update(compiled_peers(size, x, y))
     plans = planned(size, x, y, {}, other=True)
     plans += [("shardfx kernels=compiled", plan, seconds)
@@ -249,16 +240,7 @@ def compiled_peers(size: dict, x, y) -> dict:
             forward = model
         else:
             forward = torch.compile(model)
-        opt = adamw(model.parameters())
-
-        def step(forward=forward, opt=opt):
-            loss = loss_fn(forward(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        out[name] = step
+        out[name] = train_step(forward, adamw(model.parameters()), x, y)
     return out
 
 
@@ -285,14 +267,10 @@ def dp_tp(size: dict, warmup: int, steps: int, profile: bool) -> dict | None:
     peers = {}
     for name, compiled in ((PEER, False), ("torch.compile per block, TP + DDP", True)):
         model = peer(llama(**size), mesh, compiled)
-        opt = adamw(model.parameters())
+        sliced = train_step(model, adamw(model.parameters()), xs, ys)
 
-        def peer_step(model=model, opt=opt):
-            loss = loss_fn(model(xs), ys)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss = loss.detach()
+        def peer_step(sliced=sliced):
+            loss = sliced()
             dist.all_reduce(loss, group=dp.get_group())  # the dp slices' means, summed
             return loss / 2
 
