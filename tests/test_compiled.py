@@ -69,8 +69,7 @@ def test_a_python_program_op_ends_a_region_and_views_alone_are_not_compiled():
     s = graph.call_function(operator.getitem, (m, 0))
     c = graph.call_function(torch.ops.aten.add.Tensor, (s, a))
     graph.output((c,))
-    for node, value in zip(graph.nodes, _values(graph, torch.randn(2, 2))):
-        node.meta["val"] = value
+    _Values(fx.GraphModule({}, graph)).run(torch.randn(2, 2))
     found = regions(graph)
     assert [[n.name for n in r] for r in found] == [
         ["sin_default", "cos_default"], ["var_mean_correction", "getitem", "add_tensor"]]
@@ -81,19 +80,12 @@ def test_a_python_program_op_ends_a_region_and_views_alone_are_not_compiled():
     torch.testing.assert_close(module(x0)[0], want)
 
 
-def _values(graph: fx.Graph, x: torch.Tensor) -> list:
-    """Each node's value on ``x`` (for the ``val`` meta a captured graph carries)."""
-    env: dict = {}
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            env[node] = x
-        elif node.op == "call_function":
-            args = fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
-        else:
-            env[node] = None
-    return [env[n] for n in graph.nodes]
+class _Values(fx.Interpreter):
+    """Runs a graph, leaving each node's value in its ``val`` meta (as a captured graph has)."""
+
+    def run_node(self, node: fx.Node):
+        node.meta["val"] = super().run_node(node)
+        return node.meta["val"]
 
 
 def test_unknown_kernels_is_a_named_error():

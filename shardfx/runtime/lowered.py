@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from shardfx.ir import meta as M
+from shardfx.ir.graph import is_getitem, tensor_val
 from shardfx.runtime.released import released
 
 log = logging.getLogger("shardfx.compile")
@@ -90,7 +91,7 @@ def regions(graph: fx.Graph) -> list[list[fx.Node]]:
     opaque: set[fx.Node] = set()
     while True:
         runs = _runs(graph, opaque)
-        split = {n for run in runs for n in _outputs(run) if not _is_tensor(n)}
+        split = {n for run in runs for n in _outputs(run) if tensor_val(n) is None}
         if not split:
             return [run for run in runs if not all(_is_view(n) for n in run)]
         opaque |= split
@@ -104,7 +105,7 @@ def _compilable(node: fx.Node, opaque: set[fx.Node]) -> bool:
     collective (module docstring)."""
     if node.op != "call_function" or node in opaque:
         return False
-    if node.target is operator.getitem:
+    if is_getitem(node):
         src = node.args[0]
         return isinstance(src, fx.Node) and _compilable(src, opaque)
     return isinstance(node.target, torch._ops.OpOverload) and \
@@ -172,12 +173,8 @@ def _inputs(run: list[fx.Node]) -> list[fx.Node]:
     return list(out)
 
 
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get(M.VAL), torch.Tensor)
-
-
 def _is_view(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
+    if is_getitem(node):
         return True
     return any(r.alias_info is not None for r in node.target._schema.returns)
 
