@@ -7,9 +7,10 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardfx
-from shardfx.runtime.measure import _Storages, mark, measured_peak
+from shardfx.runtime.measure import _Storages, allocated_peak, mark, measured_peak
 from shardfx.testing import adamw
 
 from models import VOCAB, lm_loss, tiny, token_batches
@@ -65,6 +66,22 @@ def test_a_storage_freed_on_another_thread_is_counted_by_the_measuring_one():
     assert tracker.live == MIB  # freed, not yet counted: only this thread changes the count
     tracker.settle()
     assert tracker.live == 0 and tracker.peak == MIB
+
+
+def test_allocated_peak_leaves_the_collective_backends_scratch_out():
+    """gloo's worker gathers into a scratch copy of the output on its own thread (NCCL does
+    not): ``allocated_peak`` reports it as ``backend``, apart from the program's peak, which
+    then equals the op-by-op ruler's."""
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    shard = torch.ones(MIB // 4)
+
+    def gather() -> torch.Tensor:
+        out = torch.empty_like(shard)
+        group._allgather_base(out, shard).wait()
+        return out
+
+    allocated, ops = allocated_peak(gather, shard), measured_peak(gather, shard)
+    assert allocated.total == ops.total and allocated.backend == MIB
 
 
 def test_marks_and_compiled_code():
