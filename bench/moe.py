@@ -21,6 +21,12 @@ bytes of the experts' training state on a rank (their weights, gradients and Ada
 moments). Checks, fatal: both first-step losses equal the global batch's loss computed whole,
 and the last losses agree to 1e-5 (relative).
 
+Before the race, in this process on one thread: one layer's experts arithmetic, forward and
+backward (``kernels.expert_compute``, every expert local), at dp=4's rows per rank and at the
+whole batch's, with each expert's matmuls as one ``torch._grouped_mm`` (what shardfx runs where
+the dtype and device allow) against a matmul per expert (what it ran before, and runs where
+they do not), alternating, ``--steps`` x 4 timed rounds after a warm-up, fp32 and bf16.
+
     PYTHONPATH=. python -m bench.moe [--layers 4] [--steps 6] [--warmup 2]
 """
 
@@ -77,6 +83,65 @@ def expert_state(runner) -> int:
         total += sum(t.numel() * t.element_size() for t in state.values()
                      if isinstance(t, torch.Tensor) and t.dim())
     return total
+
+
+def arithmetic(tokens: int, dtype: torch.dtype, rounds: int) -> tuple[dict, float]:
+    """Times of one experts forward + backward (s), grouped and looped, and their outputs'
+    largest difference."""
+    from shardfx.kernels import expert_compute as ec
+
+    g = torch.Generator().manual_seed(2)
+    e, h, i, k = SIZE["experts"], SIZE["hidden"], SIZE["inter"], SIZE["k"]
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    index = torch.randint(0, e, (tokens, k), generator=g)
+    weights = torch.rand(tokens, k, generator=g).to(dtype)
+    w_in = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dtype)
+    w_out = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(dtype)
+    grad_y = torch.randn(tokens, h, generator=g).to(dtype)
+    form = ec.Form()
+
+    def step():
+        y, xd, hh, zs = ec.forward(x, index, weights, w_in, w_out, form, ec.Local)
+        return (y,) + ec.backward(grad_y, x, index, weights, w_in, w_out, xd, hh, zs, form,
+                                  ec.Local)
+
+    grouped = ec._grouped
+
+    def looped():
+        ec._grouped = lambda a, b: False
+        try:
+            return step()
+        finally:
+            ec._grouped = grouped
+
+    times = {"grouped_mm": [], "loop": []}
+    outs = {"grouped_mm": step(), "loop": looped()}
+    for _ in range(rounds):
+        for name, fn in (("grouped_mm", step), ("loop", looped)):
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    diff = max((a.float() - b.float()).abs().max().item()
+               for a, b in zip(outs["grouped_mm"], outs["loop"]))
+    return times, diff
+
+
+def arithmetic_table(rounds: int) -> str:
+    torch.set_num_threads(1)
+    rows = [f"One layer's experts, forward + backward, on one thread ({SIZE['experts']} experts, "
+            f"hidden {SIZE['hidden']}, intermediate {SIZE['inter']}, top-{SIZE['k']}, "
+            f"gated SiLU), CPU seconds, {rounds} alternating rounds after one warm-up:", "",
+            "| tokens | dtype | grouped_mm min / median (ms) | loop of mm min / median (ms) "
+            "| grouped / loop (median) | largest difference |", "|---|---|---:|---:|---:|---:|"]
+    for tokens in (SIZE["batch"] * SIZE["seq"] // N, SIZE["batch"] * SIZE["seq"]):
+        for dtype in (torch.float32, torch.bfloat16):
+            t, diff = arithmetic(tokens, dtype, rounds)
+            med = {k: statistics.median(v) for k, v in t.items()}
+            rows.append(f"| {tokens} | {str(dtype)[6:]} | {min(t['grouped_mm']) * 1e3:.1f} / "
+                        f"{med['grouped_mm'] * 1e3:.1f} | {min(t['loop']) * 1e3:.1f} / "
+                        f"{med['loop'] * 1e3:.1f} | {med['grouped_mm'] / med['loop']:.2f}x | "
+                        f"{diff:.1e} |")
+    return "\n".join(rows)
 
 
 def race(layers: int, warmup: int, steps: int) -> dict | None:
@@ -166,11 +231,14 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     expert_params = sum(p.numel() for p in model.parameters() if p.dim() == 3)
     load = open("/proc/loadavg").read().split()[:3]
+    experts = arithmetic_table(4 * a.steps)
+    print(experts)
     start = time.perf_counter()
     res = shardfx.launch(race, a.layers, a.warmup, a.steps, nprocs=N, timeout=600,
                          deadline=3600)[0]
     text, failures = table(a, res, params, expert_params, time.perf_counter() - start)
     print(text)
+    text = experts + "\n\n" + text
     if not a.no_save:
         append_results("MoE: expert parallelism (ep=4) vs data parallelism (dp=4)", text,
                        f"{machine()}; load average before {' '.join(load)}")

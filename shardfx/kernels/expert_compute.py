@@ -125,14 +125,16 @@ class Local:
 def grouped_mm(rows: torch.Tensor, w: torch.Tensor, counts: list[int], *,
                transpose_w: bool) -> torch.Tensor:
     """Rows grouped by expert (``counts[e]`` rows for ``w[e]``) times their expert's matrix
-    (transposed where ``transpose_w``)."""
-    out_dim = w.shape[1] if transpose_w else w.shape[2]
-    out = rows.new_empty((rows.shape[0], out_dim))
+    (transposed where ``transpose_w``): one ``torch._grouped_mm`` where it takes the operands
+    (``_grouped``), else a matmul per expert."""
+    m = w.transpose(-2, -1) if transpose_w else w
+    if _grouped(rows, m):
+        return torch._grouped_mm(rows, m, offs=_offsets(counts, rows.device))
+    out = rows.new_empty((rows.shape[0], m.shape[2]))
     start = 0
     for e, n in enumerate(counts):
         if n:
-            m = w[e].t() if transpose_w else w[e]
-            torch.mm(rows[start:start + n], m, out=out[start:start + n])
+            torch.mm(rows[start:start + n], m[e], out=out[start:start + n])
         start += n
     return out
 
@@ -141,6 +143,8 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int],
                         experts: int) -> torch.Tensor:
     """Per expert ``a[rows].T @ b[rows]``: (E, a's width, b's width), zero for an expert with
     no rows."""
+    if experts == len(counts) and _grouped(a.t(), b):
+        return torch._grouped_mm(a.t(), b, offs=_offsets(counts, a.device))
     out = a.new_zeros((experts, a.shape[1], b.shape[1]))
     start = 0
     for e, n in enumerate(counts):
@@ -148,6 +152,32 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int],
             torch.mm(a[start:start + n].t(), b[start:start + n], out=out[e])
         start += n
     return out
+
+
+_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` multiplies these: one dtype it has kernels for on the
+    device (CUDA: bf16 on sm90 and later), every stride but the unit one a multiple of 16
+    bytes. It computes what the loop of matmuls computes (equal bit for bit on CPU), in one
+    call instead of one per expert."""
+    dtypes = _GROUPED_DTYPES.get(a.device.type, ())
+    if a.dtype != b.dtype or a.dtype not in dtypes:
+        return False
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (9, 0):
+        return False
+    size = a.element_size()
+    return all(stride * size % 16 == 0 for t in (a, b) for stride in t.stride() if stride != 1)
+
+
+def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """Each group's end row, as ``torch._grouped_mm`` takes them."""
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
 def _project(rows, w, counts, form: Form):
