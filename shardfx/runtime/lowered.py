@@ -23,9 +23,12 @@ gloo's scratch copies; the ATen programs are equal to the prediction within byte
 Region code is keyed by its ops and their arguments, positions for values: the 80 forward
 blocks of an 80-layer plan are one code, compiled once (for the shapes, strides and dtypes of
 its first call) and called 80 times — torchtitan's per-block ``torch.compile``, found in the
-program rather than asked for by wrapping modules. Inductor's on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``) keeps the generated code between runs, so a second run of the
-same plan compiles in seconds.
+program rather than asked for by wrapping modules. A region compiles under a tracing context
+with a shape env, as Dynamo's graphs do, so AOTAutograd's and Inductor's on-disk caches
+(``TORCHINDUCTOR_CACHE_DIR``) answer for it: a second run of the same plan skips tracing and
+code generation alike (a 58M Llama's five codes: 9.1 s of compiling cold, 3.0 s warm, 2.7 s of
+it Inductor's start). The processes of one machine compile a given code one at a time, the
+others then reading it from the cache (``_one_process_at_a_time``).
 
 Regions made only of views (a reshape between two Python ops) run as they are: compiling them
 buys nothing. A region is compiled at its first call, on the values it is called with, so a
@@ -35,12 +38,15 @@ says how many codes were compiled and how long that took (``shardfx run`` prints
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import operator
+import os
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -273,17 +279,51 @@ class _Code:
         """Inductor's code for ``args``, called with a list of their tensors, which it empties
         (Inductor frees each input after its last use); an input that is not a tensor (a
         rank's coordinate on a mesh axis) is a constant of it."""
+        from torch._guards import TracingContext, tracing
         from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when used
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         start = time.perf_counter()
         graph = _taking_a_list(self.graph, args)
-        fn = compile_fx(graph, [[a for a in args if isinstance(a, torch.Tensor)]])
+        fake = FakeTensorMode(shape_env=ShapeEnv())
+        example = [fake.from_tensor(a, static_shapes=True) for a in args
+                   if isinstance(a, torch.Tensor)]
+        with _one_process_at_a_time(graph, example), tracing(TracingContext(fake)):
+            fn = compile_fx(graph, [example])  # the context's shape env: Inductor caches then
         seconds = time.perf_counter() - start
         _totals.compiles += 1
         _totals.seconds += seconds
         log.info("%s in %.1f s (%d compiled of %d region codes, %.1f s so far)",
                  self.description, seconds, _totals.compiles, _totals.codes, _totals.seconds)
         return fn
+
+
+@contextlib.contextmanager
+def _one_process_at_a_time(graph: fx.GraphModule, example: list) -> Iterator[None]:
+    """Held while a region compiles: one process of this machine at a time compiles a given
+    graph for given input shapes. The ranks whose programs share a region code (dp's
+    replicas, most of tp's) reach it together; one compiles it and the others then read it
+    from Inductor's on-disk cache instead of compiling it again beside it (on 2 cores, 4
+    ranks compiling one code at once take twice one compile's time). A lock file per graph
+    and shapes, in Inductor's cache directory; the OS lets go of it if its holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: each process compiles on its own
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    key = hashlib.sha256(repr((graph.code, [(tuple(t.shape), t.stride(), t.dtype, t.device)
+                                            for t in example])).encode()).hexdigest()
+    folder = os.path.join(cache_dir(), "shardfx-locks")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, key[:32]), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def boxed(*values: Any) -> list:
