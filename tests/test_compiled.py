@@ -93,6 +93,55 @@ def test_unknown_kernels_is_a_named_error():
         _plan(kernels="inductor")
 
 
+def _small_graph() -> fx.GraphModule:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, x))
+    graph.output((graph.call_function(torch.ops.aten.sin.default, (y,)),))
+    return fx.GraphModule({}, graph)
+
+
+def test_a_second_compile_of_a_region_is_read_from_inductors_cache(tmp_path, monkeypatch):
+    """A fresh process compiling a region code an earlier one compiled reads it from
+    AOTAutograd's and Inductor's on-disk caches (a new ``_Code``: no memory of the first)."""
+    from torch._dynamo.utils import counters
+
+    from shardfx.runtime.lowered import _Code
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8, 4)
+    counters.clear()
+    first = _Code(_small_graph(), "first")([x.clone()])
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1
+    second = _Code(_small_graph(), "second")([x.clone()])
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+    assert torch.equal(first[0], second[0]) and torch.allclose(first[0], (x * x).sin())
+
+
+def test_one_process_at_a_time_compiles_a_code():
+    """The lock a region's compile holds: a second holder of the same code and shapes waits
+    until the first lets go (threads stand in for processes: ``flock`` locks are per open)."""
+    import threading
+    import time
+
+    from shardfx.runtime.lowered import _one_process_at_a_time
+
+    graph, example = _small_graph(), [torch.randn(8, 4)]
+    entered: list[float] = []
+
+    def second():
+        with _one_process_at_a_time(graph, example):
+            entered.append(time.perf_counter())
+
+    with _one_process_at_a_time(graph, example):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.3)
+        released = time.perf_counter()
+    waiter.join(timeout=30)
+    assert entered and entered[0] >= released
+
+
 # --- trains like one device ----------------------------------------------------------------
 
 
