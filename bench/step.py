@@ -43,7 +43,9 @@ Compiled contestants, in every race: shardfx with ``kernels="compiled"`` (each p
 regions lowered by Inductor, ``runtime.lowered``) against what a user compiles without it:
 ``torch.compile`` of each decoder layer (as torchtitan compiles each TransformerBlock: in race
 2 between TP and DDP, in race 3 inside each pipeline stage) and, on one device, of the whole
-model. Every row reports its first step's wall time, the compile's included.
+model. Every row reports its first step's wall time, the compile's included, with Inductor's
+on-disk cache empty: each race and size starts a folder of its own (``bench/compile.py`` times
+a full one).
 
 The other ``fused_loss`` setting: ``fused_loss=False`` (the head's ATen ops) where the default
 plan fused the LM head with its cross entropy (``plan.fused_losses()``), ``fused_loss=True``
@@ -75,7 +77,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -521,6 +525,7 @@ def main() -> None:
         results = {}
         for size_name, size in sizes.items():
             t0 = time.perf_counter()
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
             if key == "1":
                 results[size_name] = in_child(one_device, size, a.warmup, a.steps, a.profile)
             else:
@@ -528,6 +533,7 @@ def main() -> None:
                 results[size_name] = shardfx.launch(fn, size, a.warmup, a.steps, a.profile,
                                                     nprocs=4 if key == "2" else 2, timeout=600,
                                                     deadline=3600)[0]
+            shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
             print(f"race {key}, {size_name}: {time.perf_counter() - t0:.0f} s", flush=True)
             profiles += [f"### race {key}, {size_name}, {label(key, k)}\n\n{p}"
                          for k, p in results[size_name]["profiles"].items()]

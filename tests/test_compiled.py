@@ -4,9 +4,9 @@ The regions of a program are checked in text (which ops each region holds, that 
 share one code, that a Python program op ends a region and runs between two), and compiled
 plans of every kind train like one device by ``shardfx.testing``'s rule: one device in fp32,
 bf16 and fp16, with the optimizer in the backward and under a memory budget, and on real gloo
-processes dp with ZeRO-3, tp with megatron-sp, cp's ring attention, ep's experts, pp's 1F1B
-and zero-bubble with ZeRO-2 over dp, dp x tp. A cross-section runs by default; the rest with
-``pytest -m slow``.
+processes dp with ZeRO-3, tp with megatron-sp, cp's ring attention, ep's experts, pp's GPipe,
+1F1B, interleaved 1F1B and zero-bubble with ZeRO-2 over dp, dp x tp. A cross-section runs by
+default; the rest with ``pytest -m slow``.
 """
 
 from __future__ import annotations
@@ -213,6 +213,7 @@ def test_every_plan_kind_on_real_processes_trains_like_one_device():
         ("mixtral", dict(mesh={"ep": 2})),
         ("llama", dict(mesh={"pp": 2}, microbatches=4, schedule="interleaved-1f1b",
                        virtual_stages=2, rows=8)),
+        ("llama", dict(mesh={"pp": 2}, microbatches=2, schedule="gpipe", rows=8)),
     ], nprocs=2, timeout=300, deadline=1800))
     _check(shardfx.launch(_train, [
         ("llama", dict(mesh={"dp": 2, "tp": 2}, shard="megatron", zero=1)),
