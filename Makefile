@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/parallel.py
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The inner loop: the tests that start no process (the rest are marked multiprocess).
 check: $(STAMP)
