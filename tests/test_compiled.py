@@ -167,6 +167,28 @@ def test_one_device_plan_kinds_train_like_eager(kw):
     assert report.max() < 1e-5
 
 
+def test_dropout_stream_accumulation_and_clipping_work_compiled():
+    """GPT-2 with its dropouts on draws shardfx's masks compiled as in the ATen program (which
+    ``test_dropout`` holds equal to eager); accumulation over two batches and a clip that
+    engages train like one device."""
+    from test_dropout import _rel, gpt2, sgd
+
+    def losses_and_weights(kernels: str) -> tuple:
+        torch.manual_seed(0)
+        batches = token_batches(2)
+        (x, y) = batches[0]
+        plan = shardfx.partition(gpt2().train(), x, lm_loss, y, kernels=kernels)
+        runner = plan.runner(sgd)
+        return torch.stack([runner.step(x, y) for x, y in batches]), runner.state_dict()
+
+    (got, weights), (want, reference) = losses_and_weights("compiled"), losses_and_weights("aten")
+    assert _rel(got, want) < 1e-5
+    assert max(_rel(weights[k], reference[k]) for k in reference) < 1e-5
+    report = compare_training(tiny("llama", LAYERS), token_batches(4, 8), lm_loss,
+                              kernels="compiled", accumulate=2, clip_grad_norm=0.5)
+    assert report.max() < 1e-5 and report.runner.grad_norm > 0.5
+
+
 def _train(cases: list[tuple]) -> list[tuple[str, float]]:
     """On every rank: ``compare_training`` of each (model, options) compiled; its largest
     error beyond the rule."""
