@@ -7,9 +7,17 @@ at 9 layers; the count is printed) with AdamW (lr 1e-3) on one seeded global bat
 tokens), loss ``F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())``. Every contestant
 starts from the same weights (the same seed) and trains on the same data:
 
-- FSDP2 (the ZeRO-3 peer): ``fully_shard(layer, mesh=dp)`` on each decoder layer, then on the
-  root, default ``reshard_after_forward=True``;
-- FSDP2 with ``reshard_after_forward=False`` (the ZeRO-2 peer, and ZeRO-1's);
+- FSDP2 (the ZeRO-3 peer), wrapped as TorchTitan wraps its Llama (``apply_fsdp`` in
+  torchtitan/models/llama3/infra/parallelize.py, its default policy without pp), bottom-up:
+  ``fully_shard(..., mesh=dp)`` on the embedding (``embed_tokens``) and on each decoder layer
+  with ``reshard_after_forward=True``, on the final norm and the LM head as one group
+  (``fully_shard([norm, lm_head])``) with ``reshard_after_forward=False`` (the backward starts
+  with them: resharding would only gather them again at once), then on the root (FSDP2's
+  default; it holds no parameters of its own by then). Wrapping only the decoder layers and
+  the root left the embedding and the head in the root's group, gathered for the whole step:
+  its peak at 9 layers was 872 MiB, 697 this way (2026-11-29);
+- FSDP2 with TorchTitan's "never" policy (``reshard_after_forward=False`` for every group; the
+  ZeRO-2 peer, and ZeRO-1's);
 - shardfx: ``partition(model, (ids,), loss_fn, (labels,), mesh={"dp": 4}, zero=k)``, then
   ``plan.runner(...).step`` on the global batch (the runner cuts each rank's rows), for k = 3,
   2, 1, and k = 0 (plain data parallelism) as a reference row. Where ``shardfx.partition``
@@ -33,11 +41,14 @@ of its own (another moment of a shared, noisy machine).
 
 Time. In each phase ``--warmup`` untimed rounds, then ``--steps`` timed ones, each round one
 step of every contestant in turn, barriers around each step (``bench.common.alternate``).
-Reported: rank 0's per-step wall time (barrier to barrier: the slowest rank's step) and process
-CPU time (``time.process_time`` around the step alone: every thread of rank 0, gloo's included;
-with 4 ranks on 2 cores wall time depends on the others' scheduling and on anything else the
-machine runs, CPU time less), min and median, and the ratio of medians to the FSDP2 row of the
-same stage: zero=3 to FSDP2 default, zero=2 and zero=1 to ``reshard_after_forward=False``.
+Reported: rank 0's per-step wall time (barrier to barrier: the slowest rank's step) and the
+per-step CPU time of the slowest rank (each rank's process CPU time, ``time.process_time``
+around the step alone: every thread of it, gloo's included; then, step by step, the max over the
+4 ranks: a step is done when its slowest rank is, and rank 0 alone, or the mean, would hide a
+rank that works more; with 4 ranks on 2 cores wall time depends on the others' scheduling and
+on anything else the machine runs, CPU time less), min and median over the timed steps, and the
+ratio of medians to the FSDP2 row of the same stage: zero=3 to FSDP2 default, zero=2 and zero=1
+to ``reshard_after_forward=False``.
 
 Memory, measured on one more step of each contestant after the timed ones (in turn, barriers
 around each; its loss is the last one reported). The peak is ``shardfx.runtime.measure``'s measure of
@@ -151,14 +162,28 @@ class Contestant:
     modelled: DeviceMemory | None = None  # shardfx's prediction for this rank
 
 
-def fsdp2(layers: int, mesh, reshard: bool, xs, ys) -> Contestant:
-    """A seeded Llama under FSDP2, its AdamW, a step on this rank's slice."""
+def shard_like_torchtitan(model: torch.nn.Module, mesh, reshard: bool) -> None:
+    """FSDP2's groups as TorchTitan's ``apply_fsdp`` makes them, bottom-up: the embedding, each
+    decoder layer, the final norm with the LM head, then the root. ``reshard`` is the
+    embedding's and the layers' ``reshard_after_forward`` (TorchTitan's "default" policy: True;
+    "never": False). The norm + head group is never resharded after forward: the backward
+    starts with it, so FSDP would gather it again at once. The root keeps FSDP2's default, as
+    in TorchTitan; it is left with the rotary embedding's buffers only."""
     from torch.distributed.fsdp import fully_shard
 
-    model = llama(layers=layers, **SIZE)
-    for layer in model.model.layers:
+    llama_body = model.model
+    fully_shard(llama_body.embed_tokens, mesh=mesh, reshard_after_forward=reshard)
+    for layer in llama_body.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard([llama_body.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+
+
+def fsdp2(layers: int, mesh, reshard: bool, xs, ys) -> Contestant:
+    """A seeded Llama under FSDP2 (TorchTitan's wrapping), its AdamW, a step on this rank's
+    slice."""
+    model = llama(layers=layers, **SIZE)
+    shard_like_torchtitan(model, mesh, reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step():
@@ -227,10 +252,18 @@ def race(layers: int, b: int, s: int, warmup: int, steps: int, phases: list[list
                 modelled[name] = (m.parameters + m.gradients + m.optimizer, m.total)
         del built, clocked_steps, c, shared
         gc.collect()
-    memories = [None] * DP
+    memories, cpus = [None] * DP, [None] * DP
     dist.all_gather_object(memories, memory)
-    return dict(times=times, cpu=cpu, losses=losses, first=first, memory=memories,
+    dist.all_gather_object(cpus, cpu)
+    return dict(times=times, cpu=slowest(cpus), losses=losses, first=first, memory=memories,
                 modelled=modelled) if rank == 0 else None
+
+
+def slowest(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per contestant and timed step, the max over the ranks of that step's CPU seconds: the
+    steps are barrier to barrier, so step i on every rank is the same step."""
+    return {name: [max(steps) for steps in zip(*(rank[name] for rank in per_rank))]
+            for name in per_rank[0]}
 
 
 # --- the tables ---------------------------------------------------------------------------------
@@ -265,10 +298,12 @@ def tables(a, res: dict, params: int, phases: list[list[str]], seconds: float
             f"4 gloo processes (dp=4), 1 thread each; in each phase the contestants alternate, "
             f"{a.steps} timed steps after {a.warmup} warm-up, then one measured step each; "
             f"{seconds:.0f} s in all", "",
-            "Step time, rank 0 (wall: barrier to barrier; CPU: the process's, the step alone):",
+            "Step time (wall: rank 0's, barrier to barrier, so the slowest rank's step; CPU: "
+            "each rank's process CPU time of the step alone, per step the max over the 4 ranks):",
             "",
-            "| variant | phase | peer | wall min (ms) | wall median (ms) | vs peer | CPU min (ms) "
-            f"| CPU median (ms) | vs peer | loss after step {steps} |",
+            "| variant | phase | peer | wall min (ms) | wall median (ms) | vs peer | CPU min, max "
+            f"over ranks (ms) | CPU median, max over ranks (ms) | vs peer | loss after step "
+            f"{steps} |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for k in names:
         rows.append(f"| {k} | {phase_of[k]} | {PEER.get(k, '—')} | {min(times[k]) * 1e3:.0f} | "
