@@ -35,7 +35,13 @@ from the same weights (a deepcopy of one model) and trains on the same batch:
   with shardfx's ``MemoryBudgetError``: a finding, not a gap;
 - ``shardfx floor``: the budget a ``MemoryBudgetError`` states when planning with
   ``memory_budget=1`` (``error.least.total``: the lowest peak shardfx's search reaches, which a
-  plan meets by construction), then planned and run at exactly that budget.
+  plan meets by construction), then planned and run at exactly that budget;
+- ``shardfx unfused at X`` (X a measured peak, or ``floor``: its own): the same, planned with
+  ``fused_loss=False``. Every other row computes the whole (tokens, vocabulary) logits and
+  their gradient; the fused head never makes them, a saving that is the fused head's, not
+  remat's. These rows keep the plain loss's ATen ops, so they set shardfx's remat against full
+  AC and torch.compile's budgets like for like. A budget under the unfused floor is a
+  ``MemoryBudgetError`` row.
 
 Backend. The compiled rows use ``aot_eager`` (aot_autograd with ``min_cut_rematerialization_
 partition`` and a no-op compiler: the partitioned forward and backward graphs run op by op),
@@ -94,13 +100,14 @@ the same step measured alone, on the ``--small`` model), then ``--steps`` timed 
 - step s: median wall and CPU (``time.process_time``, every thread of the process) seconds of
   the timed steps (``gc.collect()`` before each);
 - fused, ops recomputed (shardfx rows): ``plan.fused_losses()`` (the LM head computed with its
-  loss in chunks) and ``len(plan.remat.recomputed)``;
+  loss in chunks; never in the unfused rows) and ``len(plan.remat.recomputed)``;
 - loss: an eager ``no_grad`` forward of the row's model after all its steps (3 + ``--steps``
   updates), which must agree with eager's to 1e-4 relative (a warning is printed otherwise).
 
-Under the table a summary: at every point where both run, whether shardfx recomputes at most
-torch.compile's FLOPs (goal: everywhere); at full AC's peak, shardfx's recompute over full
-AC's (goal <= 0.5); the largest predicted-vs-measured error (goal <= 2%); shardfx rows that
+Under the table a summary, for shardfx's default rows and for its unfused ones apart: at every
+point where both run, whether shardfx recomputes at most torch.compile's FLOPs (goal:
+everywhere); at full AC's peak, shardfx's recompute over full AC's (goal <= 0.5); its floor.
+Then, over all shardfx rows: the largest predicted-vs-measured error (goal <= 2%); rows that
 failed or measured over their budget.
 
     python -m bench.remat [--small] [--layers 6] [--hidden 1024] [--inter 2816] [--heads 16]
@@ -140,6 +147,10 @@ from shardfx.runtime.measure import measured_peak
 warnings.filterwarnings("ignore")
 
 DEFAULT = dict(layers=6, hidden=1024, inter=2816, heads=16, kv=8, vocab=32000, batch=8, seq=512)
+# shardfx's rows come twice, by fused_loss: its default ("auto": the LM head fused with its
+# loss where the unfused plan misses the budget) and False, the plain loss the other rows run,
+# so that what the fused head saves is not credited to remat. The value: the rows' name prefix.
+FAMILIES = {"auto": "shardfx", False: "shardfx unfused"}
 LOSS_RTOL = 1e-4
 MiB = 2**20
 aten = torch.ops.aten
@@ -246,53 +257,56 @@ def compiled_row(factory, batch, a, budget: float) -> dict:
 # --- shardfx ----------------------------------------------------------------------------------
 
 def shardfx_floor(model_factory: Callable[[], torch.nn.Module],
-                  batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int | None, str]:
-    """The budget shardfx states for ``memory_budget=1``: ``MemoryBudgetError.least.total``
-    (bytes; like the measured peaks here, shardfx's memory model leaves the batch out), and a
-    note with its parts."""
+                  batch: tuple[torch.Tensor, torch.Tensor],
+                  fused_loss: bool | str) -> tuple[int | None, str]:
+    """The budget shardfx states for ``memory_budget=1`` with ``fused_loss``:
+    ``MemoryBudgetError.least.total`` (bytes; like the measured peaks here, shardfx's memory
+    model leaves the batch out), and a note with its parts."""
     import shardfx
 
     ids, targets = batch
     model = model_factory()
+    name = f"{FAMILIES[fused_loss]} floor"
     t0 = time.perf_counter()
     try:
         shardfx.partition(model, (ids,), _loss_on_logits, (targets,), memory_budget=1,
-                          optimizer="adamw")
+                          optimizer="adamw", fused_loss=fused_loss)
     except shardfx.MemoryBudgetError as e:
         least = getattr(e, "least", None)
         took = time.perf_counter() - t0
         if least is None:
-            return None, f"MemoryBudgetError at memory_budget=1 has no .least: {e}"
+            return None, f"{name}: MemoryBudgetError at memory_budget=1 has no .least: {e}"
         parts = ", ".join(f"{k} {v}" for k, v in vars(least).items()
                           if isinstance(v, int) and v and k != "total")
-        return least.total, (f"shardfx floor: memory_budget=1 raised MemoryBudgetError in "
+        return least.total, (f"{name}: memory_budget=1 raised MemoryBudgetError in "
                              f"{took:.1f} s, least.total {least.total} B "
                              f"({least.total / MiB:.1f} MiB; {parts})")
-    return None, "shardfx floor: memory_budget=1 did not raise MemoryBudgetError"
+    return None, f"{name}: memory_budget=1 did not raise MemoryBudgetError"
 
 
 def shardfx_row(model_factory: Callable[[], torch.nn.Module],
                 batch: tuple[torch.Tensor, torch.Tensor], nbytes: int, labels: list[str],
-                a) -> dict:
+                fused_loss: bool | str, a) -> dict:
     """shardfx's rematerialization at ``nbytes`` (what the bytes are: ``labels``, e.g.
     ["full AC", "torch.compile 0.5"]): ``partition(..., memory_budget=nbytes,
-    optimizer="adamw")`` on one device, its runner stepping AdamW (lr 1e-3) as the other rows
-    do. Also the plan's predicted peak, whether it fused the LM head, the ops it chose to
-    recompute and the planning time."""
+    optimizer="adamw", fused_loss=fused_loss)`` on one device, its runner stepping AdamW (lr
+    1e-3) as the other rows do. Also the plan's predicted peak, whether it fused the LM head,
+    the ops it chose to recompute and the planning time."""
     import shardfx
 
     ids, targets = batch
-    variant = f"shardfx at {' = '.join(labels)}"
+    variant = shardfx_name(fused_loss, labels)
     label = f"{nbytes / MiB:.1f} MiB"
+    identity = dict(labels=labels, target=nbytes, fused_loss=fused_loss)
     model = model_factory()
     t0 = time.perf_counter()
     try:
         plan = shardfx.partition(model, (ids,), _loss_on_logits, (targets,),
-                                 memory_budget=nbytes, optimizer="adamw")
+                                 memory_budget=nbytes, optimizer="adamw", fused_loss=fused_loss)
     except Exception as e:  # noqa: BLE001 - a budget shardfx refuses is a finding
         if not isinstance(e, shardfx.MemoryBudgetError):
             traceback.print_exc()
-        return failed(variant, label, e) | dict(labels=labels, target=nbytes)
+        return failed(variant, label, e) | identity
     planned = time.perf_counter() - t0
     runner = plan.runner(lambda params: torch.optim.AdamW(params, lr=1e-3))
     try:
@@ -300,10 +314,10 @@ def shardfx_row(model_factory: Callable[[], torch.nn.Module],
                       lambda: final_loss(model, *batch), batch, a, budget=label)
     except Exception as e:  # noqa: BLE001 - a plan that does not run is a finding
         traceback.print_exc()
-        return failed(variant, label, e) | dict(labels=labels, target=nbytes)
+        return failed(variant, label, e) | identity
     chose = plan.remat
     fused = plan.fused_losses()
-    row.update(labels=labels, target=nbytes, predicted=plan.memory_estimate()[0],
+    row.update(identity, predicted=plan.memory_estimate()[0],
                when=plan.memory_breakdown()[0].when, fused=bool(fused),
                recomputed=0 if chose is None else len(chose.recomputed),
                planned_flops=0 if chose is None else chose.flops)
@@ -322,6 +336,11 @@ def shardfx_row(model_factory: Callable[[], torch.nn.Module],
         row["warn"] = (f"measured peak {row['peak']} B ({row['peak'] / MiB:.1f} MiB) over "
                        f"its budget {nbytes} B ({nbytes / MiB:.1f} MiB)")
     return row
+
+
+def shardfx_name(fused_loss: bool | str, labels: list[str]) -> str:
+    """``shardfx at full AC``, ``shardfx unfused at torch.compile 0.5 = floor``."""
+    return f"{FAMILIES[fused_loss]} at {' = '.join(labels)}"
 
 
 def _loss_on_logits(out, targets: torch.Tensor) -> torch.Tensor:
@@ -377,13 +396,41 @@ def table(rows: list[dict], title: str, notes: list[str]) -> str:
     return "\n".join(out + [""] + notes)
 
 
-def summary(rows: list[dict], floor: int | None) -> list[str]:
-    """The comparisons the bench is for, each with its goal."""
+def summary(rows: list[dict], floors: dict) -> list[str]:
+    """The comparisons the bench is for, each with its goal: per family of shardfx rows
+    (``FAMILIES``; ``floors``: each one's floor in bytes, or None), then over all of them."""
+    ours = [r for r in rows if "fused_loss" in r]
+    out = ["Summary:"]
+    for fused_loss in FAMILIES:
+        out += family_summary(rows, [r for r in ours if r["fused_loss"] == fused_loss],
+                              fused_loss, floors[fused_loss])
+    errors = [(abs(r["predicted"] / r["peak"] - 1), r) for r in ours if "predicted" in r]
+    if errors:
+        worst, r = max(errors, key=lambda e: e[0])
+        out.append(f"- largest predicted-vs-measured peak error: {worst:.2%} ({r['variant']}: "
+                   f"predicted {r['predicted'] / MiB:.1f}, measured {r['peak'] / MiB:.1f} MiB; "
+                   f"goal <= 2%: {'met' if worst <= 0.02 else 'NOT met'}); "
+                   + ", ".join(f"{r['variant'].removeprefix('shardfx ')} "
+                               f"{r['predicted'] / r['peak'] - 1:+.2%}" for _, r in errors)
+                   + ".")
+    fused = [r["variant"].removeprefix("shardfx at ") for r in ours if r.get("fused")]
+    out.append(f"- LM head fused (fused_loss=\"auto\") in: {', '.join(fused) or 'none'}.")
+    bad = [r for r in ours if "error" in r or "warn" in r]
+    out.append("- shardfx rows that failed or measured over their budget: " + (
+        "; ".join(f"{r['variant']}: {r.get('error') or r['warn']}" for r in bad) or "none")
+        + ".")
+    return out
+
+
+def family_summary(rows: list[dict], ours: list[dict], fused_loss: bool | str,
+                   floor: int | None) -> list[str]:
+    """For one family of shardfx rows (``ours``): its recompute against torch.compile's at
+    each of their peaks and against full AC's at its peak, and its floor."""
     eager = next(r for r in rows if r["variant"] == "eager")
     ac = next(r for r in rows if r["variant"] == "full AC")
     ac_recompute = ac["flops"] - eager["flops"]
-    ours = [r for r in rows if r["variant"].startswith("shardfx")]
-    out = ["Summary:"]
+    who = f"{FAMILIES[fused_loss]} (fused_loss={fused_loss!r})".replace("'", '"')
+    out = [f"- {who}:"]
     points, wins = [], 0
     for t in [r for r in rows if r["variant"].startswith("torch.compile")]:
         if "error" in t:
@@ -400,41 +447,27 @@ def summary(rows: list[dict], floor: int | None) -> list[str]:
                       f"vs {theirs / 1e9:.2f} GFLOPs ({'<=' if ok else 'MORE'}; shardfx peak "
                       f"{s['peak'] / MiB:.1f} MiB)")
     both = sum("shardfx " in p and "did not run" not in p for p in points)
-    out.append(f"- shardfx recompute <= torch.compile's at the same measured peak (goal: every "
+    out.append(f"  - recompute <= torch.compile's at the same measured peak (goal: every "
                f"point): {wins} of {both} points where both ran. " + "; ".join(points) + ".")
     at_ac = next((r for r in ours if r.get("target") == ac["peak"]), None)
     if at_ac is None or "error" in at_ac:
-        out.append(f"- at full AC's peak ({ac['peak'] / MiB:.1f} MiB): shardfx did not run "
+        out.append(f"  - at full AC's peak ({ac['peak'] / MiB:.1f} MiB): did not run "
                    "(goal <= 0.5 of full AC's recompute).")
     else:
         mine = at_ac["flops"] - eager["flops"]
         ratio = mine / ac_recompute if ac_recompute else float("nan")
-        out.append(f"- at full AC's peak ({ac['peak'] / MiB:.1f} MiB): shardfx recomputes "
+        out.append(f"  - at full AC's peak ({ac['peak'] / MiB:.1f} MiB): recomputes "
                    f"{mine / 1e9:.2f} GFLOPs, {ratio:.2f} of full AC's {ac_recompute / 1e9:.2f} "
                    f"(goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'}); peak "
                    f"{at_ac['peak'] / MiB:.1f} MiB.")
-    errors = [(abs(r["predicted"] / r["peak"] - 1), r) for r in ours if "predicted" in r]
-    if errors:
-        worst, r = max(errors, key=lambda e: e[0])
-        out.append(f"- largest predicted-vs-measured peak error: {worst:.2%} ({r['variant']}: "
-                   f"predicted {r['predicted'] / MiB:.1f}, measured {r['peak'] / MiB:.1f} MiB; "
-                   f"goal <= 2%: {'met' if worst <= 0.02 else 'NOT met'}); "
-                   + ", ".join(f"{r['variant'].removeprefix('shardfx at ')} "
-                               f"{r['predicted'] / r['peak'] - 1:+.2%}" for _, r in errors)
-                   + ".")
     if floor is not None:
         f = next((r for r in ours if "floor" in r.get("labels", ())), None)
         state = "not run" if f is None else f"did not run ({f['error']})" if "error" in f \
             else f"measured {f['peak'] / MiB:.1f} MiB, recomputing " \
                  f"{(f['flops'] - eager['flops']) / 1e9:.2f} GFLOPs"
-        out.append(f"- shardfx floor (memory_budget=1's MemoryBudgetError, least.total): {floor / MiB:.1f} MiB, {floor / eager['peak']:.2f} of eager's "
-                   f"peak; at it: {state}.")
-    fused = [r["variant"].removeprefix("shardfx at ") for r in ours if r.get("fused")]
-    out.append(f"- LM head fused (fused_loss=\"auto\") in: {', '.join(fused) or 'none'}.")
-    bad = [r for r in ours if "error" in r or "warn" in r]
-    out.append("- shardfx rows that failed or measured over their budget: " + (
-        "; ".join(f"{r['variant']}: {r.get('error') or r['warn']}" for r in bad) or "none")
-        + ".")
+        out.append(f"  - floor (memory_budget=1's MemoryBudgetError, least.total): "
+                   f"{floor / MiB:.1f} MiB, {floor / eager['peak']:.2f} of eager's peak; at it: "
+                   f"{state}.")
     return out
 
 
@@ -465,9 +498,10 @@ def checks(rows: list[dict]) -> list[str]:
 # --- one process per row ------------------------------------------------------------------------
 
 def run_row(a, spec: dict) -> dict:
-    """The row ``spec`` names, in this process: {"kind": "eager" | "full AC" | "floor"},
-    {"kind": "torch.compile", "budget": B} or {"kind": "shardfx", "bytes": N, "labels": [...]}.
-    "floor" is no row: {"floor": bytes or None, "note": ...}."""
+    """The row ``spec`` names, in this process: {"kind": "eager" | "full AC"},
+    {"kind": "torch.compile", "budget": B}, {"kind": "floor", "fused_loss": F} or
+    {"kind": "shardfx", "bytes": N, "labels": [...], "fused_loss": F} (F a key of
+    ``FAMILIES``). "floor" is no row: {"floor": bytes or None, "note": ...}."""
     factory, batch, params = workload(a)
     kind = spec["kind"]
     if kind == "eager":
@@ -477,18 +511,18 @@ def run_row(a, spec: dict) -> dict:
     if kind == "torch.compile":
         return compiled_row(factory, batch, a, spec["budget"])
     if kind == "floor":
-        floor, note = shardfx_floor(factory, batch)
+        floor, note = shardfx_floor(factory, batch, spec["fused_loss"])
         return dict(floor=floor, note=note)
-    return shardfx_row(factory, batch, spec["bytes"], spec["labels"], a)
+    return shardfx_row(factory, batch, spec["bytes"], spec["labels"], spec["fused_loss"], a)
 
 
 def not_run(spec: dict, why: str) -> dict:
     """The row of a spec whose process did not finish."""
     if spec["kind"] == "floor":
-        return dict(floor=None, note=f"shardfx floor: {why}")
+        return dict(floor=None, note=f"{spec_name(spec)}: {why}")
     row = dict(variant=spec_name(spec), budget="-", error=f"did not run: {why}", notes=[])
     if spec["kind"] == "shardfx":
-        row.update(labels=spec["labels"], target=spec["bytes"])
+        row.update(labels=spec["labels"], target=spec["bytes"], fused_loss=spec["fused_loss"])
     return row
 
 
@@ -496,8 +530,18 @@ def spec_name(spec: dict) -> str:
     if spec["kind"] == "torch.compile":
         return f"torch.compile {spec['budget']:g}"
     if spec["kind"] == "shardfx":
-        return f"shardfx at {' = '.join(spec['labels'])}"
+        return shardfx_name(spec["fused_loss"], spec["labels"])
+    if spec["kind"] == "floor":
+        return f"{FAMILIES[spec['fused_loss']]} floor"
     return spec["kind"]
+
+
+def with_floor(peaks: dict[int, list[str]], floor: int | None) -> dict[int, list[str]]:
+    """``peaks`` (bytes -> the rows peaking there) with ``floor`` added, labelled "floor"."""
+    budgets = {n: list(labels) for n, labels in peaks.items()}
+    if floor is not None:
+        budgets.setdefault(floor, []).append("floor")
+    return budgets
 
 
 def main() -> None:
@@ -532,17 +576,18 @@ def main() -> None:
                          f"{rows[1].get('error')}")
 
     # shardfx's budgets: every distinct measured peak of full AC and the torch.compile rows,
-    # and shardfx's own floor
-    byte_budgets: dict[int, list[str]] = {}
+    # and, per family, its own floor
+    peaks: dict[int, list[str]] = {}
     for r in rows[1:]:
         if "error" not in r:
-            byte_budgets.setdefault(r["peak"], []).append(r["variant"])
-    probe = run(dict(kind="floor"))
-    floor, floor_note = probe["floor"], probe["note"]
-    if floor is not None:
-        byte_budgets.setdefault(floor, []).append("floor")
-    rows += [run(dict(kind="shardfx", bytes=n, labels=labels))
-             for n, labels in byte_budgets.items()]
+            peaks.setdefault(r["peak"], []).append(r["variant"])
+    floors, floor_notes = {}, []
+    for fused_loss in FAMILIES:
+        probe = run(dict(kind="floor", fused_loss=fused_loss))
+        floors[fused_loss] = probe["floor"]
+        floor_notes.append(probe["note"])
+        rows += [run(dict(kind="shardfx", bytes=n, labels=labels, fused_loss=fused_loss))
+                 for n, labels in with_floor(peaks, probe["floor"]).items()]
     wall = time.perf_counter() - start
 
     title = (f"remat: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.inter}, "
@@ -551,7 +596,8 @@ def main() -> None:
              f"(a process each) one warm-up step, one measured for memory, one for FLOPs, "
              f"{a.steps} timed; torch.compile rows on {a.backend} at activation_memory_budget "
              f"{', '.join(f'{b:g}' for b in budgets)}; shardfx at each distinct measured peak "
-             f"and at its own floor")
+             f"and at its own floor, with fused_loss=\"auto\" (its default) and with "
+             f"fused_loss=False (shardfx unfused: the plain loss, as every other row)")
     notes = [
         f"measured peak: live tensor storage at the step's peak (shardfx.runtime.measure), weights, "
         f"gradients and AdamW state included, the batch not; of which live before the step "
@@ -565,10 +611,10 @@ def main() -> None:
         f"(the fewest recomputed). step s: median wall and CPU seconds of {a.steps} timed "
         f"steps. loss: eager no-grad forward after the row's last step.",
         "",
-        *summary(rows, floor),
+        *summary(rows, floors),
         "",
         *[f"{r['variant']}: " + "; ".join(r["notes"]) for r in rows if r.get("notes")],
-        floor_note,
+        *floor_notes,
         "step times (wall / CPU s): " + "; ".join(
             f"{r['variant']} " + " ".join(f"{w:.3g}/{c:.3g}" for w, c in zip(r["wall"], r["cpu"]))
             for r in rows if "wall" in r),
