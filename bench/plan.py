@@ -17,18 +17,26 @@ per trainable parameter, and fails loudly (no rows appended, exit status 1) wher
 
 Per layer count every variant runs once to warm up (its time is reported as "first": a cache
 kept between ``partition`` calls would show as a first run slower than the rest), then
-``--repeats`` rounds, the variants interleaved, ``gc.collect()`` before each run. Per row: the
-layers, the mesh, shardfx's first, minimum and median seconds, torch.export's median, their
-ratio, the gradient outputs, the per-device program's node count (summed over the stage parts
-under pp) and the capture path the plan reports ("-" where it says none). Below the table:
-each variant's slope, seconds per extra layer between the fewest and the most layers, and the
-goal: <= 10 s at 80 layers, flat past the first block.
+``--repeats`` rounds (at least 3), the variants interleaved, ``gc.collect()`` before each run.
+
+Times are CPU seconds: ``time.process_time`` (every thread of this process) plus the CPU time of
+any child process that ended during the run (``resource.getrusage(RUSAGE_CHILDREN)``; planning
+spawns none today, a solver run in a subprocess would count). Planning is single-process work on
+a machine shared with other jobs: its wall time measures the machine's load as much as the
+planner, its CPU time far less. Wall medians are shown beside them for reference.
+
+Per row: the layers, the mesh, shardfx's first, minimum and median CPU seconds, its median wall
+seconds, torch.export's median CPU seconds, the ratio of CPU medians, the gradient outputs, the
+per-device program's node count (summed over the stage parts under pp) and the capture path the
+plan reports ("-" where it says none). Below the table: each variant's slope, CPU seconds per
+extra layer between the fewest and the most layers, and the goal: <= 10 s at 80 layers, flat
+past the first block.
 
     python -m bench.plan [--layers 8,16,32,80] [--meshes "dp=8,tp=8;pp=8,tp=8"]
                          [--batch 16] [--seq 4096] [--repeats 3] [--no-append]
 
 Small shapes for a quick check: ``--layers 2,4 --hidden 512 --inter 1024 --heads 8 --kv 8
---vocab 1000 --meshes "dp=2,tp=2;pp=2,tp=2" --repeats 1 --no-append``.
+--vocab 1000 --meshes "dp=2,tp=2;pp=2,tp=2" --no-append``.
 
 Prints the table and appends it to bench/RESULTS.md with the machine and date.
 """
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import statistics
 import sys
 import time
@@ -48,13 +57,30 @@ import torch.nn.functional as F
 
 import shardfx
 from bench.common import (append_results, capture_path, check_backward, count, machine,
-                          mesh_label, program_nodes, timed)
+                          mesh_label, program_nodes)
+from bench.row_processes import load
 from shardfx.partitioner.capture import _LossOf
 
 warnings.filterwarnings("ignore")
 
 GOAL_S = 10.0  # seconds at 80 layers
 EXPORT = "torch.export"
+MIN_REPEATS = 3  # a median of fewer runs is one run's noise
+
+
+def cpu_now() -> float:
+    """CPU seconds used so far by this process (all threads) and its waited-for children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def cpu_and_wall(fn) -> tuple[float, float, object]:
+    """CPU and wall seconds of ``fn()``, garbage collected first (the previous plan's graphs
+    are large), and its result."""
+    gc.collect()
+    cpu, wall = cpu_now(), time.perf_counter()
+    result = fn()
+    return cpu_now() - cpu, time.perf_counter() - wall, result
 
 
 def build(a, layers: int):
@@ -98,14 +124,11 @@ def one_size(a, layers: int, meshes: list[dict[str, int]]) -> dict:
     traced = _LossOf(model, loss_fn)
     variants = {EXPORT: lambda: torch.export.export(traced, (args, targets), strict=False)}
     variants |= {mesh_label(m): planner(model, args, targets, m, a.microbatches) for m in meshes}
-    res: dict[str, dict] = {name: {"times": []} for name in variants}
+    res: dict[str, dict] = {name: {"cpu": [], "wall": []} for name in variants}
     res["params"] = sum(p.numel() for p in model.parameters())
     for name, fn in variants.items():  # warm-up, timed as "first"; each plan checked
         try:
-            gc.collect()
-            start = time.perf_counter()
-            result = fn()
-            res[name]["first"] = time.perf_counter() - start
+            res[name]["first"], _, result = cpu_and_wall(fn)
             if name != EXPORT:
                 res[name] |= dict(
                     grads=check_backward(result.ir, model, f"{name}, {layers} layers"),
@@ -119,42 +142,46 @@ def one_size(a, layers: int, meshes: list[dict[str, int]]) -> dict:
     ok = {name: fn for name, fn in variants.items() if "error" not in res[name]}
     for _ in range(a.repeats):
         for name, fn in ok.items():
-            res[name]["times"].append(timed(fn))
+            cpu, wall, _ = cpu_and_wall(fn)
+            res[name]["cpu"].append(cpu)
+            res[name]["wall"].append(wall)
     return res
 
 
 def rows(results: dict[int, dict], meshes: list[dict[str, int]]) -> list[str]:
-    out = ["| layers | params | mesh | first (s) | min (s) | median (s) | torch.export "
-           "median (s) | vs export | gradients | program nodes | capture path |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out = ["| layers | params | mesh | first CPU (s) | min CPU (s) | median CPU (s) | median "
+           "wall (s) | torch.export median CPU (s) | vs export (CPU) | gradients | program nodes "
+           "| capture path |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for layers, res in results.items():
         export = res[EXPORT]
-        peer = statistics.median(export["times"]) if export["times"] else None
+        peer = statistics.median(export["cpu"]) if export.get("cpu") else None
         peer_s = f"{peer:.2f}" if peer else export.get("error", "-")
         for mesh in map(mesh_label, meshes):
             r = res[mesh]
             head = f"| {layers} | {count(res['params'])} | {mesh} |"
             if "error" in r:
-                out.append(f"{head} FAILED: {r['error']} | | | {peer_s} | | | | |")
+                out.append(f"{head} FAILED: {r['error']} | | | | {peer_s} | | | | |")
                 continue
-            med = statistics.median(r["times"])
+            med = statistics.median(r["cpu"])
             ratio = f"{med / peer:.2f}x" if peer else "-"
-            out.append(f"{head} {r['first']:.2f} | {min(r['times']):.2f} | {med:.2f} | "
-                       f"{peer_s} | {ratio} | {r['grads']} | {r['nodes']} | {r['path']} |")
+            out.append(f"{head} {r['first']:.2f} | {min(r['cpu']):.2f} | {med:.2f} | "
+                       f"{statistics.median(r['wall']):.2f} | {peer_s} | {ratio} | "
+                       f"{r['grads']} | {r['nodes']} | {r['path']} |")
     return out
 
 
 def slopes(results: dict[int, dict], names: list[str]) -> list[str]:
-    """Seconds per extra layer between the fewest and the most layers, per variant."""
+    """CPU seconds per extra layer between the fewest and the most layers, per variant."""
     lo, hi = min(results), max(results)
     out = []
     for name in names:
-        a, b = results[lo][name].get("times"), results[hi][name].get("times")
+        a, b = results[lo][name].get("cpu"), results[hi][name].get("cpu")
         if hi == lo or not a or not b:
             out.append(f"- {name}: -")
             continue
         slope = (statistics.median(b) - statistics.median(a)) / (hi - lo)
-        out.append(f"- {name}: {slope:.3f} s per layer ({lo} -> {hi} layers: "
+        out.append(f"- {name}: {slope:.3f} CPU s per layer ({lo} -> {hi} layers: "
                    f"{statistics.median(a):.2f} s -> {statistics.median(b):.2f} s)")
     return out
 
@@ -177,13 +204,16 @@ def main() -> None:
                         help='semicolon-separated meshes, e.g. "dp=8,tp=8;pp=8,tp=8"')
     parser.add_argument("--microbatches", type=int, default=8, help="for meshes with pp")
     shape_arguments(parser)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS,
+                        help=f"timed runs after one warm-up (at least {MIN_REPEATS})")
     parser.add_argument("--no-append", action="store_true")
     a = parser.parse_args()
+    if a.repeats < MIN_REPEATS:
+        parser.error(f"--repeats must be at least {MIN_REPEATS}: a median of fewer is noise")
     layer_counts = sorted({int(n) for n in a.layers.split(",")})
     meshes = parse_meshes(a.meshes)
 
-    results = {}
+    results, load_start = {}, load()
     for layers in layer_counts:
         results[layers] = one_size(a, layers, meshes)
         print(f"{layers} layers done", file=sys.stderr, flush=True)
@@ -194,12 +224,14 @@ def main() -> None:
     title = (f"planning: Llama, hidden {a.hidden}, intermediate {a.inter}, {a.heads} heads, "
              f"{a.kv} KV heads, vocab {a.vocab} (meta device), global batch {a.batch} x "
              f"{a.seq}, F.cross_entropy, shard=megatron, {a.microbatches} microbatches under pp; "
-             f"one warm-up (first) then {a.repeats} runs, interleaved")
+             f"one warm-up (first) then {a.repeats} runs, interleaved; CPU seconds (the process's "
+             f"and its children's), wall for reference; load average {load_start} at the "
+             f"start, {load()} at the end")
     table = "\n".join([
         title, "", *rows(results, meshes), "",
-        f"Slope, seconds per extra layer ({min(results)} -> {max(results)} layers):",
+        f"Slope, CPU seconds per extra layer ({min(results)} -> {max(results)} layers):",
         *slopes(results, [*names, EXPORT]), "",
-        f"goal: <= {GOAL_S:.0f} s at 80 layers, flat past the first block", "",
+        f"goal: <= {GOAL_S:.0f} s (CPU) at 80 layers, flat past the first block", "",
         "gradients: the plan's gradient outputs, checked to be one per trainable parameter "
         "(the backward is traced). program nodes: the per-device program's, summed over the "
         "stage parts (F, B, W per stage) under pp. torch.export: the same training callable, "
