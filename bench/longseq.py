@@ -9,16 +9,21 @@ the fullest rank) is within ``--budget`` MiB is searched by bisection on plans a
 process runs them). Then each plan runs at its length on 4 gloo processes (the one-device
 plan on each of them alike), one warm-up step and one measured (``shardfx.runtime.measure``: live
 tensor storage, every rank; the fullest reported), to check the prediction the search relied
-on. Then the cp=4 plan's step at its length races PyTorch's ``context_parallel``
-(torch.distributed.tensor.experimental) on the same mesh, from the same weights: ids, labels
-and position ids given to it as buffers to shard (it balances the causal load: each rank a
-front and a back chunk), the gradients averaged over cp by hand (an all-reduce per parameter),
-AdamW. ``--steps`` steps each, in turn, barriers around each; rank 0's wall and process CPU
-time, min and median, and each one's first loss next to one device's (the seeded model run
-whole on each rank); shardfx's CPU time on every rank (the ranks' attention work is the same).
-Where context_parallel cannot run, the error it gives is printed; where its loss is not one
-device's, the race is marked as not like for like, and why: on CPU (gloo) it does not split
-attention over the ranks at all (its ring handles the CUDA attention ops only).
+on. Then the cp=4 plan's step at its length: ``--steps`` steps after one untimed, barriers
+around each; rank 0's wall and process CPU time, min and median, its first loss next to one
+device's (the seeded model run whole on each rank), and its CPU time on every rank (the ranks'
+attention work is the same).
+
+The peer is PyTorch's ``context_parallel`` (torch.distributed.tensor.experimental) on the same
+mesh, from the same weights: ids, labels and position ids given to it as buffers to shard (it
+balances the causal load: each rank a front and a back chunk), the gradients averaged over cp
+by hand (an all-reduce per parameter), AdamW. Its ring runs the CUDA attention ops only (flash,
+efficient, cuDNN): on a CPU mesh (gloo, as here) it does not split attention over the ranks at
+all, every rank computes the whole attention, so its step is not a context-parallel step and
+no ratio to it is printed ("n/a on CPU"). It still runs one step there, untimed, for its first
+loss (off one device's: the causal mask falls on the wrong tokens), which shows why. On a CUDA
+mesh the two steps would alternate, timed alike, and the ratio of wall medians be printed.
+Where context_parallel cannot run, the error it gives is printed.
 
     PYTHONPATH=. python -m bench.longseq [--budget 160] [--steps 5]
 """
@@ -39,7 +44,8 @@ from shardfx.runtime.measure import measured_peak
 PLANS = {"one device": ({}, "auto"), "tp=4": ({"tp": 4}, "megatron"),
          "tp=4 + SP": ({"tp": 4}, "megatron-sp"), "cp=4": ({"cp": 4}, "auto")}
 VOCAB, STEP = 8192, 64
-PEER_ON_CPU = (": its ring runs the CUDA attention ops (flash, efficient, cuDNN) only; on CPU "
+PEER = "PyTorch context_parallel"
+PEER_ON_CPU = ("its ring runs the CUDA attention ops (flash, efficient, cuDNN) only; on CPU "
                "DTensor all-gathers q, k and v (by shardfx's rule for the CPU op: torch has "
                "none) and every rank computes the whole attention, in the balanced order, so "
                "the causal mask falls on the wrong tokens")
@@ -108,7 +114,8 @@ def _peak(name: str, seq: int) -> int:
 def _race(seq: int, steps: int) -> dict:
     """shardfx's cp=4 step and PyTorch's context_parallel step in turn (barriers around each),
     both from the seeded weights on the same sequence: the first step of each is untimed, its
-    loss set next to one device's; then ``steps`` timed."""
+    loss set next to one device's; then ``steps`` timed, the peer's only where its ring runs
+    (a CUDA mesh: ``peer_timed``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     ids, labels = batch(seq)
@@ -116,10 +123,11 @@ def _race(seq: int, steps: int) -> dict:
         one = loss_fn(build()(ids), labels).item()  # the seeded weights, whole, on each rank
     runner = plan("cp=4", seq).runner(_adamw)
     contestants = {"shardfx cp=4": lambda: runner.step((ids,), (labels,))}
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    peer_timed = mesh.device_type == "cuda"  # its ring splits the CUDA attention ops only
     why = None
     try:
-        contestants["PyTorch context_parallel"] = _torch_context_parallel(
-            init_device_mesh("cpu", (4,), mesh_dim_names=("cp",)), seq)
+        contestants[PEER] = _torch_context_parallel(mesh, seq)
     except Exception as e:  # noqa: BLE001 -- the reason is the result
         why = f"cannot run here: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     wall = {k: [] for k in contestants}
@@ -127,6 +135,8 @@ def _race(seq: int, steps: int) -> dict:
     first = {}
     for i in range(1 + steps):
         for name, step in list(contestants.items()):
+            if i > 0 and name == PEER and not peer_timed:
+                continue  # its first loss is all it shows on CPU
             torch.distributed.barrier()
             start, c = time.perf_counter(), time.process_time()
             try:
@@ -143,7 +153,8 @@ def _race(seq: int, steps: int) -> dict:
             else:
                 wall[name].append(wall_s)
                 cpu[name].append(cpu_s)
-    return {"wall": wall, "cpu": cpu, "first": first, "one": one, "why": why}
+    return {"wall": wall, "cpu": cpu, "first": first, "one": one, "why": why,
+            "peer_timed": peer_timed}
 
 
 def _torch_context_parallel(mesh, seq: int):
@@ -175,6 +186,42 @@ def _torch_context_parallel(mesh, seq: int):
     return step
 
 
+def race_rows(runs: list[dict], seq: int, steps: int) -> list[str]:
+    """The step table (rank 0's), shardfx's CPU by rank, and the ratio to the peer where the
+    peer's ring ran ("n/a on CPU" otherwise, with the reason)."""
+    race = runs[0]["race"]
+    each = ("each, interleaved" if race["peer_timed"] else
+            f"of shardfx's, one untimed step of {PEER}'s (below: why)")
+    out = [f"Step at cp=4's length ({seq} tokens), 1 untimed + {steps} steps {each}, rank 0 "
+           "(4 ranks on the machine's cores):", "",
+           "| contestant | wall min (s) | wall median (s) | CPU min (s) | CPU median (s) | "
+           f"first loss (one device: {race['one']:.6f}) |", "|---|---:|---:|---:|---:|---:|"]
+    for name, loss in race["first"].items():
+        wall, cpu = race["wall"].get(name), race["cpu"].get(name)  # none: failed or untimed
+        times = (f"{min(wall):.3f} | {statistics.median(wall):.3f} | {min(cpu):.3f} | "
+                 f"{statistics.median(cpu):.3f}" if wall else " | ".join(["n/a on CPU"] * 4))
+        out.append(f"| {name} | {times} | {loss:.6f} |")
+    if race["why"]:
+        out.append(f"| {PEER} | {race['why']} | | | | |")
+    per_rank = ", ".join(f"{statistics.median(r['race']['cpu']['shardfx cp=4']):.3f}"
+                         for r in runs)
+    out += ["", f"shardfx cp=4, CPU median by rank: {per_rank} s (each rank a front and a back "
+            "chunk: the same attention work on each)"]
+    if PEER not in race["first"]:
+        return out
+    if not race["peer_timed"]:
+        out.append(f"shardfx / {PEER} step: n/a on CPU ({PEER_ON_CPU}): its step is not a "
+                   "context-parallel step here, so it was run once for its loss, not timed")
+    off = [name for name, loss in race["first"].items()
+           if abs(loss - race["one"]) > 1e-6 * abs(race["one"])]
+    if race["peer_timed"] and race["wall"].get(PEER):  # it ran every timed step
+        ours, peer = (statistics.median(race["wall"][k]) for k in ("shardfx cp=4", PEER))
+        out.append(f"shardfx / {PEER}, median wall: {ours / peer:.2f}x"
+                   + (" -- not like for like: a first loss is off" if off else ""))
+    return out + [f"{name}'s first loss is not one device's (beyond 1e-6 of it: fp32 rounding "
+                  "is 1e-7)" for name in off]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=160, help="MiB per rank")
@@ -198,31 +245,7 @@ def main() -> None:
         measured = max(r["peaks"][name] for r in runs)
         rows.append(f"| {name} | {seq} | {seq / one:.2f}x | {pred / 2**20:.1f} | "
                     f"{measured / 2**20:.1f} |")
-    race = runs[0]["race"]
-    rows += ["", f"Step at cp=4's length ({found['cp=4'][0]} tokens), 1 untimed + {a.steps} "
-             "steps each, interleaved, rank 0 (4 ranks on the machine's cores):", "",
-             "| contestant | wall min (s) | wall median (s) | CPU min (s) | CPU median (s) | "
-             "first loss (one device: {:.6f}) |".format(race["one"]),
-             "|---|---:|---:|---:|---:|---:|"]
-    for name, wall in race["wall"].items():
-        cpu = race["cpu"][name]
-        rows.append(f"| {name} | {min(wall):.3f} | {statistics.median(wall):.3f} | "
-                    f"{min(cpu):.3f} | {statistics.median(cpu):.3f} | "
-                    f"{race['first'][name]:.6f} |")
-    if race["why"]:
-        rows.append(f"| PyTorch context_parallel | {race['why']} | | | | |")
-    per_rank = ", ".join(f"{statistics.median(r['race']['cpu']['shardfx cp=4']):.3f}" for r in runs)
-    rows += ["", f"shardfx cp=4, CPU median by rank: {per_rank} s (each rank a front and a back "
-             "chunk: the same attention work on each)"]
-    if len(race["wall"]) == 2:
-        ours, peer = (statistics.median(w) for w in race["wall"].values())
-        off = {name: abs(loss - race["one"]) > 1e-6 * abs(race["one"])
-               for name, loss in race["first"].items()}
-        rows += [f"shardfx / PyTorch context_parallel, median wall: {ours / peer:.2f}x"
-                 + (" -- not like for like:" if any(off.values()) else "")]
-        rows += [f"  {name}'s first loss is not one device's (beyond 1e-6 of it: fp32 "
-                 "rounding is 1e-7)" + (PEER_ON_CPU if name != "shardfx cp=4" else "")
-                 for name, bad in off.items() if bad]
+    rows += ["", *race_rows(runs, found["cp=4"][0], a.steps)]
     table = (f"longseq: HF Llama {params:,} parameters, 1 sequence, budget {a.budget:g} MiB per "
              "rank, 4 gloo processes\n\n" + "\n".join(rows) +
              f"\n\ncp=4 / one device: {found['cp=4'][0] / one:.2f}x (goal >= 3.6x)")
