@@ -3,7 +3,8 @@
 The regions of a program are checked in text (which ops each region holds, that stamped blocks
 share one code, that a Python program op ends a region and runs between two), and compiled
 plans of every kind train like one device by ``shardfx.testing``'s rule: one device in fp32,
-bf16 and fp16, with the optimizer in the backward and under a memory budget, and on real gloo
+bf16 and fp16, with the optimizer in the backward, under a memory budget, with dropout (the
+masks of shardfx's stream), accumulation and clipping, and on real gloo
 processes dp with ZeRO-3, tp with megatron-sp, cp's ring attention, ep's experts, pp's GPipe,
 1F1B, interleaved 1F1B and zero-bubble with ZeRO-2 over dp, dp x tp. A cross-section runs by
 default; the rest with ``pytest -m slow``.
