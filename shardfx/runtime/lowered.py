@@ -17,9 +17,10 @@ measured on CPU (each region's inputs then held to its end), the peak of a dp=2 
 step went 8.2% over the memory model's prediction with the collectives inside, 3.1% with them
 between regions; ZeRO-3 22.4% and 8.1%. A region takes its inputs in a list it empties, so an
 input it reads last is freed inside it, where Inductor's code last reads it: then dp=2 x tp=2
-is within 0.1%, pp and one device under a budget within 4.5%, ZeRO-3 within 0.6% under and
-2.7% over (``runtime.measure.allocated_peak``, which sees Inductor's buffers and leaves out
-gloo's scratch copies; the ATen programs are equal to the prediction within bytes).
+is within 0.1%, pp and one device under a budget within 4.5%, ZeRO-3 0.6% under on each of 6
+runs (``runtime.measure.allocated_peak``, which sees Inductor's buffers and leaves out gloo's
+scratch copies; the ATen programs are equal to the prediction within bytes but for a gather
+input gloo's thread lets go of late: 2.7% over, once in 6).
 Region code is keyed by its ops and their arguments, positions for values: the 80 forward
 blocks of an 80-layer plan are one code, compiled once (for the shapes, strides and dtypes of
 its first call) and called 80 times — torchtitan's per-block ``torch.compile``, found in the
