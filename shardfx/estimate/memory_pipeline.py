@@ -8,7 +8,9 @@ Ensures:  ``pipeline_memory`` returns the rank's fullest moment as a ``memory.De
 
 The walk follows ``runtime.pipeline``'s order: every receive of a step posted an action ahead
 into its own buffer (communication); each part's outputs that a later part on the rank reads
-stay until their last reader (saved: a forward's activations, per microbatch in flight); what it
+stay until their last reader (saved: a forward's activations, per microbatch in flight; a saved
+output that is a view of a value the part read, a received one or an earlier part's, holds that
+value's storage once it is let go, until the view's own last reader); what it
 sends stays until the step ends (a gloo send's buffer is released when the step waits for it);
 a parameter's gradient is accumulated from its first microbatch on, in that microbatch's output
 itself where nothing else holds its storage (``owned_gradients``), else in a copy; later
@@ -39,6 +41,7 @@ class _Part:
     peak: dict[str, int]
     outputs: dict[int, int] = field(default_factory=dict)  # storage the part allocated
     values: dict[int, int] = field(default_factory=dict)  # each output's own bytes (a clone's)
+    views: dict[int, int] = field(default_factory=dict)  # output -> the input it is a view of
 
 
 def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
@@ -50,14 +53,17 @@ def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
                       else "transient", lambda n: 0 if n in summed else value_bytes(n))
     outs = graph.output_node().args[0]
     base = bases(graph)
-    sizes, values, owners = {}, {}, set()
+    position = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
+    sizes, values, views, owners = {}, {}, {}, set()
     for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
         owner = base.get(v, v) if isinstance(v, fx.Node) else None
         sizes[i] = 0 if owner is None or owner in owners or owner in summed \
             else value_bytes(owner)
         values[i] = tensor_bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
+        if owner in position:
+            views[i] = position[owner]
         owners.add(owner)  # outputs sharing a storage: counted once
-    return _Part(peak, sizes, values)
+    return _Part(peak, sizes, values, views)
 
 
 def exclusive_outputs(part: fx.GraphModule) -> frozenset[int]:
@@ -132,6 +138,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     steps = program.steps(rank)
     comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
     saved: dict[tuple, int] = {}
+    holders: dict[tuple, list[tuple]] = {}  # a value -> the saved outputs that view it
     grads: dict[str, int] = {}
     owned: dict[str, frozenset[int]] = {}  # part -> the outputs kept as accumulators
     summing: dict = {}  # part -> (gradients its accumulating variant sums, what it makes)
@@ -189,6 +196,10 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                                  f"{step.name} ({call.part}, gradients)")
                 if o.local:
                     saved[(call.part, o.index, mb)] = nbytes
+                    source = call.inputs[info.views[o.index]] if o.index in info.views else None
+                    if source is not None and source[0] == "value":  # a view of an input
+                        holders.setdefault((*source[1:], mb), []).append(
+                            (call.part, o.index, mb))
                     if o.sends:  # once freed here, its send holds it to the step's end
                         sent.add((call.part, o.index, mb))
                 elif o.sends:
@@ -196,7 +207,11 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         for key in step.frees:
             freed = saved.pop(key, 0)
             sending += freed if key in sent else 0
-            comm.pop(key, None)
+            freed += comm.pop(key, 0)
+            held = [h for h in holders.pop(key, ()) if h in saved]
+            if held:  # a saved view keeps the value's storage: counted with it from now
+                saved[held[0]] += freed
+                holders[held[0]] = held[1:] + holders.get(held[0], [])
         for fqn in final[index] if reductions else ():  # final here: its bucket issued
             key = bucket_of[fqn]  # once its last gradient is (``runtime.buckets``)
             missing[key].discard(fqn)
