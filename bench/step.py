@@ -8,7 +8,10 @@ intermediate 1408, vocab 32000: 58.5 M parameters) and "136M" (12 layers, hidden
 seeded global batch of 8 sequences of 65 tokens; the inputs are the first 64, the targets the
 next token at each position (the last 64), and the loss is the LM's next-token cross entropy
 on the logits, ``F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())``
-(``bench.spmd.loss_fn``). AdamW, lr 1e-3. Every contestant starts from the same weights (a
+(``bench.spmd.loss_fn``). AdamW, lr 1e-3, torch's fused kernel in every row (torchtitan's
+default; shardfx's runner picks it for an AdamW left unset, ``cost.optimizer.fused_step``,
+and the for-loop torch itself picks on CPU takes 4.0x its time, ``bench/optimizer.py``): the
+races time the programs, not the optimizers. Every contestant starts from the same weights (a
 model of its own, built from the same seed) and trains on the same batch, so their losses
 after the last step should agree to rounding: each row's relative difference to the peer's is
 printed (a large one is a finding).
@@ -127,7 +130,7 @@ def label(race_key: str, name: str) -> str:
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=LR)
+    return torch.optim.AdamW(params, lr=LR, fused=True)
 
 
 def data(vocab: int, b: int = BATCH, s: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:

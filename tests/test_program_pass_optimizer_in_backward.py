@@ -12,7 +12,7 @@ right after the next bucket's all-reduce is issued (``wait_one_behind``).
 On one device the program runs: with a stepper installed (``stepping``, as the runner does)
 it hands the stepper the same gradients the program returned before the pass, block by block
 in backward order. The dp program needs a process group: its text is checked.
-``temporaries`` is AdamW's on CPU (``cost.optimizer``): twice the block's largest tensor.
+``temporaries`` is AdamW's fused step's (``cost.optimizer``): none.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ graph train Mlp
 # its step comes after grad_r. Layer 0's comes after its gradient, the last op.
 STEPPED = """\
   grad_r: f32[6, 7] = aten.mm.default(grad_o, t_t_w1)  # bwd
-  step_parameters_1: - = shardfx.codegen.step_in_backward.step_parameters(224, \
+  step_parameters_1: - = shardfx.codegen.step_in_backward.step_parameters(0, \
 ('layers.1.weight', 'layers.1.bias'), grad_w1, grad_b1)  # bwd
   grad_h: f32[6, 7] = aten.threshold_backward.default(grad_r, r, 0)  # bwd
   t_gh: f32[7, 6] = aten.t.default(grad_h)  # bwd
   grad_w0: f32[7, 5] = aten.mm.default(t_gh, x)  # bwd
-  step_parameters: - = shardfx.codegen.step_in_backward.step_parameters(280, \
+  step_parameters: - = shardfx.codegen.step_in_backward.step_parameters(0, \
 ('layers.0.weight',), grad_w0)  # bwd
   output loss loss = loss
   output grad layers.0.weight = None
@@ -147,13 +147,13 @@ group_dp)
   bucket0_part1: f32[4] = operator.getitem(bucket0_split, 1)
   bucket0_out0: f32[4, 4096] = aten.view.default(bucket0_part0, [4, 4096])
   bucket0_out1: f32[4] = aten.view.default(bucket0_part1, [4])
-  step_parameters_1: - = shardfx.codegen.step_in_backward.step_parameters(131072, \
+  step_parameters_1: - = shardfx.codegen.step_in_backward.step_parameters(0, \
 ('layers.1.weight', 'layers.1.bias'), bucket0_out0, bucket0_out1)  # bwd
   all_reduce_default: f32[] = _c10d_functional.all_reduce.default(loss, 'sum', group_dp)
   wait_tensor_default: f32[] = _c10d_functional.wait_tensor.default(all_reduce_default)
   bucket1_wait: f32[8388608] = _c10d_functional.wait_tensor.default(bucket1_all_reduce)
   bucket1_out0: f32[4096, 2048] = aten.view.default(bucket1_wait, [4096, 2048])
-  step_parameters: - = shardfx.codegen.step_in_backward.step_parameters(67108864, \
+  step_parameters: - = shardfx.codegen.step_in_backward.step_parameters(0, \
 ('layers.0.weight',), bucket1_out0)  # bwd
   output loss loss = wait_tensor_default
   output grad layers.0.weight = None

@@ -4,7 +4,9 @@
   parameters this rank trains (its own shards on a mesh), returns an optimizer that steps them.
   An optimizer instance, a factory that raises, returns ``None`` or an optimizer of other
   tensors (``model.parameters()`` instead of the ones given: on a mesh the program never reads
-  those) is an ``InputError``, not parameters that silently never change.
+  those) is an ``InputError``, not parameters that silently never change. An Adam, AdamW or
+  SGD that leaves ``foreach`` and ``fused`` unset then steps with torch's fused kernel
+  (``cost.optimizer.fused_step``).
 - ``SameBatch``: every rank passes the same global batch to ``runner.step`` and takes its own
   slice of it. Ranks that load or shuffle data differently would train on a batch no single
   device ever saw. Each rank sums each input three ways (plainly, weighted by row and by
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from shardfx.cost.optimizer import fused_step
 from shardfx.errors import InputError, ShardfxError
 from shardfx.ir import meta as M
 from shardfx.kernels.device import collective_device
@@ -73,6 +76,7 @@ def make_optimizer(factory: Callable | None, params: list[torch.nn.Parameter]) -
             "the optimizer steps none of the parameters it was given; on a mesh the runner "
             "trains its own shards, so the tensors it steps would never be read",
             where=WHERE, fix=f"build the optimizer from the factory's argument, e.g. {EXAMPLE}")
+    fused_step(optimizer)
     return optimizer
 
 
