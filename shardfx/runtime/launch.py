@@ -207,7 +207,15 @@ def _stop(procs: list, answered: list[int]) -> None:
 def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launcher_threads: int,
             fn: Callable[..., Any], args: tuple, pipe: Connection, stack_file: str,
             env: dict[str, str]) -> None:
-    """One rank: join the process group, run fn, send ("ok", value) or ("raised", ...) back."""
+    """One rank: join the process group, run fn, send ("ok", value) or ("raised", ...) back.
+
+    First, what the rank inherited from the fork server (torch, shardfx, the preloaded
+    modules: never garbage) leaves the cyclic collector for good (``gc.freeze``): a full
+    collection then walks only what the rank made. Walking every inherited object touches,
+    and so copies from the server, each page they are on: the collection at a rank's end
+    (``_destroy_groups``) took 0.34-0.77 s, most of a 2- or 4-rank launch's time; now 1 ms.
+    Cycles the rank makes are still collected."""
+    gc.freeze()
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     stacks = open(stack_file, "w")  # noqa: SIM115 - open for the life of the rank
     stacks.write(f"main thread 0x{threading.get_ident():016x}\n")  # as faulthandler writes ids
