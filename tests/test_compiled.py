@@ -81,6 +81,28 @@ def test_a_python_program_op_ends_a_region_and_views_alone_are_not_compiled():
     torch.testing.assert_close(module(x0)[0], want)
 
 
+def test_a_sum_into_an_accumulator_runs_between_regions():
+    """An accumulating variant's ``addmm_`` (and ``index_add_``) runs as it is, in place, where
+    BLAS adds into the accumulator: Inductor would make the sum in a buffer of its own and copy
+    it back (``_SUMS_INTO_INPUT``)."""
+    graph = fx.Graph()
+    acc, a, b = (graph.placeholder(n) for n in ("acc", "a", "b"))
+    t = graph.call_function(torch.ops.aten.t.default, (a,))
+    r = graph.call_function(torch.ops.aten.relu.default, (t,))
+    s = graph.call_function(torch.ops.aten.addmm_.default, (acc, r, b))
+    c = graph.call_function(torch.ops.aten.sin.default, (b,))
+    graph.output((s, c))
+    args = torch.randn(3, 5), torch.randn(4, 3), torch.randn(4, 5)
+    _Values(fx.GraphModule({}, graph)).run(*(x.clone() for x in args))
+    assert [[n.name for n in r] for r in regions(graph)] == [["t_default", "relu_default"],
+                                                             ["sin_default"]]
+    accumulator = args[0].clone()
+    out, sin = lowered(fx.GraphModule({}, graph))(accumulator, *args[1:])
+    assert out is accumulator
+    torch.testing.assert_close(out, args[0] + args[1].t().relu() @ args[2])
+    torch.testing.assert_close(sin, args[2].sin())
+
+
 class _Values(fx.Interpreter):
     """Runs a graph, leaving each node's value in its ``val`` meta (as a captured graph has)."""
 
