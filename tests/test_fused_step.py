@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import shardfx
-from shardfx.cost.optimizer import OPTIMIZERS, fused_step, optimizer_temporaries
+from shardfx.cost.optimizer import (OPTIMIZERS, fused_step, grads_laid_out_as_params,
+                                    optimizer_temporaries)
 from shardfx.testing import adamw
 
 from models import lm_loss, tiny, token_batches
@@ -60,6 +61,24 @@ def test_adam_and_sgd_fused_step_as_their_for_loops_do(make):
         fused.step()
         loop.step()
     assert all(_within_rounding(p, q) for p, q in zip(ps, qs))
+
+
+def test_a_gradient_laid_out_unlike_its_parameter_is_stepped_right():
+    """torch's fused kernel walks a gradient in its parameter's memory order: a transposed
+    gradient must first take the parameter's layout (``grads_laid_out_as_params``)."""
+    torch.manual_seed(0)
+    p = torch.randn(40, 30, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    fused, loop = torch.optim.AdamW([p]), torch.optim.AdamW([q], foreach=False)
+    assert fused_step(fused)
+    for _ in range(2):
+        g = torch.randn(30, 40).t()  # a transposed gradient
+        p.grad, q.grad = g, g.clone()
+        grads_laid_out_as_params(fused)
+        assert p.grad.stride() == p.stride()
+        fused.step()
+        loop.step()
+    assert _within_rounding(p, q)
 
 
 class _MyAdamW(torch.optim.AdamW):

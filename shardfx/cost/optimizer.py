@@ -83,6 +83,19 @@ def fused_step(optimizer) -> bool:
     return True
 
 
+def grads_laid_out_as_params(optimizer) -> None:
+    """Before a fused step: give each gradient whose strides differ from its parameter's the
+    parameter's layout (a copy). torch's fused kernels walk a gradient in its parameter's
+    memory order whatever the gradient's strides: a transposed gradient (a pipeline's
+    accumulator, summed as the transpose of a matmul's output) stepped the wrong elements, 7%
+    off after one step on a tp=2 Llama's ``up_proj``. The for-loop reads strides."""
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            for p in group["params"]:
+                if p.grad is not None and p.grad.stride() != p.stride():
+                    p.grad = torch.empty_like(p).copy_(p.grad)
+
+
 def optimizer_model(name: str | None) -> OptimizerModel:
     key = "none" if name is None else str(name).lower()
     if key not in OPTIMIZERS:

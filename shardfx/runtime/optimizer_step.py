@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardfx.cost.optimizer import grads_laid_out_as_params
 from shardfx.errors import InputError
 from shardfx.kernels.device import collective_device
 from shardfx.runtime.loss_scale import LossScaler
@@ -117,5 +118,6 @@ def finish_step(optimizer: torch.optim.Optimizer | None, scaler: LossScaler | No
         if coefficient < 1.0 and tensors:
             torch._foreach_mul_(tensors, coefficient)
     if optimizer is not None:
+        grads_laid_out_as_params(optimizer)
         optimizer.step()
     return norm

@@ -32,7 +32,7 @@ from shardfx.runtime.accumulate import accumulated, mean_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
                                             release)
-from shardfx.cost.optimizer import check_optimizer
+from shardfx.cost.optimizer import check_optimizer, grads_laid_out_as_params
 from shardfx.passes.rng import draw_seed, reads_rng, rng_value
 from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
 from shardfx.codegen.steps import Output
@@ -321,6 +321,7 @@ class Runner:
         trained = self._trained()
         for name, g in zip(names, grads):
             trained[name].grad = self._zero.grad(name, g) if name in self._stepped else g
+        grads_laid_out_as_params(self.optimizer)
         self.optimizer.step()
         for name in names:  # later steps must not step them again
             if self.keep_grads:  # given back as .grad once the step is over (step_batches)
