@@ -15,8 +15,8 @@ runs as it is between two; so does an op that sums into a tensor it is given (``
 in a buffer copied back, 1.9x the time), and a ``_c10d_functional`` collective, issued and
 waited where the program's passes put them (bucketing, ZeRO's prefetch). Inside a region
 Inductor lowers a functional collective by copying its input into a buffer of its own, held
-with the input: measured on CPU (each region's inputs then held to its end), the peak of a dp=2 x tp=2 Llama
-step went 8.2% over the memory model's prediction with the collectives inside, 3.1% with them
+with the input: measured on CPU (each region's inputs then held to its end), the peak of a
+dp=2 x tp=2 Llama step went 8.2% over the memory model's prediction with the collectives inside, 3.1% with them
 between regions; ZeRO-3 22.4% and 8.1%. A region takes its inputs in a list it empties, so an
 input it reads last is freed inside it, where Inductor's code last reads it: then dp=2 x tp=2
 is within 0.1%, pp and one device under a budget within 4.5%, ZeRO-3 0.6% under on each of 6
