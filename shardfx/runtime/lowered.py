@@ -14,24 +14,24 @@ runs as it is between two; so does an op that sums into a tensor it is given (``
 ``index_add_``: the accumulating variants' gradient sums, which BLAS does in place and Inductor
 in a buffer copied back, 1.9x the time), and a ``_c10d_functional`` collective, issued and
 waited where the program's passes put them (bucketing, ZeRO's prefetch). Inside a region
-Inductor lowers a functional collective by copying its input into a buffer of its own, held
-with the input: measured on CPU (each region's inputs then held to its end), the peak of a
-dp=2 x tp=2 Llama step went 8.2% over the memory model's prediction with the collectives inside, 3.1% with them
-between regions; ZeRO-3 22.4% and 8.1%. A region takes its inputs in a list it empties, so an
-input it reads last is freed inside it, where Inductor's code last reads it: then dp=2 x tp=2
-is within 0.1%, pp and one device under a budget within 4.5%, ZeRO-3 0.6% under on each of 6
-runs (``runtime.measure.allocated_peak``, which sees Inductor's buffers and leaves out gloo's
-scratch copies; the ATen programs are equal to the prediction within bytes but for a gather
-input gloo's thread lets go of late: 2.7% over, once in 6).
-Region code is keyed by its ops and their arguments, positions for values: the 80 forward
-blocks of an 80-layer plan are one code, compiled once (for the shapes, strides and dtypes of
-its first call) and called 80 times — torchtitan's per-block ``torch.compile``, found in the
-program rather than asked for by wrapping modules. A region compiles under a tracing context
-with a shape env, as Dynamo's graphs do, so AOTAutograd's and Inductor's on-disk caches
-(``TORCHINDUCTOR_CACHE_DIR``) answer for it: a second run of the same plan skips tracing and
-code generation alike (a 58M Llama's five codes: 9.1 s of compiling cold, 3.0 s warm, 2.7 s of
-it Inductor's start). The processes of one machine compile a given code one at a time, the
-others then reading it from the cache (``_one_process_at_a_time``).
+Inductor lowers a functional collective by copying its input into a buffer of its own, held with
+the input: measured on CPU (each region's inputs then held to its end), the peak of a dp=2 x
+tp=2 Llama step went 8.2% over the memory model's prediction with the collectives inside, 3.1%
+with them between regions; ZeRO-3 22.4% and 8.1%. A region takes its inputs in a list it
+empties, so an input it reads last is freed inside it, where Inductor's code last reads it: then
+dp=2 x tp=2 is within 0.1%, pp and one device under a budget within 4.5%, ZeRO-3 0.6% under on
+each of 6 runs (``runtime.measure.allocated_peak``, which sees Inductor's buffers and leaves out
+gloo's scratch copies; the ATen programs are equal to the prediction within bytes but for a
+gather input gloo's thread lets go of late: 2.7% over, once in 6). Region code is keyed by its
+ops and their arguments, positions for values: the 80 forward blocks of an 80-layer plan are one
+code, compiled once (for the shapes, strides and dtypes of its first call) and called 80 times —
+torchtitan's per-block ``torch.compile``, found in the program rather than asked for by wrapping
+modules. A region compiles under a tracing context with a shape env, as Dynamo's graphs do, so
+AOTAutograd's and Inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``) answer for it: a
+second run of the same plan skips tracing and code generation alike (a 58M Llama's five codes:
+9.1 s of compiling cold, 3.0 s warm, 2.7 s of it Inductor's start). The processes of one machine
+compile a given code one at a time, the others then reading it from the cache
+(``_one_process_at_a_time``).
 
 Regions made only of views (a reshape between two Python ops) run as they are: compiling them
 buys nothing. A region is compiled at its first call, on the values it is called with, so a
