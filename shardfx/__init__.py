@@ -26,7 +26,7 @@ _WHERE = {
     "shard_hint": "shardfx.request.hints", "pipe_split": "shardfx.request.hints", "experts": "shardfx.kernels.experts",
     "launch": "shardfx.runtime.launch", "LaunchError": "shardfx.runtime.launch",
     "LossScaling": "shardfx.runtime.loss_scale", "Runner": "shardfx.runtime.runner",
-    "compiled_regions": "shardfx.runtime.lowered",
+    "compiled_regions": "shardfx.runtime.lowered", "materialize": "shardfx.runtime.materialize",
     **{name: "shardfx.errors" for name in (
         "ShardfxError", "CaptureError", "InputError", "LossError", "MeshError", "ShardingError",
         "PassError", "VerifyError", "MemoryBudgetError")},

@@ -26,6 +26,7 @@ from shardfx.report.dump import write_dump
 from shardfx.report.experts import expert_layers
 from shardfx.report.text import plan_text
 from shardfx.runtime.loss_scale import LossScaling
+from shardfx.runtime.materialize import InitFn
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
 
@@ -50,7 +51,8 @@ class Plan(Compiled):
 
     def runner(self, optimizer: OptimizerFactory | None = None,
                loss_scaling: "LossScaling | bool | None" = None,
-               clip_grad_norm: float | None = None, keep_grads: bool = False) -> Runner:
+               clip_grad_norm: float | None = None, keep_grads: bool = False,
+               init_seed: int = 0, init: InitFn | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer.
         ``loss_scaling``: dynamic loss scaling (``runtime.loss_scale``); None scales fp16
         plans only, False never, True or a ``LossScaling`` always. ``clip_grad_norm``: clip
@@ -58,10 +60,18 @@ class Plan(Compiled):
         ``torch.nn.utils.clip_grad_norm_`` on one device (``runtime.optimizer_step``; the norm
         before clipping is ``runner.grad_norm``). Each step's gradients are freed after its
         optimizer step, as ``zero_grad(set_to_none=True)``; ``keep_grads=True`` keeps them in
-        each parameter's ``.grad`` until the next step (and for ``runner.grads()``)."""
+        each parameter's ``.grad`` until the next step (and for ``runner.grads()``).
+
+        A model on the meta device (built under ``torch.device("meta")``) is made here: each
+        rank only its own shards, one whole tensor at a time, by the model's own initialisation
+        (Hugging Face's ``_init_weights``, else ``reset_parameters``) or ``init(module)``, each
+        tensor from its own stream seeded by ``init_seed`` (``runtime.materialize``): every
+        mesh starts from the weights ``shardfx.materialize(model, init_seed)`` gives one
+        device."""
+        kw = dict(init_seed=init_seed, init=init)
         if self.stage_program is not None:
-            return PipelineRunner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads)
-        return Runner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads)
+            return PipelineRunner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads, **kw)
+        return Runner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads, **kw)
 
     def inference_program(self) -> tuple[Program, pytree.TreeSpec]:
         """The forward-only program (captured on first use for a training plan)."""

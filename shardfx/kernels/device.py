@@ -104,17 +104,13 @@ def place(module: fx.GraphModule, device: torch.device) -> int:
 
 
 def check_weights(model: torch.nn.Module, device: torch.device) -> None:
-    """The model's tensors can go to ``device``: each is there, or on the CPU (the runner
-    copies it). One on meta has no values; one on another accelerator would be dragged off it
-    (a model planned on meta, then materialized on a GPU the plan was not told of): both are
-    an InputError naming the tensor and the fix."""
+    """The model's tensors can go to ``device``: each is there, on the CPU (the runner copies
+    it) or on meta (the runner makes it: ``runtime.materialize``). One on another accelerator
+    would be dragged off it (a model planned on meta, then materialized on a GPU the plan was
+    not told of): an InputError naming the tensor and the fix."""
     for fqn, t in [*model.named_parameters(), *model.named_buffers()]:
         where = f"{type(model).__name__}.{fqn}"
-        if t.is_meta:
-            raise InputError(f"{fqn} is on the meta device: there are no values to train",
-                             where=where, fix="materialize the model before plan.runner(): "
-                             "model.to_empty(device='cpu') then initialize or load weights")
-        if t.device != device and t.device.type != "cpu":
+        if t.device != device and t.device.type not in ("cpu", "meta"):
             raise InputError(f"{fqn} is on {t.device}; the plan runs on {device}",
                              where=where, fix=f"plan for the model's device: partition(..., "
                              f"device={str(t.device)!r}), or keep the model on the CPU")

@@ -67,6 +67,7 @@ from shardfx.runtime.buckets import ReplicaBuckets
 from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
 from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
+from shardfx.runtime.materialize import InitFn, Initializer
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
@@ -82,7 +83,7 @@ if TYPE_CHECKING:
 
 class PipelineRunner(PipelineState):
     def __init__(self, plan: "Plan", optimizer=None, loss_scaling=None, clip_grad_norm=None,
-                 keep_grads: bool = False):
+                 keep_grads: bool = False, init_seed: int = 0, init: InitFn | None = None):
         mesh = device_mesh(plan.mesh)  # raises MeshError when the world does not match
         coord = coordinate(mesh)
         self.plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
@@ -107,12 +108,13 @@ class PipelineRunner(PipelineState):
         if self.device.type == "cpu":
             keep_freed_memory()  # runtime.heap
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        self._init = Initializer(model, init_seed, init)  # a tensor on meta: its value
         reads = self.program.reads(self.rank).values()
         # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors
         self.params = {r.name: self._local(r.name, params[r.name]) for r in reads
                         if r.kind is M.InputKind.PARAM}
-        self.buffers = {r.name: buffers[r.name].to(self.device) for r in reads
-                         if r.kind is M.InputKind.BUFFER}
+        self.buffers = {r.name: self._whole(r.name, buffers[r.name]).to(self.device)
+                        for r in reads if r.kind is M.InputKind.BUFFER}
         self._constants: dict[tuple, torch.Tensor] = {}  # (program, name) -> on this device
         self.owned = {fqn for fqn in self.params
                        if self.program.producer(M.OutputKind.GRAD, fqn) == self.rank}
@@ -159,11 +161,16 @@ class PipelineRunner(PipelineState):
         if self.tp is None or not any(isinstance(p, (Shard, _StridedShard)) for p in placements):
             if param.device == self.device:
                 return param
-            local = param.detach()
+            local = self._whole(fqn, param)
         else:
-            local = self.tp.local(param.detach(), placements)
+            local = self.tp.local(self._whole(fqn, param), placements)
         return torch.nn.Parameter(local.to(self.device, copy=True),
                                   requires_grad=param.requires_grad)
+
+    def _whole(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
+        """The model's tensor ``fqn``, or on meta its value made now (``runtime.materialize``:
+        only this stage's, one whole tensor at a time)."""
+        return self._init.value(fqn) if t.is_meta else t.detach()
 
     def full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""

@@ -78,7 +78,8 @@ class PipelineState:
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         tensors |= {fqn: self.full(fqn, p) for fqn, p in self.params.items()}
         tensors |= self.buffers  # this rank's copies, on its device, updated by its steps
-        mine = {fqn: t for fqn, t in tensors.items() if self._holder(fqn) == self.rank}
+        mine = {fqn: self._whole(fqn, t) for fqn, t in tensors.items()
+                if self._holder(fqn) == self.rank}  # one no stage reads: the model's, or made
         full = self._gather(mine, self._state_shapes())
         return {fqn: full[self.plan.canonical(fqn)] for fqn in self.plan.state_names}
 

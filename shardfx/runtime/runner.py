@@ -39,6 +39,7 @@ from shardfx.codegen.steps import Output
 from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
+from shardfx.runtime.materialize import InitFn, Initializer, materialize, on_meta
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import saving
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
@@ -55,7 +56,7 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 class Runner:
     def __init__(self, plan: "Plan", optimizer: OptimizerFactory | None = None,
                  loss_scaling=None, clip_grad_norm: float | None = None,
-                 keep_grads: bool = False):
+                 keep_grads: bool = False, init_seed: int = 0, init: InitFn | None = None):
         self.plan = plan
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         self._in_backward = plan.options.optimizer_in_backward  # codegen.step_in_backward
@@ -80,15 +81,18 @@ class Runner:
             plan.zero_layouts, plan.options.zero, self._shards.coord["dp"],
             self._shards.mesh.get_group("dp"), plan.zero_gather_programs)
         self._stepped: dict[str, torch.nn.Parameter] = {}  # ZeRO: the rows the optimizer steps
+        self._init = Initializer(model, init_seed, init)  # a tensor on meta: its value
         if self._shards is None:
-            if any(t.device != self.device for t in [*self._params.values(),
-                                                     *self._buffers.values()]):
+            if on_meta(model):  # one device holds the whole model: made in place
+                materialize(model, init_seed, init, self.device)
+            if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
                 move(model, self.device)  # on CUDA the same Parameter objects
-                self._params = dict(model.named_parameters())
-                self._buffers = dict(model.named_buffers())
+            self._params = dict(model.named_parameters())
+            self._buffers = dict(model.named_buffers())
         else:
             self._params = {name: self._hold(name, p) for name, p in self._params.items()}
-            self._buffers = {name: b.to(self.device) for name, b in self._buffers.items()}
+            self._buffers = {name: self._whole(name, b).to(self.device)
+                             for name, b in self._buffers.items()}
         self._constants: dict[fx.Node, torch.Tensor] = {}  # on this device, made once
         self.optimizer = make_optimizer(optimizer, list(self.parameters()))
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
@@ -305,12 +309,16 @@ class Runner:
     def _hold(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         """What this rank keeps of the model's parameter ``p`` on its device: its tp shard, as
         a new ``nn.Parameter``; under ZeRO, its rows of it (``runtime.zero``)."""
-        local = self._shards.local(p.detach(), self._placements.get(name, ())).to(
-            self.device, copy=True)
-        if self._zero is not None and name in self._zero.layouts:
-            read, self._stepped[name] = self._zero.hold(name, local)
+        local = self._shards.local(self._whole(name, p), self._placements.get(name, ()))
+        if self._zero is not None and name in self._zero.layouts:  # it copies the rows it keeps
+            read, self._stepped[name] = self._zero.hold(name, local.to(self.device))
             return read
-        return torch.nn.Parameter(local, requires_grad=p.requires_grad)
+        return torch.nn.Parameter(local.to(self.device, copy=True), requires_grad=p.requires_grad)
+
+    def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The model's tensor ``name``, or on meta its value made now (``runtime.materialize``:
+        one whole tensor at a time, let go once this rank's part is cut)."""
+        return self._init.value(name) if t.is_meta else t.detach()
 
     def _step_in_backward(self, names: tuple[str, ...], grads: tuple) -> None:
         """The program's ``step_parameters`` (``codegen.step_in_backward``): the optimizer
