@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from shardfx.ir import meta as M
-from shardfx.runtime import saving
+from shardfx.runtime import hf_load, hf_save, saving
 from shardfx.runtime.optimizer_step import check_kept
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
@@ -39,6 +39,29 @@ class PipelineState:
         """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
         returns its meta."""
         return saving.load(self, path)
+
+    def load_hf(self, path) -> None:
+        """Fill this rank's stages' tensors from the Hugging Face checkpoint directory ``path``
+        (``runtime.hf_load``); on every rank."""
+        hf_load.load_hf(self, path)
+
+    def save_hf(self, path, max_shard_bytes: int = hf_save.SHARD_BYTES):
+        """Write the model as a Hugging Face checkpoint directory (``runtime.hf_save``); on
+        every rank, all or nothing."""
+        return hf_save.save_hf(self, path, max_shard_bytes)
+
+    def whole(self, fqn: str) -> torch.Tensor:
+        """The full tensor ``fqn`` on every rank: its stage's tp shards gathered, then sent by
+        the rank that holds it (``state_dict``, one tensor)."""
+        name = self.plan.canonical(fqn)
+        model = self.plan.model
+        shape = t = (dict(model.named_parameters()) | dict(model.named_buffers()))[name]
+        if name in self.params:
+            t = self.full(name, self.params[name])
+        elif name in self.buffers:
+            t = self.buffers[name]
+        mine = {name: self._whole(name, t)} if self._holder(name) == self.rank else {}
+        return self._gather(mine, {name: shape})[name]
 
     def holdings(self) -> tuple[dict, dict]:
         """What this rank holds, for a checkpoint (``Runner.holdings``): its stages' tensors (tp

@@ -41,7 +41,7 @@ from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
 from shardfx.runtime.materialize import InitFn, Initializer, materialize, on_meta
 from shardfx.runtime.shards import Shards
-from shardfx.runtime import saving
+from shardfx.runtime import hf_load, hf_save, saving
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
 from shardfx.runtime.zero import ZeroRows
 
@@ -274,6 +274,11 @@ class Runner:
         tensors = {**self._params, **self._buffers}
         return {fqn: self._full(self.plan.canonical(fqn), tensors) for fqn in self.plan.state_names}
 
+    def whole(self, fqn: str) -> torch.Tensor:
+        """The full tensor ``fqn`` of the model's state dict, on every rank: one tensor's
+        collectives (``save_hf`` writes a model one tensor at a time)."""
+        return self._full(self.plan.canonical(fqn), {**self._params, **self._buffers})
+
     def _full(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         local = tensors[name].detach()
         if self._shards is None:
@@ -350,6 +355,18 @@ class Runner:
         """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
         returns its meta (``runtime.saving``)."""
         return saving.load(self, path)
+
+    def load_hf(self, path) -> None:
+        """Fill this rank's tensors from the Hugging Face checkpoint directory ``path``
+        (``save_pretrained``'s safetensors), reading only its slices of each tensor
+        (``runtime.hf_load``); on every rank."""
+        hf_load.load_hf(self, path)
+
+    def save_hf(self, path, max_shard_bytes: int = hf_save.SHARD_BYTES) -> "Path":
+        """Write the model as a Hugging Face checkpoint directory ``from_pretrained`` loads,
+        each rank its share of the files, one whole tensor at a time (``runtime.hf_save``);
+        on every rank, all or nothing."""
+        return hf_save.save_hf(self, path, max_shard_bytes)
 
     def holdings(self) -> tuple[dict, dict]:
         """What this rank holds, for a checkpoint: per FQN of a parameter or buffer, the tensor

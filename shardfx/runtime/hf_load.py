@@ -1,0 +1,219 @@
+"""``runner.load_hf(path)``: a Hugging Face checkpoint straight into each rank's shards.
+
+    runner = plan.runner(optimizer)          # the model may be on meta: nothing is made twice
+    runner.load_hf("Llama-3.2-1B/")          # model.safetensors, or its shards and their index
+
+A checkpoint directory holds ``model.safetensors``, or several files and
+``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Every rank reads, for
+each tensor it holds (``runner.holdings()``: its tp slice, its ZeRO rows, its pipeline stage's,
+its experts), only the rectangles of the checkpoint tensor that make it up, through
+safetensors' slices, so no rank reads or holds the whole model; it casts them to the model's
+dtype as it copies them in. Tensors that transformers converts as it loads (``hf_names``:
+Mixtral's per-expert weights into one fused tensor) are read whole, one group at a time,
+converted as ``from_pretrained`` converts them, and cut. A tied weight is read once, from
+whichever of its names the checkpoint has.
+
+Before anything is copied, the whole checkpoint is checked against the model from the files'
+headers: a missing file, a file that is cut short or whose header is damaged, a tensor the
+model lacks (beyond those the model says to skip), a tensor the checkpoint lacks, one that two
+keys would fill, a shape that differs, or a dtype that cannot become the model's (anything but
+floating point into floating point, or the same dtype) is one ``InputError`` naming it, and
+the runner is left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from shardfx.errors import InputError
+from shardfx.runtime import hf_names
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory, by name: their files, shapes and dtypes read from
+    the headers; the values read by slice, each file opened once."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        where = f"runner.load_hf({str(path)!r})"
+        self.where = where
+        files = self._files(where)
+        self._open: dict[Path, object] = {}
+        self.file: dict[str, Path] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, str] = {}
+        for file, names in files.items():
+            try:
+                handle = self._open[file] = safe_open(str(file), "pt")
+            except (SafetensorError, OSError) as e:
+                raise InputError(f"{file.name} cannot be read as safetensors: {e}",
+                                 where=where, fix="the file is cut short or damaged: copy or "
+                                 "download it again") from None
+            present = set(handle.keys())
+            lost = [n for n in names if n not in present] if names is not None else []
+            if lost:
+                raise InputError(f"{INDEX} places {lost[0]} (and {len(lost) - 1} more) in "
+                                 f"{file.name}, which does not hold it", where=where,
+                                 fix="the index and the files are from different saves: "
+                                     "copy the directory again")
+            for name in (names if names is not None else sorted(present)):
+                piece = handle.get_slice(name)
+                self.file[name] = file
+                self.shape[name] = tuple(piece.get_shape())
+                self.dtype[name] = piece.get_dtype()
+
+    def _files(self, where: str) -> dict[Path, list[str] | None]:
+        """File -> the names the index places in it (None: a single file, all it holds)."""
+        if not self.path.is_dir():
+            raise InputError(f"{self.path} is not a directory", where=where,
+                             fix="the directory save_pretrained wrote (config.json and "
+                                 "model.safetensors, or its shards with their index)")
+        index = self.path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                assert isinstance(weight_map, dict)
+            except (ValueError, KeyError, TypeError, AssertionError) as e:
+                raise InputError(f"{INDEX} has no readable weight_map ({e!r})", where=where,
+                                 fix="copy the checkpoint's index again") from None
+            files: dict[Path, list[str] | None] = {}
+            for name, file in weight_map.items():
+                files.setdefault(self.path / file, []).append(name)
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise InputError(f"{INDEX} names {len(absent)} files that are not there: "
+                                 f"{', '.join(sorted(absent)[:3])}", where=where,
+                                 fix="copy every shard of the checkpoint")
+            return files
+        if (self.path / SINGLE).is_file():
+            return {self.path / SINGLE: None}
+        raise InputError(f"{self.path} holds neither {SINGLE} nor {INDEX}", where=where,
+                         fix="save with model.save_pretrained(path) (safetensors, the default)")
+
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor ``name``, or its ``region`` (a slice per dimension) alone."""
+        handle = self._open[self.file[name]]
+        if region is None or not region:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[region]
+
+
+def load_hf(runner, path: str | os.PathLike) -> None:
+    """Fill ``runner``'s tensors from the Hugging Face checkpoint at ``path`` (every rank; the
+    module docstring)."""
+    ckpt = Checkpoint(path)
+    plan = runner.plan
+    model = plan.model
+    made, unexpected, twice = hf_names.sources(model, list(ckpt.file))
+    unexpected = [k for k in unexpected if not hf_names.ignored(model, k)]
+    wanted = _wanted(plan)
+    chosen = {fqn: next((made[n] for n in names if n in made), None)
+              for fqn, names in wanted.items()}
+    _check(ckpt, plan, chosen, unexpected, twice)
+    held, _ = runner.holdings()
+    with torch.no_grad():
+        for fqn, source, regions in _plan_reads(plan, held, chosen):
+            if source.converter is None:
+                key = source.keys[0]
+                for view, region in regions:
+                    view.copy_(ckpt.read(key, region))
+            else:
+                whole = source.realize(ckpt.read, model)[fqn]
+                for view, region in regions:
+                    view.copy_(whole[region] if region else whole)
+                del whole
+
+
+def _wanted(plan) -> dict[str, list[str]]:
+    """Each tensor of the model's state dict once (its canonical FQN) -> all its names."""
+    out: dict[str, list[str]] = {}
+    for fqn in plan.state_names:
+        out.setdefault(plan.canonical(fqn), []).append(fqn)
+    for fqn, names in out.items():
+        names.sort(key=lambda n: n != fqn)  # its own name first
+    return out
+
+
+def _plan_reads(plan, held: dict, chosen: dict) -> Iterator[tuple]:
+    """(FQN, Source, [(view of the held tensor, its region of the whole)]) per held tensor,
+    converted groups one after the other."""
+    for fqn, h in held.items():
+        source = chosen.get(fqn)
+        if source is None:  # not in the state dict: a buffer the runner computes
+            continue
+        box = h.box(h.tensor, plan.state_shapes[fqn])
+        if box is None:
+            continue
+        pieces = box.pieces or ((box.offsets, box.local()),)
+        regions = [(view, tuple(slice(o, o + n) for o, n in zip(at, view.shape)))
+                   for at, view in pieces if view.numel()]
+        yield fqn, source, regions
+
+
+def _check(ckpt: Checkpoint, plan, chosen: dict, unexpected: list[str],
+           twice: list[str]) -> None:
+    """Every problem with the checkpoint against the model, as one InputError, before any
+    tensor is copied."""
+    fix = "load a checkpoint of this model's configuration (save_pretrained of the same " \
+          "architecture and sizes)"
+    missing = sorted(fqn for fqn, s in chosen.items() if s is None)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of the model's tensors are not in it: "
+                        f"{', '.join(missing[:3])}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} of its tensors are not the model's: "
+                        f"{', '.join(sorted(unexpected)[:3])}")
+    if twice:
+        problems.append(f"{len(twice)} of the model's tensors would be filled twice: "
+                        f"{', '.join(twice[:3])}")
+    tensors = dict(plan.model.named_parameters()) | dict(plan.model.named_buffers())
+    for fqn, source in chosen.items():
+        if source is None:
+            continue
+        want, dtype = plan.state_shapes[fqn], tensors[fqn].dtype
+        for key in source.keys:
+            got = _DTYPES.get(ckpt.dtype[key])
+            if got is None or not (got == dtype or got.is_floating_point and
+                                   dtype.is_floating_point):
+                problems.append(f"{key} is {ckpt.dtype[key]}, which cannot become the "
+                                f"model's {str(dtype).removeprefix('torch.')}")
+        if source.converter is None and ckpt.shape[source.keys[0]] != want:
+            problems.append(f"{source.keys[0]} has shape {list(ckpt.shape[source.keys[0]])}, "
+                            f"the model's {fqn} {list(want)}")
+        elif source.converter is not None:
+            shape = _converted_shape(ckpt, source, plan.model, fqn)
+            if shape != want:
+                made = list(shape) if isinstance(shape, tuple) else shape
+                problems.append(f"{fqn} made from {len(source.keys)} tensors ({source.keys[0]}, "
+                                f"...) has shape {made}, the model's {list(want)}")
+    if problems:
+        raise InputError(f"{ckpt.path} does not fit the model: " + "; ".join(problems[:6]),
+                         where=ckpt.where, fix=fix)
+
+
+def _converted_shape(ckpt: Checkpoint, source: hf_names.Source, model, fqn: str):
+    """The shape transformers' conversion gives ``fqn`` from the checkpoint's shapes (run on
+    meta: no values read), or the error it raised."""
+    def empty(key: str) -> torch.Tensor:
+        return torch.empty(ckpt.shape[key], dtype=_DTYPES.get(ckpt.dtype[key], torch.float32),
+                           device="meta")
+
+    try:
+        return tuple(source.realize(empty, model)[fqn].shape)
+    except Exception as e:  # transformers' ops say what did not fit
+        return f"not made ({type(e).__name__}: {e})"
