@@ -267,3 +267,40 @@ def test_save_hf_on_a_mesh_reads_back_to_the_same_logits(tmp_path):
         reference.load_state_dict(state)
         (x,), _ = token_batches(1)[0]
         assert torch.equal(back(x).logits, reference(x).logits), name
+
+
+FACTORY = """
+import itertools, torch, transformers as T
+def workload():
+    config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = lambda out, t: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1),
+                                                            t.flatten())
+    return {"model": model, "args": (ids,), "loss_fn": loss, "targets": (ids,),
+            "batches": itertools.repeat(((ids,), (ids,)))}
+"""
+
+
+@pytest.mark.multiprocess
+def test_shardfx_run_starts_from_and_exports_hugging_face_checkpoints(tmp_path, capfd):
+    """``shardfx run --init-from``: the first loss is the pretrained model's; ``--export-hf``:
+    transformers loads what the run trained."""
+    from shardfx.run import cli
+
+    (tmp_path / "factory.py").write_text(FACTORY)
+    source = saved("llama", tmp_path)
+    out, log = tmp_path / "trained", tmp_path / "run.jsonl"
+    assert cli.main(["run", f"{tmp_path / 'factory.py'}:workload", "--mesh", "dp=2,tp=2",
+                     "--steps", "2", "--init-from", str(source), "--export-hf", str(out),
+                     "--jsonl", str(log)]) == 0
+    assert "weights from the Hugging Face checkpoint" in capfd.readouterr().out
+    steps = [json.loads(line) for line in log.read_text().splitlines()
+             if "loss" in json.loads(line)]
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    want = lm_loss(pretrained(source)(ids), ids).item()
+    assert steps[0]["loss"] == pytest.approx(want, rel=1e-5)
+    trained = pretrained(out)
+    assert lm_loss(trained(ids), ids).item() < want  # two steps of AdamW on one batch

@@ -96,6 +96,8 @@ def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
     (["--mesh", "dp=2,pp=2", "--zero", "3"], "--zero 3 inside a pipeline is not supported"),
     (["--tensorboard", "tb"], None),
     (["--gpu", "tpu9"], "no peak FLOP/s preset for the GPU 'tpu9'"),
+    (["--init-from", "nowhere"], "nowhere is not a directory"),
+    (["--init-from", "a", "--resume", "b"], "--init-from and --resume both given"),
 ])
 def test_what_can_be_checked_is_checked_before_any_process_starts(flags, message, capsys,
                                                                     monkeypatch):

@@ -14,7 +14,7 @@ over the file, the file over the default. The tree, section by section:
     [lr_schedule] warmup, decay (constant | cosine | linear), final_lr   (a fraction of lr)
     [training]    steps, accumulate, clip_grad_norm
     [data]        tokens (a .bin of uint16 token ids or a .npy)
-    [checkpoint]  save, every, keep, resume
+    [checkpoint]  save, every, keep, resume, init_from, export_hf
     [metrics]     jsonl, tensorboard, peak_tflops, gpu, trace
 
 Nothing here imports torch: ``shardfx --help`` reads this module alone.
@@ -106,6 +106,10 @@ class Checkpoint:
     keep: int = _f(0, "keep the last K checkpoints (0: all)")
     resume: str | None = _f(None, "continue from this checkpoint, or the latest in this "
                                   "directory", str)
+    init_from: str | None = _f(None, "start from the weights of this Hugging Face checkpoint "
+                                     "directory (save_pretrained's safetensors)", str)
+    export_hf: str | None = _f(None, "after the last step, write the model here as a Hugging "
+                                     "Face checkpoint (from_pretrained loads it)", str)
 
 
 @dataclass
@@ -270,6 +274,9 @@ def check_fields(config: "RunConfig") -> None:
          "add a tp axis (--mesh tp=2,...) or use --shard megatron or auto")
     need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
          "directory", "--every", "give --save DIR, where the checkpoints go")
+    need(not (config.init_from and config.resume), "--init-from and --resume both given: a "
+         "resumed run takes its weights from its checkpoint", "--init-from",
+         "drop --init-from when resuming")
 
 
 def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> None:

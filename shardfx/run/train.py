@@ -23,6 +23,9 @@ initial weights), plans what it returns with ``shardfx.partition`` and trains it
   with the data position and the resolved config. ``resume`` continues from one on any mesh:
   with the same config the batches, dropout masks, learning rates and updates are those of an
   uninterrupted run (on the same mesh, the same bits);
+- ``init_from`` starts from a Hugging Face checkpoint directory (``runner.load_hf``: each rank
+  reads its shards' slices; the factory may build the model on meta), and ``export_hf`` writes
+  the trained model as one after the last step (``runner.save_hf``);
 - rank 0 prints the resolved config, the plan, a line per step and a table at the end
   (``shardfx.run.metrics``: loss, lr, gradient norm, step time, tokens/s, TFLOP/s, MFU, each
   rank's peak memory), and writes them to a JSONL file and TensorBoard when asked.
@@ -56,6 +59,7 @@ from shardfx.errors import InputError
 from shardfx.mesh import MeshSpec
 from shardfx.run.metrics import (Progress, Sinks, StepMetrics, check_tensorboard, every_rank,
                              memory, peak_flops)
+from shardfx.runtime import hf_load
 from shardfx.runtime.checkpoint import check
 from shardfx.runtime.launch import check_world, rank, under_torchrun, world_size
 from shardfx.runtime.watchdog import arrive
@@ -88,6 +92,11 @@ def preflight(config: RunConfig) -> None:
     if config.resume:
         config.checkpoint.resume = run_checkpoints.resolve(config.resume)
         _resume_meta(config)  # a checkpoint this run cannot continue is said before spawning
+    if config.init_from:  # its files and headers, before any process starts
+        try:
+            hf_load.Checkpoint(config.init_from)
+        except InputError as e:
+            raise InputError(e.cause, where=f"--init-from {config.init_from}", fix=e.fix) from None
     job = load_job(config.spec)
     _check_batch(job, config, mesh)
     if config.data.tokens:
@@ -145,6 +154,10 @@ def train(config: RunConfig) -> list[float]:
         runner.optimizer, lambda i: lr_factor(config, start + i)) \
         if runner.optimizer is not None else None
     position = int(runner.load(config.resume)["data_position"]) if meta else 0
+    if config.init_from:  # each rank reads its shards' slices (runtime.hf_load)
+        runner.load_hf(config.init_from)
+        if rank() == 0:
+            print(f"weights from the Hugging Face checkpoint {config.init_from}")
     data = data_batches(job, config.data.tokens, config.seed, position)
     sinks = Sinks(config.metrics.jsonl, config.metrics.tensorboard, rank() == 0)
     try:
@@ -154,7 +167,13 @@ def train(config: RunConfig) -> list[float]:
                 print(f"resumed from {config.resume} at step {start} (data position: batch "
                       f"{position})")
             sinks.event("resume", path=config.resume, step=start, data_position=position)
-        return _loop(config, plan, runner, schedule, data, start, sinks, job.args)
+        losses = _loop(config, plan, runner, schedule, data, start, sinks, job.args)
+        if config.export_hf:  # every rank writes its share of the files (runtime.hf_save)
+            path = runner.save_hf(config.export_hf)
+            if rank() == 0:
+                print(f"Hugging Face checkpoint: {path}/")
+            sinks.event("export_hf", path=str(path), step=config.steps)
+        return losses
     finally:
         sinks.close()
 
