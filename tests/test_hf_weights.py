@@ -285,7 +285,7 @@ def workload():
 
 
 @pytest.mark.multiprocess
-def test_shardfx_run_starts_from_and_exports_hugging_face_checkpoints(tmp_path, capfd):
+def test_shardfx_run_starts_from_and_exports_hugging_face_checkpoints(tmp_path):
     """``shardfx run --init-from``: the first loss is the pretrained model's; ``--export-hf``:
     transformers loads what the run trained."""
     from shardfx.run import cli
@@ -296,9 +296,9 @@ def test_shardfx_run_starts_from_and_exports_hugging_face_checkpoints(tmp_path, 
     assert cli.main(["run", f"{tmp_path / 'factory.py'}:workload", "--mesh", "dp=2,tp=2",
                      "--steps", "2", "--init-from", str(source), "--export-hf", str(out),
                      "--jsonl", str(log)]) == 0
-    assert "weights from the Hugging Face checkpoint" in capfd.readouterr().out
-    steps = [json.loads(line) for line in log.read_text().splitlines()
-             if "loss" in json.loads(line)]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["path"] for r in records if r.get("event") == "export_hf"] == [str(out)]
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     want = lm_loss(pretrained(source)(ids), ids).item()
     assert steps[0]["loss"] == pytest.approx(want, rel=1e-5)

@@ -14,7 +14,7 @@ import shardfx
 from shardfx.errors import InputError
 from shardfx.runtime.materialize import Initializer, _stream, on_meta
 from shardfx.runtime.measure import measured_peak
-from shardfx.testing import compare_training
+from shardfx.testing import adamw, compare_training
 
 from models import lm_loss, tiny, token_batches
 
@@ -169,13 +169,18 @@ def test_meta_models_train_like_one_device_on_every_mesh():
 
 
 def _init_peak() -> tuple[int, int, int, int]:
-    """On every rank: the peak of live storage while ``plan.runner()`` makes a meta Llama on
-    dp=4 ZeRO-3; what the runner then holds; the largest tensor; the whole model."""
+    """On every rank: the peak of live storage while ``plan.runner()`` and its first use make
+    a meta Llama on dp=4 ZeRO-3; what the runner then holds; the largest tensor; the whole model."""
     (x,), (y,) = token_batches(1)[0]
     model = on_meta_model("llama", layers=4)
     plan = shardfx.partition(model, (x,), lm_loss, (y,), mesh={"dp": 4}, zero=3)
     made = []
-    peak = measured_peak(lambda: made.append(plan.runner()))
+
+    def make():
+        made.append(plan.runner())
+        made[0].parameters()  # the weights are made on first use
+
+    peak = measured_peak(make)
     held = sum(t.untyped_storage().nbytes() for t in [*made[0]._params.values(),
                                                       *made[0]._buffers.values()])
     sizes = [t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]]
@@ -190,9 +195,10 @@ def test_a_rank_makes_its_shards_with_one_whole_tensor_at_a_time():
 
 
 def test_meta_model_error_names_an_uninitialisable_tensor_before_any_step():
+    """The weights are made on first use: the first step says which one cannot be."""
     x = torch.randn(2, 4)
     with torch.device("meta"):
         model = Scale()
-    plan = shardfx.partition(model, (x,), F.mse_loss, (x,))
+    runner = shardfx.partition(model, (x,), F.mse_loss, (x,)).runner(adamw)
     with pytest.raises(InputError, match="scale is on the meta device"):
-        plan.runner()
+        runner.step((x,), (x,))

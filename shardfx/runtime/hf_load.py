@@ -124,7 +124,7 @@ def load_hf(runner, path: str | os.PathLike) -> None:
     chosen = {fqn: next((made[n] for n in names if n in made), None)
               for fqn, names in wanted.items()}
     _check(ckpt, plan, chosen, unexpected, twice)
-    held, _ = runner.holdings()
+    held, _ = runner.holdings(made=False)  # tensors still to make are filled here instead
     with torch.no_grad():
         for fqn, source, regions in _plan_reads(plan, held, chosen):
             if source.converter is None:
@@ -136,6 +136,7 @@ def load_hf(runner, path: str | os.PathLike) -> None:
                 for view, region in regions:
                     view.copy_(whole[region] if region else whole)
                 del whole
+    runner._pending.clear()  # every tensor the state dict has was filled (``_check``)
 
 
 def _wanted(plan) -> dict[str, list[str]]:
@@ -155,13 +156,9 @@ def _plan_reads(plan, held: dict, chosen: dict) -> Iterator[tuple]:
         source = chosen.get(fqn)
         if source is None:  # not in the state dict: a buffer the runner computes
             continue
-        box = h.box(h.tensor, plan.state_shapes[fqn])
-        if box is None:
-            continue
-        pieces = box.pieces or ((box.offsets, box.local()),)
-        regions = [(view, tuple(slice(o, o + n) for o, n in zip(at, view.shape)))
-                   for at, view in pieces if view.numel()]
-        yield fqn, source, regions
+        regions = h.regions(plan.state_shapes[fqn])
+        if regions:
+            yield fqn, source, regions
 
 
 def _check(ckpt: Checkpoint, plan, chosen: dict, unexpected: list[str],

@@ -59,14 +59,17 @@ class Initializer:
                                  "in place, or None for the model's own initialisation")
         self.model, self.seed, self.init = model, init_seed, init
         self._order = list(_post_order(model))  # (name, module), children before parents
-        self._names = _names_of(model)  # id(tensor) -> every (module name, attribute) holding it
+        # each FQN -> every (module name, attribute) holding its tensor: kept by name, as the
+        # runner puts made tensors (tied ones still tied) where meta ones were
+        self._places = {_join(*place): places for places in _names_of(model).values()
+                        for place in places}
 
     def value(self, fqn: str) -> torch.Tensor:
         """The whole value of ``fqn`` (a parameter's or buffer's FQN, any of a tied tensor's
         names), a new CPU tensor of its dtype and shape; ``model`` is left as it was."""
         holder, attr = _split(self.model, fqn)
         tensor = _get(holder, attr)
-        places = self._names[id(tensor)]
+        places = self._places[fqn]
         real = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
         if real.is_floating_point() or real.is_complex():
             real.fill_(float("nan"))  # what no call writes stays NaN: checked below
@@ -135,6 +138,45 @@ def materialize(model: torch.nn.Module, init_seed: int = 0, init: InitFn | None 
     return model
 
 
+def made_later(model: torch.nn.Module, maker: Initializer, device: torch.device) -> set[str]:
+    """One device: each parameter of ``model`` on meta becomes an uninitialised one on
+    ``device`` (a tied one once, still tied), to be made by ``settle`` or filled by a load;
+    each buffer on meta is made now (they are small). Returns the parameters' FQNs."""
+    names = _names_of(model)
+    later = set()
+    for fqn, tensor in _tensors(model).items():
+        if not tensor.is_meta:
+            continue
+        if isinstance(tensor, torch.nn.Parameter):
+            made = torch.nn.Parameter(torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                  device=device),
+                                      requires_grad=tensor.requires_grad)
+            later.add(fqn)
+        else:
+            made = maker.value(fqn).to(device)
+        for module_name, name in names[id(tensor)]:
+            _put(model.get_submodule(module_name), name, made)
+    return later
+
+
+def settle(runner) -> None:
+    """Make the tensors ``runner`` holds but has not made yet (``runner._pending``, FQNs of a
+    meta model's parameters): each one's whole value, cut into the rectangles this rank holds
+    (``holdings``), one whole tensor at a time. A runner makes its weights on first use, so a
+    load that fills them (``load_hf``, ``load``, ``load_state_dict``) draws nothing."""
+    if not runner._pending:
+        return
+    held, _ = runner.holdings(made=False)
+    shapes = runner.plan.state_shapes
+    with torch.no_grad():
+        for fqn in sorted(runner._pending):
+            whole = runner._init.value(fqn)
+            for view, region in held[fqn].regions(shapes.get(fqn, tuple(whole.shape))):
+                view.copy_(whole[region] if region else whole)
+            del whole
+    runner._pending.clear()
+
+
 # --- where tensors sit ---------------------------------------------------------------------
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -157,6 +199,10 @@ def _names_of(model: torch.nn.Module) -> dict[int, list[tuple[str, str]]]:
                 if t is not None and (module_name, name) not in out.setdefault(id(t), []):
                     out[id(t)].append((module_name, name))
     return out
+
+
+def _join(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
 
 
 def _held(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:

@@ -67,7 +67,7 @@ from shardfx.runtime.buckets import ReplicaBuckets
 from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
 from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
-from shardfx.runtime.materialize import InitFn, Initializer
+from shardfx.runtime.materialize import InitFn, Initializer, settle
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
@@ -109,6 +109,7 @@ class PipelineRunner(PipelineState):
             keep_freed_memory()  # runtime.heap
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         self._init = Initializer(model, init_seed, init)  # a tensor on meta: its value
+        self._pending: set[str] = set()  # meta parameters not made yet (materialize.settle)
         reads = self.program.reads(self.rank).values()
         # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors
         self.params = {r.name: self._local(r.name, params[r.name]) for r in reads
@@ -158,18 +159,24 @@ class PipelineRunner(PipelineState):
         """This rank's tp shard of a parameter, or the model's own when the stage is whole
         and on this rank's device (else a copy there: the stage's weights alone move)."""
         placements = self.program.placements.get(fqn, ())
-        if self.tp is None or not any(isinstance(p, (Shard, _StridedShard)) for p in placements):
+        whole = self.tp is None or not any(isinstance(p, (Shard, _StridedShard))
+                                           for p in placements)
+        if param.is_meta:  # made on first use (materialize.settle), or filled by a load
+            self._pending.add(fqn)
+            shape = param.shape if whole else self.tp.local(param.detach(), placements).shape
+            return torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device=self.device),
+                                      requires_grad=param.requires_grad)
+        if whole:
             if param.device == self.device:
                 return param
-            local = self._whole(fqn, param)
+            local = param.detach()
         else:
-            local = self.tp.local(self._whole(fqn, param), placements)
+            local = self.tp.local(param.detach(), placements)
         return torch.nn.Parameter(local.to(self.device, copy=True),
                                   requires_grad=param.requires_grad)
 
     def _whole(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
-        """The model's tensor ``fqn``, or on meta its value made now (``runtime.materialize``:
-        only this stage's, one whole tensor at a time)."""
+        """The model's tensor ``fqn``, or on meta its value made now (``runtime.materialize``)."""
         return self._init.value(fqn) if t.is_meta else t.detach()
 
     def full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
@@ -187,6 +194,7 @@ class PipelineRunner(PipelineState):
         """One optimizer step over several global batches (``runtime.accumulate``): each runs
         the schedule; their gradients add up, each reduced over dp as the schedule ends."""
         batches = accumulated(batches)
+        settle(self)  # a meta model's weights, on first use
         trained = self.trained()
         for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
@@ -401,6 +409,7 @@ class PipelineRunner(PipelineState):
         """The model's output for the global batch ``args``, on every rank: each microbatch
         through the stages' forward programs (a training plan's forward-only program, cut
         where the training plan keeps each weight), the outputs joined along the batch."""
+        settle(self)
         flat = check_step_inputs(self.plan, args, (), inference=True)
         if self._forward is None:
             self._forward = self._compile_forward(flat[0].shape[0] // (self._dp_size * self.m))

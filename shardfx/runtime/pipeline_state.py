@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardfx.ir import meta as M
 from shardfx.runtime import hf_load, hf_save, saving
+from shardfx.runtime.materialize import settle
 from shardfx.runtime.optimizer_step import check_kept
 from shardfx.runtime.runner import load_state
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
@@ -25,6 +26,7 @@ class PipelineState:
     def parameters(self):
         """This rank's parameters (its tp shards; under ZeRO, its rows of those it owns), those
         its optimizer steps and the others it reads (a tied weight another rank owns)."""
+        settle(self)
         return self.trained().values()
 
     def trained(self) -> dict[str, torch.Tensor]:
@@ -53,6 +55,7 @@ class PipelineState:
     def whole(self, fqn: str) -> torch.Tensor:
         """The full tensor ``fqn`` on every rank: its stage's tp shards gathered, then sent by
         the rank that holds it (``state_dict``, one tensor)."""
+        settle(self)
         name = self.plan.canonical(fqn)
         model = self.plan.model
         shape = t = (dict(model.named_parameters()) | dict(model.named_buffers()))[name]
@@ -63,9 +66,11 @@ class PipelineState:
         mine = {name: self._whole(name, t)} if self._holder(name) == self.rank else {}
         return self._gather(mine, {name: shape})[name]
 
-    def holdings(self) -> tuple[dict, dict]:
+    def holdings(self, made: bool = True) -> tuple[dict, dict]:
         """What this rank holds, for a checkpoint (``Runner.holdings``): its stages' tensors (tp
         shards), and the parameters it owns as its optimizer steps them."""
+        if made:
+            settle(self)
         axes = self.tp.spec.axes if self.tp is not None else ()
         coord = self.tp.coord if self.tp is not None else {}
         model, stepped = {}, {}
@@ -97,6 +102,7 @@ class PipelineState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors on every rank, each sent by the rank that trains it. (The runner
         updates the model's own tensors in place, so a rank's copy of what it owns is current.)"""
+        settle(self)
         model = self.plan.model
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         tensors |= {fqn: self.full(fqn, p) for fqn, p in self.params.items()}
@@ -115,6 +121,7 @@ class PipelineState:
                 self.tp.local(t, placements)
 
         load_state(self.plan, state, {**self.params, **self.buffers}, local)
+        self._pending.clear()  # every tensor filled (load_state checks the names first)
 
     def _holder(self, fqn: str) -> int:
         """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or

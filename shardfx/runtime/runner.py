@@ -39,7 +39,7 @@ from shardfx.codegen.steps import Output
 from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
-from shardfx.runtime.materialize import InitFn, Initializer, materialize, on_meta
+from shardfx.runtime.materialize import InitFn, Initializer, made_later, on_meta, settle
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import hf_load, hf_save, saving
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
@@ -82,9 +82,10 @@ class Runner:
             self._shards.mesh.get_group("dp"), plan.zero_gather_programs)
         self._stepped: dict[str, torch.nn.Parameter] = {}  # ZeRO: the rows the optimizer steps
         self._init = Initializer(model, init_seed, init)  # a tensor on meta: its value
+        self._pending: set[str] = set()  # meta parameters not made yet (materialize.settle)
         if self._shards is None:
-            if on_meta(model):  # one device holds the whole model: made in place
-                materialize(model, init_seed, init, self.device)
+            if on_meta(model):  # one device holds the whole model: made in place, on first use
+                self._pending = made_later(model, self._init, self.device)
             if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
                 move(model, self.device)  # on CUDA the same Parameter objects
             self._params = dict(model.named_parameters())
@@ -94,7 +95,7 @@ class Runner:
             self._buffers = {name: self._whole(name, b).to(self.device)
                              for name, b in self._buffers.items()}
         self._constants: dict[fx.Node, torch.Tensor] = {}  # on this device, made once
-        self.optimizer = make_optimizer(optimizer, list(self.parameters()))
+        self.optimizer = make_optimizer(optimizer, list(self._trained().values()))
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
         self.loss_scaler = loss_scaler(plan.options.precision, loss_scaling)
@@ -121,6 +122,7 @@ class Runner:
         batch's forward and backward, their gradients averaged, then one optimizer step;
         returns the mean of their losses (module ``runtime.accumulate``)."""
         batches = accumulated(batches)
+        settle(self)  # a meta model's weights, on first use
         if self._in_backward and len(batches) > 1:
             raise InputError(
                 f"this plan steps the optimizer in the backward: it cannot accumulate "
@@ -190,6 +192,7 @@ class Runner:
 
     def forward(self, args: tuple) -> Any:
         """The model's output for ``args``, computed by the inference program."""
+        settle(self)
         flat = check_step_inputs(self.plan, args, (), inference=True)
         program, out_spec = self.plan.inference_program()
         outs = sorted((r.index, v) for r, v in self._run(program, flat)
@@ -271,12 +274,14 @@ class Runner:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own FQNs (tied weights under each of their names)."""
+        settle(self)
         tensors = {**self._params, **self._buffers}
         return {fqn: self._full(self.plan.canonical(fqn), tensors) for fqn in self.plan.state_names}
 
     def whole(self, fqn: str) -> torch.Tensor:
         """The full tensor ``fqn`` of the model's state dict, on every rank: one tensor's
         collectives (``save_hf`` writes a model one tensor at a time)."""
+        settle(self)
         return self._full(self.plan.canonical(fqn), {**self._params, **self._buffers})
 
     def _full(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -303,6 +308,7 @@ class Runner:
         tensors = {**self._params, **self._buffers}
         local = (lambda name, t: t) if self._shards is None else self._local
         load_state(self.plan, state, tensors, local)
+        self._pending.clear()  # every tensor filled (load_state checks the names first)
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full``: its tp shard, and under ZeRO-3 its rows of that."""
@@ -314,15 +320,20 @@ class Runner:
     def _hold(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         """What this rank keeps of the model's parameter ``p`` on its device: its tp shard, as
         a new ``nn.Parameter``; under ZeRO, its rows of it (``runtime.zero``)."""
-        local = self._shards.local(self._whole(name, p), self._placements.get(name, ()))
+        placements = self._placements.get(name, ())
+        if p.is_meta:  # made on first use (materialize.settle), or filled by a load
+            self._pending.add(name)
+            shape = self._shards.local(p.detach(), placements).shape
+            local = torch.empty(shape, dtype=p.dtype, device=self.device)
+        else:
+            local = self._shards.local(p.detach(), placements)
         if self._zero is not None and name in self._zero.layouts:  # it copies the rows it keeps
             read, self._stepped[name] = self._zero.hold(name, local.to(self.device))
             return read
         return torch.nn.Parameter(local.to(self.device, copy=True), requires_grad=p.requires_grad)
 
     def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The model's tensor ``name``, or on meta its value made now (``runtime.materialize``:
-        one whole tensor at a time, let go once this rank's part is cut)."""
+        """The model's buffer ``name``, or on meta its value made now (``runtime.materialize``)."""
         return self._init.value(name) if t.is_meta else t.detach()
 
     def _step_in_backward(self, names: tuple[str, ...], grads: tuple) -> None:
@@ -368,10 +379,13 @@ class Runner:
         on every rank, all or nothing."""
         return hf_save.save_hf(self, path, max_shard_bytes)
 
-    def holdings(self) -> tuple[dict, dict]:
+    def holdings(self, made: bool = True) -> tuple[dict, dict]:
         """What this rank holds, for a checkpoint: per FQN of a parameter or buffer, the tensor
         and where it sits in the whole one; per parameter the optimizer steps, that tensor and
-        where (``runtime.saving``)."""
+        where (``runtime.saving``). ``made=False``: as they are, a meta model's weights maybe
+        not made yet (to be filled)."""
+        if made:
+            settle(self)
         axes = self.plan.mesh.axes
         coord = self._shards.coord if self._shards is not None else {}
         zero = self._zero.layouts if self._zero is not None else {}
@@ -394,6 +408,7 @@ class Runner:
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         """What the optimizer steps: this rank's parameters (its tp shards; under ZeRO, its
         rows of them)."""
+        settle(self)
         return self._trained().values()
 
 

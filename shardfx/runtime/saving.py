@@ -74,6 +74,16 @@ class Held:
             return Box.of(values, shape, self.offsets)
         return Box.of(values, shape, self.offsets, (self.parts.dim, self._pieces(values)))
 
+    def regions(self, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, tuple[slice, ...]]]:
+        """(a view of ``tensor``, the region of the whole tensor of ``shape`` it holds) for
+        each rectangle this rank holds (none, one, or a strided split's parts)."""
+        box = self.box(self.tensor, shape)
+        if box is None:
+            return []
+        pieces = box.pieces or ((box.offsets, box.local()),)
+        return [(view, tuple(slice(o, o + n) for o, n in zip(at, view.shape)))
+                for at, view in pieces if view.numel()]
+
     def _pieces(self, values: torch.Tensor) -> list[tuple[int, int, tuple[int, ...]]]:
         """(start in ``values``, length, offsets in the whole tensor) along the strided dim,
         a rectangle per part ``values`` reaches (ZeRO's rows may start or end inside one)."""
