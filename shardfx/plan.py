@@ -62,7 +62,8 @@ class Plan(Compiled):
         optimizer step, as ``zero_grad(set_to_none=True)``; ``keep_grads=True`` keeps them in
         each parameter's ``.grad`` until the next step (and for ``runner.grads()``).
 
-        A model on the meta device (built under ``torch.device("meta")``) is made here: each
+        A model on the meta device (built under ``torch.device("meta")``) is made by the runner,
+        on first use (a load that fills it draws nothing): each
         rank only its own shards, one whole tensor at a time, by the model's own initialisation
         (Hugging Face's ``_init_weights``, else ``reset_parameters``) or ``init(module)``, each
         tensor from its own stream seeded by ``init_seed`` (``runtime.materialize``): every

@@ -202,3 +202,27 @@ def test_meta_model_error_names_an_uninitialisable_tensor_before_any_step():
     runner = shardfx.partition(model, (x,), F.mse_loss, (x,)).runner(adamw)
     with pytest.raises(InputError, match="scale is on the meta device"):
         runner.step((x,), (x,))
+
+
+def test_a_runner_that_loads_its_weights_draws_nothing(tmp_path, monkeypatch):
+    """Weights are made on first use: a checkpoint or state dict loaded first leaves nothing
+    to make, so a large model starts from its checkpoint without its random init."""
+    (x,), (y,) = token_batches(1)[0]
+    trained = shardfx.partition(tiny("llama"), (x,), lm_loss, (y,)).runner(adamw)
+    trained.step((x,), (y,))
+    trained.save(tmp_path / "ckpt")
+    want = trained.state_dict()
+
+    made = Initializer.value
+
+    def refuse(self, fqn):  # buffers (RoPE tables) are made with the runner: no parameter
+        if "rotary_emb" not in fqn:
+            raise AssertionError(f"{fqn} was drawn")
+        return made(self, fqn)
+
+    monkeypatch.setattr(Initializer, "value", refuse)
+    for load in (lambda r: r.load(tmp_path / "ckpt"), lambda r: r.load_state_dict(want)):
+        runner = shardfx.partition(on_meta_model("llama"), (x,), lm_loss, (y,)).runner(adamw)
+        load(runner)
+        got = runner.state_dict()
+        assert all(torch.equal(got[k], t) for k, t in want.items())

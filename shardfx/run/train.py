@@ -94,7 +94,7 @@ def preflight(config: RunConfig) -> None:
         _resume_meta(config)  # a checkpoint this run cannot continue is said before spawning
     if config.init_from:  # its files and headers, before any process starts
         try:
-            hf_load.Checkpoint(config.init_from)
+            hf_load.Checkpoint(config.init_from).close()
         except InputError as e:
             raise InputError(e.cause, where=f"--init-from {config.init_from}", fix=e.fix) from None
     job = load_job(config.spec)

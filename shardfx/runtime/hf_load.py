@@ -6,9 +6,9 @@
 A checkpoint directory holds ``model.safetensors``, or several files and
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Every rank reads, for
 each tensor it holds (``runner.holdings()``: its tp slice, its ZeRO rows, its pipeline stage's,
-its experts), only the rectangles of the checkpoint tensor that make it up, through
-safetensors' slices, so no rank reads or holds the whole model; it casts them to the model's
-dtype as it copies them in. Tensors that transformers converts as it loads (``hf_names``:
+its experts), only the rows of the checkpoint tensor that make it up (``safetensors_file``: one
+positional read per rectangle, into a buffer let go after the copy), so no rank reads or holds
+the whole model; it casts them to the model's dtype as it copies them in. Tensors that transformers converts as it loads (``hf_names``:
 Mixtral's per-expert weights into one fused tensor) are read whole, one group at a time,
 converted as ``from_pretrained`` converts them, and cut. A tied weight is read once, from
 whichever of its names the checkpoint has.
@@ -32,49 +32,44 @@ import torch
 
 from shardfx.errors import InputError
 from shardfx.runtime import hf_names
+from shardfx.runtime.safetensors_file import DTYPES, Damaged, SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class Checkpoint:
     """The tensors of a checkpoint directory, by name: their files, shapes and dtypes read from
-    the headers; the values read by slice, each file opened once."""
+    the headers (``safetensors_file``); the values read by row span, each file opened once."""
 
     def __init__(self, path: str | os.PathLike):
-        from safetensors import SafetensorError, safe_open
-
         self.path = Path(path)
         where = f"runner.load_hf({str(path)!r})"
         self.where = where
         files = self._files(where)
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, SafetensorsFile] = {}
         self.file: dict[str, Path] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}
         for file, names in files.items():
             try:
-                handle = self._open[file] = safe_open(str(file), "pt")
-            except (SafetensorError, OSError) as e:
+                handle = self._open[file] = SafetensorsFile(file)
+            except (Damaged, OSError) as e:
+                self.close()
                 raise InputError(f"{file.name} cannot be read as safetensors: {e}",
                                  where=where, fix="the file is cut short or damaged: copy or "
                                  "download it again") from None
-            present = set(handle.keys())
+            present = handle.tensors
             lost = [n for n in names if n not in present] if names is not None else []
             if lost:
+                self.close()
                 raise InputError(f"{INDEX} places {lost[0]} (and {len(lost) - 1} more) in "
                                  f"{file.name}, which does not hold it", where=where,
                                  fix="the index and the files are from different saves: "
                                      "copy the directory again")
             for name in (names if names is not None else sorted(present)):
-                piece = handle.get_slice(name)
                 self.file[name] = file
-                self.shape[name] = tuple(piece.get_shape())
-                self.dtype[name] = piece.get_dtype()
+                self.dtype[name], self.shape[name], _ = present[name]
 
     def _files(self, where: str) -> dict[Path, list[str] | None]:
         """File -> the names the index places in it (None: a single file, all it holds)."""
@@ -105,24 +100,39 @@ class Checkpoint:
                          fix="save with model.save_pretrained(path) (safetensors, the default)")
 
     def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor ``name``, or its ``region`` (a slice per dimension) alone. Only the
-        region's rows are read, as one span of the file: a region narrower than the tensor in
-        later dimensions (a tp slice of columns) is cut from them in memory, which is faster
-        than safetensors' read of a strided slice row by row."""
+        """The tensor ``name``, or its ``region`` (a slice per dimension): the region's rows,
+        read as one span of the file, then cut in later dimensions in memory (a tp slice of
+        columns)."""
         handle = self._open[self.file[name]]
-        if region is None or not region:
-            return handle.get_tensor(name)
-        rows = handle.get_slice(name)[region[0]]
+        if not region:
+            return handle.read(name)
+        rows = handle.read(name, region[0])
         rest = region[1:]
         if all(r == slice(0, n) for r, n in zip(rest, rows.shape[1:])):
             return rows
         return rows[(slice(None), *rest)]
+
+    def drop(self) -> None:
+        """Let go of the pages read so far (``SafetensorsFile.drop``)."""
+        for handle in self._open.values():
+            handle.drop()
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.close()
 
 
 def load_hf(runner, path: str | os.PathLike) -> None:
     """Fill ``runner``'s tensors from the Hugging Face checkpoint at ``path`` (every rank; the
     module docstring)."""
     ckpt = Checkpoint(path)
+    try:
+        _load(runner, ckpt)
+    finally:
+        ckpt.close()
+
+
+def _load(runner, ckpt: Checkpoint) -> None:
     plan = runner.plan
     model = plan.model
     made, unexpected, twice = hf_names.sources(model, list(ckpt.file))
@@ -137,12 +147,13 @@ def load_hf(runner, path: str | os.PathLike) -> None:
             if source.converter is None:
                 key = source.keys[0]
                 for view, region in regions:
-                    view.copy_(ckpt.read(key, region))
+                    view.copy_(ckpt.read(key, region))  # from the mapped file, cast
             else:
-                whole = source.realize(ckpt.read, model)[fqn]
+                whole = source.realize(lambda key: ckpt.read(key).clone(), model)[fqn]
                 for view, region in regions:
                     view.copy_(whole[region] if region else whole)
                 del whole
+            ckpt.drop()
     runner._pending.clear()  # every tensor the state dict has was filled (``_check``)
 
 
@@ -191,7 +202,7 @@ def _check(ckpt: Checkpoint, plan, chosen: dict, unexpected: list[str],
             continue
         want, dtype = plan.state_shapes[fqn], tensors[fqn].dtype
         for key in source.keys:
-            got = _DTYPES.get(ckpt.dtype[key])
+            got = DTYPES.get(ckpt.dtype[key])
             if got is None or not (got == dtype or got.is_floating_point and
                                    dtype.is_floating_point):
                 problems.append(f"{key} is {ckpt.dtype[key]}, which cannot become the "
@@ -214,7 +225,7 @@ def _converted_shape(ckpt: Checkpoint, source: hf_names.Source, model, fqn: str)
     """The shape transformers' conversion gives ``fqn`` from the checkpoint's shapes (run on
     meta: no values read), or the error it raised."""
     def empty(key: str) -> torch.Tensor:
-        return torch.empty(ckpt.shape[key], dtype=_DTYPES.get(ckpt.dtype[key], torch.float32),
+        return torch.empty(ckpt.shape[key], dtype=DTYPES.get(ckpt.dtype[key], torch.float32),
                            device="meta")
 
     try:

@@ -4,9 +4,12 @@
     runner = plan.runner(optimizer, init_seed=0)      # a meta model: each rank its shards only
 
 A runner planned from a model whose parameters (or buffers) are on meta makes only what its
-rank holds. For each such tensor it asks ``Initializer.value(fqn)`` for the whole tensor, on the
-CPU, cuts its shard (tp, ZeRO rows, a pipeline stage's, its experts) and lets the whole one go:
-a rank holds its shards plus one whole tensor at a time, never the model.
+rank holds. It allocates each such parameter's shard (tp, ZeRO rows, a pipeline stage's, its
+experts) uninitialised, and on first use (``settle``: a step, ``forward``, ``state_dict``,
+``parameters()``, a save) asks ``Initializer.value(fqn)`` for the whole tensor, on the CPU,
+copies in the rectangles it holds and lets the whole one go: a rank holds its shards plus one
+whole tensor at a time, never the model. A load that fills every tensor first (``load_hf``,
+``load``, ``load_state_dict``) leaves nothing to make. Buffers are made with the runner.
 
 The value of a tensor is what the model's own initialisation writes into it, applied as it
 applies it, to that tensor alone:

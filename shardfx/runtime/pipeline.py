@@ -121,7 +121,8 @@ class PipelineRunner(PipelineState):
                        if self.program.producer(M.OutputKind.GRAD, fqn) == self.rank}
         self.zero, self.stepped = self._zero_rows(plan), {}  # ZeRO-1/2 over dp
         for fqn in self.zero.layouts if self.zero is not None else ():
-            self.params[fqn], self.stepped[fqn] = self.zero.hold(fqn, self.params[fqn].detach())
+            self.params[fqn], self.stepped[fqn] = self.zero.hold(fqn, self.params[fqn].detach(),
+                                                                 fqn in self._pending)
         owned = [self.trained()[fqn] for fqn in sorted(self.owned)]
         self.optimizer = make_optimizer(optimizer, owned)
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:

@@ -328,9 +328,11 @@ class Runner:
         else:
             local = self._shards.local(p.detach(), placements)
         if self._zero is not None and name in self._zero.layouts:  # it copies the rows it keeps
-            read, self._stepped[name] = self._zero.hold(name, local.to(self.device))
+            read, self._stepped[name] = self._zero.hold(name, local.to(self.device), p.is_meta)
             return read
-        return torch.nn.Parameter(local.to(self.device, copy=True), requires_grad=p.requires_grad)
+        if not p.is_meta:  # a copy of its part, not a view of the model's tensor
+            local = local.to(self.device, copy=True)
+        return torch.nn.Parameter(local, requires_grad=p.requires_grad)
 
     def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The model's buffer ``name``, or on meta its value made now (``runtime.materialize``)."""

@@ -130,10 +130,11 @@ def zero_held(rows: torch.Tensor, z, index: int, tp_offsets: tuple[int, ...],
     return Held(rows, tuple(start[:len(tp_offsets)]), z.held_rows(index), tp_parts)
 
 
-def state(runner) -> dict[str, torch.Tensor]:
-    """This rank's checkpoint state: key -> Box or whole tensor."""
+def state(runner, made: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint state: key -> Box or whole tensor. ``made=False``: a meta model's
+    weights as they are, maybe not made yet (a load fills them)."""
     plan = runner.plan
-    model, stepped = runner.holdings()
+    model, stepped = runner.holdings(made=made)
     out: dict[str, torch.Tensor] = {}
     for fqn in plan.state_names:
         held = model.get(plan.canonical(fqn))
@@ -192,7 +193,8 @@ def load(runner, path) -> dict[str, Any]:
     _check_optimizer(opt, meta.get("optimizer"), path)
     if opt is not None:
         _make_state(runner)
-    meta = checkpoint.load(path, state(runner), strict_optim=opt is not None)
+    meta = checkpoint.load(path, state(runner, made=False), strict_optim=opt is not None)
+    runner._pending.clear()  # every model tensor was in it (checkpoint.check_keys)
     runner.step_count = meta["step"]  # a whole number >= 0 (checkpoint_files.META)
     runner.rng_seed = meta.get("seed", runner.rng_seed)
     if runner.loss_scaler is not None and meta.get("loss_scaler"):

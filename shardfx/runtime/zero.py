@@ -23,11 +23,14 @@ from shardfx.ir import meta as M
 from shardfx.runtime.released import released
 
 
-def padded(whole: torch.Tensor, z: M.ZeroShard) -> torch.Tensor:
+def padded(whole: torch.Tensor | None, z: M.ZeroShard, like: torch.Tensor) -> torch.Tensor:
     """``whole`` (a tp-local tensor of layout ``z``) in a new ``(dp * per_rank, ...)`` tensor,
-    padded with zero rows: rank i's rows are rows ``i * per_rank`` on."""
-    out = whole.new_zeros((z.dp * z.per_rank, *z.shape[1:]))
-    out[:z.rows].copy_(whole.reshape(z.rows, *z.shape[1:]))
+    padded with zero rows: rank i's rows are rows ``i * per_rank`` on. ``whole=None``: the
+    rows left unset, to be filled (a meta model's, ``runtime.materialize``)."""
+    out = torch.empty((z.dp * z.per_rank, *z.shape[1:]), dtype=like.dtype, device=like.device)
+    out[z.rows:].zero_()
+    if whole is not None:
+        out[:z.rows].copy_(whole.reshape(z.rows, *z.shape[1:]))
     return out
 
 
@@ -40,23 +43,28 @@ class ZeroRows:
         self._gather = gather or []
         self._padded: dict[str, torch.Tensor] = {}  # zero=1, 2: each parameter's dp rows
 
-    def rows(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``whole`` (a tp-local tensor), zero-padded: a new tensor."""
+    def rows(self, fqn: str, whole: torch.Tensor, unset: bool = False) -> torch.Tensor:
+        """This rank's rows of ``whole`` (a tp-local tensor), zero-padded: a new tensor.
+        ``unset``: the rows ``whole`` would give left unset (to be filled), the padding zero."""
         z = self.layouts[fqn]  # only this rank's rows are made, not the whole padded tensor
-        out = whole.new_zeros(z.shard_shape)
+        out = whole.new_empty(z.shard_shape)
         held, start = z.held_rows(self.index), self.index * z.per_rank
-        if held:
+        out[held:].zero_()
+        if held and not unset:
             out[:held].copy_(whole.reshape(z.rows, *z.shape[1:])[start:start + held])
         return out
 
-    def hold(self, fqn: str, whole: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Parameter]:
+    def hold(self, fqn: str, whole: torch.Tensor, unset: bool = False
+             ) -> tuple[torch.Tensor, torch.nn.Parameter]:
         """What the program reads and what the optimizer steps for a parameter whose tp-local
-        value is ``whole``: (whole, a view of its rows) under zero=1, 2; (rows, rows) under 3."""
+        value is ``whole``: (whole, a view of its rows) under zero=1, 2; (rows, rows) under 3.
+        ``unset``: ``whole`` has no values yet (a meta model's): only its shape and dtype count,
+        nothing is copied, and the tensors are filled later."""
         z = self.layouts[fqn]
         if self.stage == 3:
-            rows = torch.nn.Parameter(self.rows(fqn, whole))
+            rows = torch.nn.Parameter(self.rows(fqn, whole, unset))
             return rows, rows
-        buffer = self._padded[fqn] = padded(whole, z)
+        buffer = self._padded[fqn] = padded(None if unset else whole, z, whole)
         read = buffer[:z.rows].reshape(z.shape)
         mine = buffer[self.index * z.per_rank:(self.index + 1) * z.per_rank]
         return read, torch.nn.Parameter(mine)
