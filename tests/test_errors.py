@@ -122,14 +122,32 @@ def test_mesh_bigger_than_this_run():
     assert "nproc-per-node 2" in info.value.fix
 
 
+class HandFilled(torch.nn.Module):
+    """A parameter its constructor fills by hand: on meta, nothing can say what it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.gain = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
 def test_runner_on_meta_model():
+    """A meta model's runner makes its weights (``runtime.materialize``); one nothing can make
+    is named, with the fix, at the first step."""
     with torch.device("meta"):
         model = mlp()
-    plan = shardfx.partition(model, (X.to("meta"),), F.mse_loss, (Y.to("meta"),))
+    runner = shardfx.partition(model, (X.to("meta"),), F.mse_loss, (Y.to("meta"),)).runner()
+    runner.forward((X,))  # reset_parameters made every Linear
+    with torch.device("meta"):
+        model = HandFilled()
+    runner = shardfx.partition(model, (X,), F.mse_loss, (Y,)).runner()
     with pytest.raises(InputError) as info:
-        plan.runner()
-    assert_explained(info.value, cause=("0.weight", "meta device"), where="0.weight")
-    assert "to_empty" in info.value.fix
+        runner.step((X,), (Y,))
+    assert_explained(info.value, cause=("gain", "meta device", "unset"), where="gain")
+    assert "init=" in info.value.fix
 
 
 def test_step_on_inference_plan():
