@@ -154,7 +154,7 @@ def _load(runner, ckpt: Checkpoint) -> None:
                     view.copy_(whole[region] if region else whole)
                 del whole
             ckpt.drop()
-    runner._pending.clear()  # every tensor the state dict has was filled (``_check``)
+    runner.unmade.filled()  # every tensor the state dict has was filled (``_check``)
 
 
 def _wanted(plan) -> dict[str, list[str]]:

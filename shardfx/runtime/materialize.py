@@ -162,22 +162,37 @@ def made_later(model: torch.nn.Module, maker: Initializer, device: torch.device)
     return later
 
 
+class Unmade:
+    """A runner's meta parameters it holds but has not made yet (``names``), and how to make
+    them (``initializer``). A runner makes its weights on first use (``settle``), so a load
+    that fills every tensor first (``load_hf``, ``load``, ``load_state_dict``: ``filled``)
+    draws nothing."""
+
+    def __init__(self, initializer: Initializer):
+        self.initializer = initializer
+        self.names: set[str] = set()
+
+    def filled(self) -> None:
+        """Every tensor the runner holds was filled by a load: nothing is left to make."""
+        self.names.clear()
+
+
 def settle(runner) -> None:
-    """Make the tensors ``runner`` holds but has not made yet (``runner._pending``, FQNs of a
-    meta model's parameters): each one's whole value, cut into the rectangles this rank holds
-    (``holdings``), one whole tensor at a time. A runner makes its weights on first use, so a
-    load that fills them (``load_hf``, ``load``, ``load_state_dict``) draws nothing."""
-    if not runner._pending:
+    """Make the tensors ``runner`` holds but has not made yet (``runner.unmade``): each one's
+    whole value, cut into the rectangles this rank holds (``holdings``), one whole tensor at
+    a time."""
+    unmade = runner.unmade
+    if not unmade.names:
         return
     held, _ = runner.holdings(made=False)
     shapes = runner.plan.state_shapes
     with torch.no_grad():
-        for fqn in sorted(runner._pending):
-            whole = runner._init.value(fqn)
+        for fqn in sorted(unmade.names):
+            whole = unmade.initializer.value(fqn)
             for view, region in held[fqn].regions(shapes.get(fqn, tuple(whole.shape))):
                 view.copy_(whole[region] if region else whole)
             del whole
-    runner._pending.clear()
+    unmade.filled()
 
 
 # --- where tensors sit ---------------------------------------------------------------------

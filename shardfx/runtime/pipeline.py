@@ -67,7 +67,7 @@ from shardfx.runtime.buckets import ReplicaBuckets
 from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer, same_plan
 from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
-from shardfx.runtime.materialize import InitFn, Initializer, settle
+from shardfx.runtime.materialize import InitFn, Initializer, Unmade, settle
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
@@ -108,8 +108,8 @@ class PipelineRunner(PipelineState):
         if self.device.type == "cpu":
             keep_freed_memory()  # runtime.heap
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        self._init = Initializer(model, init_seed, init)  # a tensor on meta: its value
-        self._pending: set[str] = set()  # meta parameters not made yet (materialize.settle)
+        # a meta model's parameters this rank has not made yet, and how (materialize.settle)
+        self.unmade = Unmade(Initializer(model, init_seed, init))
         reads = self.program.reads(self.rank).values()
         # this rank's weights, by FQN, on its device: its tp shards, or the model's own tensors
         self.params = {r.name: self._local(r.name, params[r.name]) for r in reads
@@ -122,7 +122,7 @@ class PipelineRunner(PipelineState):
         self.zero, self.stepped = self._zero_rows(plan), {}  # ZeRO-1/2 over dp
         for fqn in self.zero.layouts if self.zero is not None else ():
             self.params[fqn], self.stepped[fqn] = self.zero.hold(fqn, self.params[fqn].detach(),
-                                                                 fqn in self._pending)
+                                                                 fqn in self.unmade.names)
         owned = [self.trained()[fqn] for fqn in sorted(self.owned)]
         self.optimizer = make_optimizer(optimizer, owned)
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
@@ -163,7 +163,7 @@ class PipelineRunner(PipelineState):
         whole = self.tp is None or not any(isinstance(p, (Shard, _StridedShard))
                                            for p in placements)
         if param.is_meta:  # made on first use (materialize.settle), or filled by a load
-            self._pending.add(fqn)
+            self.unmade.names.add(fqn)
             shape = param.shape if whole else self.tp.local(param.detach(), placements).shape
             return torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device=self.device),
                                       requires_grad=param.requires_grad)
@@ -178,7 +178,7 @@ class PipelineRunner(PipelineState):
 
     def _whole(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
         """The model's tensor ``fqn``, or on meta its value made now (``runtime.materialize``)."""
-        return self._init.value(fqn) if t.is_meta else t.detach()
+        return self.unmade.initializer.value(fqn) if t.is_meta else t.detach()
 
     def full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from this stage's tp shards (a collective over the tp group)."""

@@ -121,7 +121,7 @@ class PipelineState:
                 self.tp.local(t, placements)
 
         load_state(self.plan, state, {**self.params, **self.buffers}, local)
-        self._pending.clear()  # every tensor filled (load_state checks the names first)
+        self.unmade.filled()  # every tensor filled (load_state checks the names first)
 
     def _holder(self, fqn: str) -> int:
         """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or

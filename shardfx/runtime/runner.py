@@ -39,7 +39,8 @@ from shardfx.codegen.steps import Output
 from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
 from shardfx.runtime.lowered import runnable
-from shardfx.runtime.materialize import InitFn, Initializer, made_later, on_meta, settle
+from shardfx.runtime.materialize import (InitFn, Initializer, Unmade, made_later, on_meta,
+                                         settle)
 from shardfx.runtime.shards import Shards
 from shardfx.runtime import hf_load, hf_save, saving
 from shardfx.runtime.saving import Held, offsets, parts, zero_held
@@ -81,11 +82,11 @@ class Runner:
             plan.zero_layouts, plan.options.zero, self._shards.coord["dp"],
             self._shards.mesh.get_group("dp"), plan.zero_gather_programs)
         self._stepped: dict[str, torch.nn.Parameter] = {}  # ZeRO: the rows the optimizer steps
-        self._init = Initializer(model, init_seed, init)  # a tensor on meta: its value
-        self._pending: set[str] = set()  # meta parameters not made yet (materialize.settle)
+        # a meta model's parameters this rank has not made yet, and how (materialize.settle)
+        self.unmade = Unmade(Initializer(model, init_seed, init))
         if self._shards is None:
             if on_meta(model):  # one device holds the whole model: made in place, on first use
-                self._pending = made_later(model, self._init, self.device)
+                self.unmade.names = made_later(model, self.unmade.initializer, self.device)
             if any(t.device != self.device for t in [*model.parameters(), *model.buffers()]):
                 move(model, self.device)  # on CUDA the same Parameter objects
             self._params = dict(model.named_parameters())
@@ -308,7 +309,7 @@ class Runner:
         tensors = {**self._params, **self._buffers}
         local = (lambda name, t: t) if self._shards is None else self._local
         load_state(self.plan, state, tensors, local)
-        self._pending.clear()  # every tensor filled (load_state checks the names first)
+        self.unmade.filled()  # every tensor filled (load_state checks the names first)
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full``: its tp shard, and under ZeRO-3 its rows of that."""
@@ -322,7 +323,7 @@ class Runner:
         a new ``nn.Parameter``; under ZeRO, its rows of it (``runtime.zero``)."""
         placements = self._placements.get(name, ())
         if p.is_meta:  # made on first use (materialize.settle), or filled by a load
-            self._pending.add(name)
+            self.unmade.names.add(name)
             shape = self._shards.local(p.detach(), placements).shape
             local = torch.empty(shape, dtype=p.dtype, device=self.device)
         else:
@@ -336,7 +337,7 @@ class Runner:
 
     def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The model's buffer ``name``, or on meta its value made now (``runtime.materialize``)."""
-        return self._init.value(name) if t.is_meta else t.detach()
+        return self.unmade.initializer.value(name) if t.is_meta else t.detach()
 
     def _step_in_backward(self, names: tuple[str, ...], grads: tuple) -> None:
         """The program's ``step_parameters`` (``codegen.step_in_backward``): the optimizer

@@ -194,7 +194,7 @@ def load(runner, path) -> dict[str, Any]:
     if opt is not None:
         _make_state(runner)
     meta = checkpoint.load(path, state(runner, made=False), strict_optim=opt is not None)
-    runner._pending.clear()  # every model tensor was in it (checkpoint.check_keys)
+    runner.unmade.filled()  # every model tensor was in it (checkpoint.check_keys)
     runner.step_count = meta["step"]  # a whole number >= 0 (checkpoint_files.META)
     runner.rng_seed = meta.get("seed", runner.rng_seed)
     if runner.loss_scaler is not None and meta.get("loss_scaler"):
