@@ -107,3 +107,15 @@ def example(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class HandFilled(torch.nn.Module):
+    """A parameter its constructor fills by hand: on meta, nothing can say what it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import shardfx
 from shardfx.errors import CaptureError, InputError, LossError, MeshError, ShardfxError
 
+from models import HandFilled
+
 
 def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -122,18 +124,6 @@ def test_mesh_bigger_than_this_run():
     assert "nproc-per-node 2" in info.value.fix
 
 
-class HandFilled(torch.nn.Module):
-    """A parameter its constructor fills by hand: on meta, nothing can say what it was."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.gain = torch.nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return self.lin(x) * self.gain
-
-
 def test_runner_on_meta_model():
     """A meta model's runner makes its weights (``runtime.materialize``); one nothing can make
     is named, with the fix, at the first step."""
@@ -146,7 +136,7 @@ def test_runner_on_meta_model():
     runner = shardfx.partition(model, (X,), F.mse_loss, (Y,)).runner()
     with pytest.raises(InputError) as info:
         runner.step((X,), (Y,))
-    assert_explained(info.value, cause=("gain", "meta device", "unset"), where="gain")
+    assert_explained(info.value, cause=("scale", "meta device", "unset"), where="scale")
     assert "init=" in info.value.fix
 
 

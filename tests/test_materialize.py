@@ -16,7 +16,7 @@ from shardfx.runtime.materialize import Initializer, _stream, on_meta
 from shardfx.runtime.measure import measured_peak
 from shardfx.testing import adamw, compare_training
 
-from models import lm_loss, tiny, token_batches
+from models import HandFilled as Scale, lm_loss, tiny, token_batches
 
 
 def on_meta_model(name: str, layers: int = 2) -> torch.nn.Module:
@@ -56,7 +56,8 @@ def test_a_tensor_gets_the_same_values_whatever_else_is_made():
     whole = shardfx.materialize(on_meta_model("mixtral"), init_seed=5).state_dict()
     model = on_meta_model("mixtral")
     maker = Initializer(model, init_seed=5)
-    gate_up, down = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
+    experts = "model.layers.0.mlp.experts"
+    gate_up, down = f"{experts}.gate_up_proj", f"{experts}.down_proj"
     assert torch.equal(maker.value(down), whole[down])  # alone: its sibling stays on meta
     model.model.layers[0].mlp.experts.gate_up_proj = torch.nn.Parameter(torch.full_like(
         whole[gate_up], 7.0, device="cpu"))  # the sibling made by hand: kept, not drawn for
@@ -79,18 +80,6 @@ def test_torch_layers_use_their_reset_parameters():
                  seed=2)
     assert torch.equal(model[0].weight, want)
     assert torch.equal(model[1].weight, torch.ones(5))
-
-
-class Scale(torch.nn.Module):
-    """A parameter its constructor fills by hand: nothing can say what it was."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.scale = torch.nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return self.lin(x) * self.scale
 
 
 def test_a_tensor_nothing_initialises_is_an_error_naming_it():

@@ -6,11 +6,11 @@
 A checkpoint directory holds ``model.safetensors``, or several files and
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Every rank reads, for
 each tensor it holds (``runner.holdings()``: its tp slice, its ZeRO rows, its pipeline stage's,
-its experts), only the rows of the checkpoint tensor that make it up (``safetensors_file``: one
-positional read per rectangle, into a buffer let go after the copy), so no rank reads or holds
-the whole model; it casts them to the model's dtype as it copies them in. Tensors that transformers converts as it loads (``hf_names``:
-Mixtral's per-expert weights into one fused tensor) are read whole, one group at a time,
-converted as ``from_pretrained`` converts them, and cut. A tied weight is read once, from
+its experts), only the rows of the checkpoint tensor that make it up (``safetensors_file``: a
+view of its map of the file, its pages dropped after the copy), so no rank reads or holds the
+whole model; it casts them to the model's dtype as it copies them in. Tensors transformers
+converts as it loads (``hf_names``: Mixtral's per-expert weights into one fused tensor) are
+read whole, one group at a time, converted as ``from_pretrained`` converts them, and cut. A tied weight is read once, from
 whichever of its names the checkpoint has.
 
 Before anything is copied, the whole checkpoint is checked against the model from the files'

@@ -11,7 +11,7 @@ itself (``conversion_mapping``, ``core_model_loading``), so shardfx converts wha
 
     Source(keys=("model.layers.0.self_attn.q_proj.weight",), converter=None)   # read as it is
     Source(keys=(...w1.weight for each expert, ...w3.weight ...), converter=WeightConverter(...),
-           targets=("model.layers.0.mlp.experts.gate_up_proj",))               # read, then converted
+           targets=("model.layers.0.mlp.experts.gate_up_proj",))   # read, then converted
 """
 
 from __future__ import annotations
