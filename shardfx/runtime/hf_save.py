@@ -35,11 +35,11 @@ import torch.distributed as dist
 
 from shardfx.errors import InputError
 from shardfx.runtime import hf_names
+from shardfx.runtime.hf_load import INDEX, SINGLE
 from shardfx.runtime.checkpoint import _fsync_dir, _install
 from shardfx.runtime.launch import rank, world_size
 
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
-INDEX = "model.safetensors.index.json"
 
 
 def layout(model: torch.nn.Module, names: list[str], max_bytes: int
@@ -63,7 +63,7 @@ def layout(model: torch.nn.Module, names: list[str], max_bytes: int
 
 
 def file_names(n: int) -> list[str]:
-    return ["model.safetensors"] if n == 1 else \
+    return [SINGLE] if n == 1 else \
         [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
@@ -153,7 +153,7 @@ def _refusal(final: Path) -> str | None:
     checkpoint), or None."""
     if not final.exists():
         return None
-    if final.is_dir() and (not any(final.iterdir()) or (final / "model.safetensors").exists()
+    if final.is_dir() and (not any(final.iterdir()) or (final / SINGLE).exists()
                            or (final / INDEX).exists()):
         return None
     return f"{final} exists and is not a Hugging Face checkpoint: a save will not replace it"
