@@ -26,7 +26,13 @@ is wall, barrier to barrier, and the process CPU time, max over ranks (2 cores f
 read CPU). Planning is not timed. Rounds alternate the distributed contestants; the checkpoint
 is read from the page cache after the first round.
 
+A second table makes the same model from a seed instead (``plan.runner(init_seed=0)`` on the
+meta model, the model's own ``_init_weights``): each rank makes one whole tensor at a time and
+keeps its part, so its peak is bounded by its part plus the largest tensor; against the whole
+model made in one process (``LlamaForCausalLM(config)`` in fp32, today's path before cutting).
+
     PYTHONPATH=. python -m bench.hf_load [--runs 3] [--layers 22] [--dir DIR] [--no-append]
+                                         [--no-init]
 """
 
 from __future__ import annotations
@@ -98,7 +104,8 @@ def _timed(load) -> tuple[float, float, int, object]:
     return wall, cpu, rss()[1] - base, out
 
 
-def _shardfx(path: str, layers: int, mesh: dict, kw: dict) -> dict:
+def _meta_plan(layers: int, mesh: dict, kw: dict):
+    """(a meta Llama of ``layers`` layers, its plan on ``mesh``)."""
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(1)
@@ -107,12 +114,22 @@ def _shardfx(path: str, layers: int, mesh: dict, kw: dict) -> dict:
     ids = torch.zeros(N, 16, dtype=torch.long)
     loss = lambda out, t: torch.nn.functional.cross_entropy(  # noqa: E731
         out.logits.flatten(0, 1), t.flatten())
-    plan = shardfx.partition(model, (ids,), loss, (ids,), mesh=mesh, **kw)
+    return model, shardfx.partition(model, (ids,), loss, (ids,), mesh=mesh, **kw)
+
+
+def _shardfx(path: str | None, layers: int, mesh: dict, kw: dict) -> dict:
+    """Each rank's part filled from ``path`` (``load_hf``), or, with no path, made from seed 0
+    by the model's own ``_init_weights`` (``plan.runner(init_seed=0)``, made on first use:
+    ``runner.whole`` of one tensor makes them all)."""
+    model, plan = _meta_plan(layers, mesh, kw)
     held = {}
 
     def load():
-        runner = plan.runner()
-        runner.load_hf(path)
+        runner = plan.runner(init_seed=0)
+        if path is None:
+            runner.whole("model.norm.weight")
+        else:
+            runner.load_hf(path)
         held["bytes"] = sum(h.tensor.untyped_storage().nbytes()
                             for h in runner.holdings()[0].values())
         return runner
@@ -156,6 +173,22 @@ def _dcp(path: str, layers: int) -> dict:
     return dict(wall=wall, cpu=cpu, peak=peak, held=held, largest=largest, check=0.0)
 
 
+def whole_init(layers: int) -> dict:
+    """today's path for a model from a seed, in this process: the whole model made in fp32."""
+    from transformers import LlamaForCausalLM
+
+    base = reset_peak()
+    wall, cpu = time.perf_counter(), time.process_time()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config(layers))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    held = sum(p.numel() * 4 for p in model.parameters())
+    out = dict(wall=wall, cpu=cpu, peak=rss()[1] - base, held=held,
+               largest=max(p.numel() * 4 for p in model.parameters()))
+    del model
+    return out
+
+
 def whole_model(path: Path) -> dict:
     """today's path, in this process: the whole model from_pretrained, in fp32."""
     from transformers import AutoModelForCausalLM
@@ -177,6 +210,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--dir", default="/tmp/shardfx-bench-hf")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-init", action="store_true", help="skip the init-from-seed table")
     a = parser.parse_args()
     path = Path(a.dir) / f"llama-{a.layers}"
     start = time.perf_counter()
@@ -202,6 +236,8 @@ def main() -> None:
     whole = whole_model(path)
     print(f"whole model: {whole}", flush=True)
     table = _table(runs, whole)
+    if not a.no_init:
+        table += "\n\n" + _init_table(a.runs, a.layers)
     load = os.getloadavg()
     where = (f"{machine()}; {count(params)} parameters ({_gb(params * 2)} bf16 on disk, "
              f"{_gb(params * 4)} in fp32), {a.runs} rounds, checkpoint made in {made:.0f} s; "
@@ -210,6 +246,37 @@ def main() -> None:
     print(table)
     if not a.no_append:
         append_results("hf_load", table, where)
+
+
+def _init_table(rounds: int, layers: int) -> str:
+    """The same model made from a seed on meta, each rank making only its part (one whole
+    tensor at a time: the bound is its part + the largest tensor), against the whole model
+    made in one process."""
+    meshes = {"dp=4 ZeRO-3": ({"dp": N}, {"zero": 3}),
+              "dp=2 x tp=2": ({"dp": 2, "tp": 2}, {"shard": "megatron"})}
+    runs: dict[str, list[dict]] = {name: [] for name in meshes}
+    for i in range(rounds):
+        for name in (meshes if i % 2 == 0 else reversed(meshes)):
+            mesh, kw = meshes[name]
+            ranks = shardfx.launch(_shardfx, None, layers, mesh, kw, nprocs=N, timeout=900)
+            runs[name].append({k: max(r[k] for r in ranks) for k in ranks[0]})
+            print(f"init round {i + 1} {name}: {runs[name][-1]}", flush=True)
+    whole = whole_init(layers)
+    print(f"whole model made: {whole}", flush=True)
+    lines = ["| made from seed 0 (meta model) | peak RSS per rank (max) | held after | held + "
+             "largest | peak / (held + largest) | wall min / median | CPU median (max rank) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, rows in runs.items():
+        peak, held, largest = max(r["peak"] for r in rows), rows[0]["held"], rows[0]["largest"]
+        walls = [r["wall"] for r in rows]
+        lines.append(f"| shardfx {name}, `plan.runner(init_seed=0)` | {_gb(peak)} | {_gb(held)} "
+                     f"| {_gb(held + largest)} | {peak / (held + largest):.2f}x | "
+                     f"{min(walls):.2f} / {statistics.median(walls):.2f} s | "
+                     f"{statistics.median(r['cpu'] for r in rows):.2f} s |")
+    lines.append(f"| whole model made in one process (`LlamaForCausalLM(config)`, fp32) | "
+                 f"{_gb(whole['peak'])} | {_gb(whole['held'])} | - | - | {whole['wall']:.2f} s | "
+                 f"{whole['cpu']:.2f} s |")
+    return "\n".join(lines)
 
 
 def _shapes(path: Path) -> dict:
