@@ -13,7 +13,7 @@ import torch
 
 from shardfx.cost.device_model import DeviceModel
 from shardfx.cost.device_model import device_model as choose_device_model
-from shardfx.errors import InputError, PipelineError
+from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.codegen.step_in_backward import check as check_optimizer_in_backward
 from shardfx.cost.optimizer import optimizer_model
 from shardfx.mesh import MeshSpec
@@ -95,9 +95,12 @@ def _zero(zero: object, spec: MeshSpec) -> int | str:
                              "dp; 2: and the gradients; 3: and the parameters; \"auto\": the "
                              "cheapest stage that fits the memory")
     if zero and spec.axis("dp") == 1:
-        raise InputError(f"zero={zero} shards over the dp axis, and the mesh has none",
-                         where=where, fix="add a dp axis to the mesh (mesh={'dp': 2, ...}), "
-                                          "or drop zero")
+        replicas = spec.axis("dp_replicate") > 1
+        raise InputError(f"zero={zero} shards over the dp axis, and the mesh has none"
+                         + (" (dp_replicate only holds replicas of a dp group)" if replicas else ""),
+                         where=where, fix="add a dp axis to the mesh (mesh={'dp': 2, ...}"
+                         + (": HSDP is {'dp_replicate': R, 'dp': D}" if replicas else "")
+                         + "), or drop zero")
     if zero == 3 and spec.axis("pp") > 1:
         raise InputError("zero=3 inside a pipeline is not supported: each stage would gather "
                          "its parameters once per microbatch", where=where,
@@ -162,6 +165,13 @@ def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stag
             raise PipelineError(f"{name} must be a positive int, got {value!r}",
                                 where=f"partition(..., {name}=...)",
                                 fix=f"e.g. {name}=2, or leave it out")
+    if spec.axis("pp") > 1 and spec.axis("dp_replicate") > 1:
+        raise PipelineError(
+            "HSDP (a dp_replicate axis) with a pipeline is not supported: the pipeline runner "
+            "reduces its stages' gradients over dp only",
+            where=f"partition(..., mesh={{{', '.join(f'{a!r}: {n}' for a, n in spec.axes)}}})",
+            fix=f"fold the replicas into dp (dp={spec.axis('dp_replicate') * spec.axis('dp')}, "
+                "with zero=1 or zero=2), or drop pp")
     if microbatches > 1 and spec.axis("pp") == 1:
         raise PipelineError(
             f"microbatches={microbatches} without a pp axis: only a pipeline runs the batch in "
@@ -244,13 +254,37 @@ def partition(
                      options)
 
 
+def _folded(args: tuple, spec: MeshSpec, options: Options, error: MemoryBudgetError):
+    """Under ``zero="auto"`` on an HSDP mesh, which axis shards is the plan's too: the replicas
+    are kept (ZeRO within dp, 1/dp of the gradients all-reduced across them: the least
+    traffic on the outer link) unless no stage within dp fits ``memory_budget``; then the plan
+    for the same ranks with the replicas folded into dp (ZeRO over all of them), if that fits.
+    Else ``error``, the HSDP plan's, with what folding would not fit either."""
+    if options.zero != "auto" or spec.axis("dp_replicate") == 1:
+        raise error
+    folded = spec.folded()
+    try:
+        return compile_model(*args, folded, dataclasses.replace(options, mesh=folded,
+                                                                folded_from=spec))
+    except MemoryBudgetError as e:
+        least = getattr(e, "least", None)
+        lowest = f"its lowest peak is {least.total} bytes" if least is not None else e.cause
+        raise MemoryBudgetError(error.cause, where=error.where,
+                                fix=f"{error.fix}; with the replicas folded into dp (mesh "
+                                    f"{folded}) {lowest}, over the budget too") from None
+
+
 if partition.__doc__:  # None under python -OO
     partition.__doc__ = partition.__doc__.rstrip(" ") + option_docs.render()
 
 def _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec: MeshSpec,
           options: Options) -> Plan:
-    plan = Plan(model, example_args, compile_model(model, example_args, loss_fn, example_targets,
-                                                   mb_args, mb_targets, spec, options))
+    args = (model, example_args, loss_fn, example_targets, mb_args, mb_targets)
+    try:
+        compiled = compile_model(*args, spec, options)
+    except MemoryBudgetError as e:
+        compiled = _folded(args, spec, options, e)
+    plan = Plan(model, example_args, compiled)
     if dump := os.environ.get("SHARDFX_DUMP"):
         plan.dump(dump)
     return plan

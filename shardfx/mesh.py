@@ -1,4 +1,12 @@
-"""The device mesh a user asks for: named axes and their sizes."""
+"""The device mesh a user asks for: named axes and their sizes.
+
+``dp`` splits the batch over replicas of the model; ZeRO (``partition(..., zero=k)``) shards
+their training state over it. ``dp_replicate`` splits the batch too, over replicas of a whole
+dp group: HSDP, with ZeRO sharding within each dp group and the groups holding the same shards,
+their gradients' rows all-reduced across groups. Outermost in the mesh, it spans nodes while
+each dp group stays inside fewer of them: ``{"dp_replicate": 2, "dp": 8}`` on two nodes of 8
+GPUs shards within a node and all-reduces 1/8 of the gradients across the network.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,15 @@ from dataclasses import dataclass
 
 from shardfx.errors import MeshError
 
-AXES = ("dp", "pp", "cp", "tp", "ep")
+AXES = ("dp_replicate", "dp", "pp", "cp", "tp", "ep")
+DATA_AXES = ("dp_replicate", "dp")  # the batch is split over both; ZeRO shards over dp only
 STAGE_AXES = ("cp", "tp", "ep")  # a pipeline stage's program is split over these
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Axis sizes in the canonical order dp, pp, cp, tp, ep; axes of size 1 are kept as given."""
+    """Axis sizes in the canonical order dp_replicate, dp, pp, cp, tp, ep; axes of size 1 are
+    kept as given."""
 
     axes: tuple[tuple[str, int], ...] = ()
 
@@ -25,6 +35,15 @@ class MeshSpec:
         """What each pipeline stage is sharded over (dp is the pipeline runner's: replicas of
         the whole pipeline)."""
         return self.only(*STAGE_AXES)
+
+    def folded(self) -> "MeshSpec":
+        """The mesh with HSDP's replicas folded into dp: ``dp_replicate=R, dp=D`` as ``dp=R*D``,
+        the same ranks in the same places (dp_replicate is the outer of the two, rank-major) and
+        the same batch split, with ZeRO sharding over all of them."""
+        n = self.axis("dp_replicate") * self.axis("dp")
+        return MeshSpec(tuple(("dp", n) if a == "dp" else (a, k) for a, k in
+                              (self.axes if "dp" in dict(self.axes) else (("dp", 1), *self.axes))
+                              if a != "dp_replicate"))
 
     def axis(self, name: str) -> int:
         """The size of axis ``name`` (1 when the mesh does not have it)."""

@@ -23,6 +23,7 @@ from shardfx.codegen.bucketing import BUCKET_BYTES
 from shardfx.cost.device_model import DeviceModel, node_work
 from shardfx.ir import meta as M
 from shardfx.ir.graph import operands
+from shardfx.mesh import DATA_AXES
 from shardfx.cost.node import is_view
 
 
@@ -125,15 +126,15 @@ def redistribute_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> floa
 
 
 def reduced_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> float:
-    """Seconds to take a gradient from ``src`` to its parameter's placements ``dst``. Over dp,
-    none here: the ZeRO stage prices a parameter's gradient traffic (``auto.zero_stage``). A
+    """Seconds to take a gradient from ``src`` to its parameter's placements ``dst``. Over dp
+    (and HSDP's dp_replicate), none here: the ZeRO stage prices a parameter's gradient traffic (``auto.zero_stage``). A
     partial sum on another axis is all-reduced in DDP's buckets (``codegen.bucketing``): its
     bytes, and the latency of the buckets past the first shared by the bytes in them (the
     first's is ``bucket_latency``, once). Any other move is ``redistribute_seconds``'s."""
     if src is None or dst is None or src == dst or not isinstance(val, torch.Tensor):
         return 0.0
     names, sizes = [a for a, _ in axes], [n for _, n in axes]
-    src = tuple(b if a == "dp" else p for a, p, b in zip(names, src, dst))
+    src = tuple(b if a in DATA_AXES else p for a, p, b in zip(names, src, dst))
     reduced = bucketed_axes(src, dst, axes)
     rest = tuple(src[i] if i in reduced else b for i, b in enumerate(dst))
     total = redistribute_seconds(src, rest, val, axes, model)
@@ -147,12 +148,13 @@ def reduced_seconds(src, dst, val, axes: tuple, model: DeviceModel) -> float:
 
 
 def bucketed_axes(src, dst, axes: tuple) -> list[int]:
-    """The axes (not dp) on which a gradient placed ``src`` is all-reduced to reach its
+    """The axes (not dp, not dp_replicate) on which a gradient placed ``src`` is all-reduced to reach its
     parameter's ``dst``: in a bucket (``codegen.bucketing``)."""
     if src is None or dst is None:
         return []
     return [i for i, ((a, n), p, b) in enumerate(zip(axes, src, dst))
-            if a != "dp" and n > 1 and isinstance(p, Partial) and isinstance(b, Replicate)]
+            if a not in DATA_AXES and n > 1 and isinstance(p, Partial)
+            and isinstance(b, Replicate)]
 
 
 def bucket_latency(i: int, axes: tuple, model: DeviceModel) -> float:

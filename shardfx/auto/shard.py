@@ -45,7 +45,7 @@ from shardfx.ir.contract import contract, on_graph, on_inputs, on_ops
 log = logging.getLogger("shardfx.auto.shard")
 
 AUTO = M.AUTO  # gm.meta: the AutoReport
-FIXED_AXES = ("dp", "cp", "pp", "ep")
+FIXED_AXES = ("dp_replicate", "dp", "cp", "pp", "ep")
 CONFIRM = 4  # solves at most, each after the chosen strategies the whole mesh answers otherwise
 TIE = 1e-9  # a stage replaces one solved before it (``zero_stage.by_cost``) only if cheaper by
 # more than this fraction: plain dp and ZeRO-2 cost the same, and rounding must not choose

@@ -15,7 +15,9 @@ moves ``(n-1)/n`` of a buffer per pass over it):
     3      (parameter + gradient + state) / n       reduce-scatter, and the parameter
                                                     gathered in forward and backward    3
 
-(ZeRO's own formulas; ``passes.zero`` is what runs them.) Each collective also pays its
+(ZeRO's own formulas; ``passes.zero`` is what runs them.) HSDP's replicas (``dp_replicate``
+of ``r`` groups) add an all-reduce over them of what each rank holds of the gradient after the
+dp collectives: the whole of it at stages 0 and 1, its rows (1/n) at 2 and 3. Each collective also pays its
 latency once per bucket of ``BUCKET_BYTES``: stage 0 one all-reduce a bucket, stages 1 and 2
 two collectives, stage 3 three. The cheapest stage is the fewest bytes moved, then the fewest
 collectives: ZeRO-1/2/3 only pay where the memory needs them.
@@ -117,8 +119,22 @@ def stages(options, model, train: bool = True) -> list[Stage]:
         per_byte = sum(model.collective_seconds(kind, 1.0, n, link)
                        - model.collective_seconds(kind, 0.0, n, link) for kind in kinds)
         latency = sum(model.collective_seconds(kind, 0.0, n, link) for kind in kinds)
-        out.append(Stage(k, keep, per_byte, latency, step, rows, copy))
+        more, once = _across_replicas(k, n, mesh, model)
+        out.append(Stage(k, keep, per_byte + more, latency + once, step, rows, copy))
     return out
+
+
+def _across_replicas(k: int, n: int, mesh, model) -> tuple[float, float]:
+    """HSDP's all-reduce over ``dp_replicate`` (per byte of a parameter, per bucket): of the
+    rows each rank reduce-scattered under ZeRO-2/3 (1/n of the bytes), of the whole gradient
+    below; (0, 0) without replicas."""
+    r = mesh.axis("dp_replicate")
+    if r == 1:
+        return 0.0, 0.0
+    link = model.link_of(mesh.axes, "dp_replicate")
+    once = model.collective_seconds("all_reduce", 0.0, r, link)
+    share = 1 / n if k >= 2 else 1.0
+    return (model.collective_seconds("all_reduce", share, r, link) - once), once
 
 
 def choose(held: float, largest: float, saved: float, budget: float | None,

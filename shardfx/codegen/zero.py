@@ -119,12 +119,25 @@ def issue_reduce_scatter(graph: fx.Graph, grads: list[fx.Node], layouts: list[M.
                "sum", dp, group)
 
 
-def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.ZeroShard],
-                          name: str, dtype: torch.dtype) -> list[fx.Node]:
-    """At the insertion point: wait for ``started``; this rank's shard of each gradient, in
-    ``dtype`` (the gradients' own)."""
+def across_replicas(graph: fx.Graph, started: fx.Node, group: fx.Node, name: str) -> fx.Node:
+    """At the insertion point: wait for the reduce-scatter ``started`` and start the all-reduce
+    (sum) of this rank's part of it over ``group``, HSDP's replicas of the ZeRO group: each
+    replica's sum of its own batch becomes the sum over all of them, on 1/dp of the bytes an
+    all-reduce of the whole gradients would send."""
     phase = M.Phase.BACKWARD
     done = emit(graph, f"{name}_wait", phase, c10d.wait_tensor.default, started)
+    return emit(graph, f"{name}_replicas_all_reduce", phase, c10d.all_reduce.default, done, "sum",
+                group)
+
+
+def finish_reduce_scatter(graph: fx.Graph, started: fx.Node, layouts: list[M.ZeroShard],
+                          name: str, dtype: torch.dtype) -> list[fx.Node]:
+    """At the insertion point: wait for ``started`` (the reduce-scatter, or the all-reduce
+    over replicas that ``across_replicas`` started after it); this rank's shard of each
+    gradient, in ``dtype`` (the gradients' own)."""
+    phase = M.Phase.BACKWARD
+    wait = f"{name}_replicas_wait" if started.target is c10d.all_reduce.default else f"{name}_wait"
+    done = emit(graph, wait, phase, c10d.wait_tensor.default, started)
     if done.meta[M.VAL].dtype != dtype:
         done = emit(graph, f"{name}_widen", phase, aten._to_copy.default, done, dtype=dtype)
     sizes = [z.per_rank * z.row_numel for z in layouts]

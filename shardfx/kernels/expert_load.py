@@ -35,7 +35,7 @@ class Routed:
         return f"tokens per expert {self.tokens}{drops}"
 
 
-BATCH_SPLIT = ("dp", "cp", "ep")  # mesh axes whose ranks route different tokens
+BATCH_SPLIT = ("dp_replicate", "dp", "cp", "ep")  # mesh axes whose ranks route different tokens
 _STEP: dict[str, Routed] = {}
 
 

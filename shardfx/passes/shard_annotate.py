@@ -113,7 +113,7 @@ def sequence_shape(gm: fx.GraphModule) -> tuple[int, int] | None:
     return None
 
 
-BATCH_AXES = ("dp", "ep")  # the batch is split over these, in mesh order
+BATCH_AXES = ("dp_replicate", "dp", "ep")  # the batch is split over these, in mesh order
 
 
 def _batch_sharded(node: fx.Node, role: M.InputRole, mesh, tokens: tuple[int, int] | None,

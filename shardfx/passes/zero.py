@@ -30,8 +30,8 @@ import torch.fx as fx
 from shardfx.codegen.bucketing import BUCKET_BYTES, fill_buckets
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective, Purpose
-from shardfx.codegen.zero import (emit, emit_padded, finish_gather, finish_reduce_scatter,
-                                  issue_gather, issue_reduce_scatter)
+from shardfx.codegen.zero import (across_replicas, emit, emit_padded, finish_gather,
+                                  finish_reduce_scatter, issue_gather, issue_reduce_scatter)
 from shardfx.ir import meta as M
 from shardfx.ir.graph import fake_mode_of, phases, right_after, tensor_val
 from shardfx.codegen.program import BUCKETED, NO_BUCKET
@@ -65,22 +65,31 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     its last gradient is computed and waited for before the output; other axes' reductions
     stay. A gradient reduced over dp before the op that made it (a tied embedding's: its
     activation gradient was) is whole on every rank: it takes its rows with no collective (a
-    ``coord(dp)`` input is added if the program had none). ``collectives`` says so. Other
-    outputs are unchanged."""
+    ``coord(dp)`` input is added if the program had none). HSDP (a ``dp_replicate`` axis):
+    a gradient also summed over the replicas has that all-reduce taken out too, and made on
+    its rows instead, per bucket: the bucket's reduce-scatter is waited for when the next
+    bucket's is issued (the last's before the output), its rows all-reduced over
+    ``dp_replicate`` from there, and waited for before the output. ``collectives`` says so.
+    Other outputs are unchanged."""
     dp = options.mesh.axis("dp")
     graph = program.module.graph
     layouts = zero_layouts(program, dp)
     program = _with_mesh_input(program, "group(dp)")
     group = _placeholder(graph, "group(dp)")
+    replicas = _placeholder(graph, "group(dp_replicate)", None)
     out = graph.output_node()
     values = list(out.args[0])
-    grads = []  # (output index, partial gradient, layout)
+    grads = []  # (output index, partial gradient, layout, summed over replicas on its rows)
     whole = []  # (output index, gradient already reduced over dp, layout)
     for i, (value, role) in enumerate(zip(values, program.outputs)):
         if role.kind is M.OutputKind.GRAD and role.name in layouts:
             partial = _unreduced_over(value, group)
-            (grads if partial is not None else whole).append(
-                (i, value if partial is None else partial, layouts[role.name]))
+            if partial is None:
+                whole.append((i, value, layouts[role.name]))
+                continue
+            own = None if replicas is None else _unreduced_over(partial, replicas)
+            grads.append((i, partial if own is None else own, layouts[role.name],
+                          own is not None))
     if whole:  # reduced upstream (a tied embedding's): each rank takes its rows, no collective
         program = _with_mesh_input(program, "coord(dp)")
         coord = _placeholder(graph, "coord(dp)")
@@ -88,29 +97,40 @@ def zero_reduce_scatter(program: Program, options) -> Program:
             with graph.inserting_before(value.next):
                 values[index] = _my_rows(graph, value, z, coord, f"zero_rows{index}")
     order = {n: i for i, n in enumerate(graph.nodes)}
-    buckets = fill_buckets(grads, ready=lambda g: order[g[1]], key=lambda g: _dtype_bytes(g[1])[0],
+    buckets = fill_buckets(grads, ready=lambda g: order[g[1]],
+                           key=lambda g: (_dtype_bytes(g[1])[0], g[3]),
                            nbytes=lambda g: _dtype_bytes(g[1])[1])
     records = []
     narrow = options.precision.narrower_reduce
+    issued = []
     for b, bucket in enumerate(buckets):
-        name, parts = f"zero_rs{b}", [g[2] for g in bucket]
         with right_after(bucket[-1][1]):  # its last gradient exists: start it
-            started = issue_reduce_scatter(graph, [g[1] for g in bucket], parts, group, name,
-                                           narrow)
+            issued.append(issue_reduce_scatter(graph, [g[1] for g in bucket], [g[2] for g in bucket],
+                                               group, f"zero_rs{b}", narrow))
+    for b, (bucket, started) in enumerate(zip(buckets, issued)):
+        name, parts = f"zero_rs{b}", [g[2] for g in bucket]
+        fqns = [program.outputs[g[0]].name for g in bucket]
+        what = f"ZeRO gradient bucket {b} ({len(fqns)} grads: " \
+               f"{', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''})"
+        records.append(Collective("reduce_scatter", "dp", _dtype_bytes(started.args[0])[1],
+                                  f"{what}: P -> ZeRO rows on dp", purpose=Purpose.ZERO))
+        if bucket[0][3]:  # HSDP: the rows summed over the replicas, from the next bucket's issue
+            at = right_after(issued[b + 1]) if b + 1 < len(issued) else graph.inserting_before(out)
+            with at:
+                started = across_replicas(graph, started, replicas, name)
+            records.append(Collective("all_reduce", "dp_replicate", _dtype_bytes(started)[1],
+                                      f"{what}: ZeRO rows P -> R on dp_replicate",
+                                      purpose=Purpose.ZERO))
         with graph.inserting_before(out):  # wait as late as possible
             shards = finish_reduce_scatter(graph, started, parts, name, _dtype_bytes(bucket[0][1])[0])
-        for (index, _, _), shard in zip(bucket, shards):
+        for (index, *_), shard in zip(bucket, shards):
             values[index] = shard
-        fqns = [program.outputs[g[0]].name for g in bucket]
-        records.append(Collective("reduce_scatter", "dp", _dtype_bytes(started.args[0])[1],
-                                  f"ZeRO gradient bucket {b} ({len(fqns)} grads: "
-                                  f"{', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''}): "
-                                  "P -> ZeRO rows on dp", purpose=Purpose.ZERO))
     out.args = (tuple(values),)
     graph.eliminate_dead_code()
     program.module.recompile()
-    reduced = {program.outputs[g[0]] for g in grads}
-    kept = [c for c in program.collectives if not (c.axis == "dp" and c.output in reduced)]
+    reduced = {program.outputs[g[0]]: g[3] for g in grads}
+    kept = [c for c in program.collectives if not (c.output in reduced and (
+        c.axis == "dp" or c.axis == "dp_replicate" and reduced[c.output]))]
     return dataclasses.replace(program, collectives=tuple(kept + records))
 
 
@@ -293,10 +313,16 @@ def _with_mesh_input(program: Program, name: str) -> Program:
     return dataclasses.replace(program, inputs=(*program.inputs, role))
 
 
-def _placeholder(graph: fx.Graph, name: str) -> fx.Node:
+_NONE = object()
+
+
+def _placeholder(graph: fx.Graph, name: str, default=_NONE) -> fx.Node:
+    """The MESH input ``name``; ``default`` where the program has none (else an error)."""
     for node in graph.find_nodes(op="placeholder"):
         if node.meta[M.ROLE].kind is M.InputKind.MESH and node.meta[M.ROLE].name == name:
             return node
+    if default is not _NONE:
+        return default
     raise NotImplementedError(f"the program has no {name} input")
 
 

@@ -24,6 +24,12 @@ def memory_notes(plan) -> list[str]:
                      "optimizer state): " + "; ".join(
                          f"{label}: {nbytes(p)} / {nbytes(g)} / {nbytes(o)}"
                          for label, (p, g, o) in plan.state_rows().items()))
+    if plan.options.folded_from is not None:
+        asked = plan.options.folded_from
+        notes.append(f"HSDP folded (zero=\"auto\"): mesh {asked} asked; no ZeRO stage within "
+                     f"dp={asked.axis('dp')} fits memory_budget, so the "
+                     f"{asked.axis('dp_replicate')} replicas are folded into dp: mesh "
+                     f"{plan.mesh}, the same ranks, ZeRO over all of them")
     if plan.zero_chosen and plan.mesh.axis("dp") > 1:
         notes.append(zero_stage.why(plan.options.zero, plan.mesh.axis("dp")))
     if plan.options.zero:
@@ -37,6 +43,13 @@ def memory_notes(plan) -> list[str]:
                         "time, each issued before the previous one is waited for"
                         if k == 3 else "; updated rows all-gathered after the optimizer "
                         "step"))
+        replicas = plan.mesh.axis("dp_replicate")
+        if replicas > 1:
+            notes.append(f"HSDP: {replicas} replicas of the dp={dp} group (dp_replicate), each "
+                         "holding the same rows; " + (
+                             "each bucket's rows all-reduced across them after its "
+                             "reduce-scatter over dp (1/{dp} of the gradients)".format(dp=dp)
+                             if k >= 2 else "the whole gradients all-reduced across them"))
     if plan.options.optimizer_in_backward and plan.program is not None:
         steps = plan.program.module.graph.find_nodes(op="call_function",
                                                      target=step_parameters)

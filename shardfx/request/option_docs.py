@@ -7,7 +7,8 @@ from __future__ import annotations
 
 OPTIONS = {
     "mesh": """The mesh's axes and their sizes, ``{"dp": 2, "tp": 2}`` or ``"dp=2,tp=2"``
-        (axes dp, pp, cp, tp, ep); None: one device.""",
+        (axes dp_replicate, dp, pp, cp, tp, ep; ``dp_replicate``: HSDP's replicas of the
+        ZeRO group dp); None: one device.""",
     "shard": """How parameters are split over the mesh: ``"auto"`` (a solver chooses by the
         device model), ``"megatron"``, ``"megatron-sp"`` (Megatron with sequence parallelism:
         the tokens split over tp between the parallel matmuls), ``"replicate"`` (tp ranks as

@@ -44,6 +44,8 @@ class Options:
     # each device holds about 1/held_by of its parameters (auto.shard's memory)
     whole_mesh: MeshSpec | None = None  # a pipeline's whole mesh, where ``mesh`` is a stage's:
     # the dp axis the ZeRO stage divides over (auto.zero_stage)
+    folded_from: MeshSpec | None = None  # the HSDP mesh asked for, where zero="auto" folded its
+    # replicas into dp because no stage within dp fits memory_budget (api._plan)
 
     @property
     def slices(self) -> int:

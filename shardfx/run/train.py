@@ -105,16 +105,17 @@ def preflight(config: RunConfig) -> None:
 
 
 def _check_batch(job, config: RunConfig, mesh: MeshSpec) -> None:
-    """A global batch the mesh cannot divide: its rows over dp, then over microbatches; its
-    sequences into 2*cp chunks."""
+    """A global batch the mesh cannot divide: its rows over dp (and HSDP's replicas), then over
+    microbatches; its sequences into 2*cp chunks."""
     leaves = [t for t in pytree.tree_leaves((job.args, job.targets))
               if isinstance(t, torch.Tensor) and t.dim()]
     if not leaves:
         return
     rows = leaves[0].shape[0]
-    dp, m = mesh.axis("dp"), config.parallel.microbatches or 1
+    dp, m = mesh.axis("dp_replicate") * mesh.axis("dp"), config.parallel.microbatches or 1
     if rows % (dp * m):
-        parts = f"dp={dp}" + (f" x {m} microbatches" if m > 1 else "")
+        parts = (f"dp={dp}" if mesh.axis("dp_replicate") == 1 else
+                 f"dp_replicate x dp={dp}") + (f" x {m} microbatches" if m > 1 else "")
         raise InputError(f"the factory's batch has {rows} rows, which {parts} cannot divide "
                          "evenly", where=f"{config.spec}, args[0].shape[0] on --mesh {mesh}",
                          fix=f"make the batch a multiple of {dp * m} rows, or change the mesh")

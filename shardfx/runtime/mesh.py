@@ -3,14 +3,14 @@
     mesh = device_mesh(MeshSpec.parse("dp=2,tp=2"))   # on each of 4 ranks
     coordinate(mesh)                                   # {"dp": 1, "tp": 0} on rank 2
 
-The mesh's dimensions are the spec's axes, in the spec's order (dp, pp, tp, ep) and with its
+The mesh's dimensions are the spec's axes, in the spec's order (dp_replicate, dp, pp, cp, tp, ep) and with its
 names, so ``mesh["tp"]`` is this rank's tensor-parallel group. Ranks are laid out row-major:
 the last axis varies fastest, as in ``torch.arange(world).view(sizes)``.
 
 Across nodes: torchrun numbers ranks node by node (node n holds ranks n*G .. n*G + G-1 for G
 processes per node), and the last axis varies fastest, so with ``tp`` no larger than G, and
 dividing it, every tp group lies inside one node, on NVLink; pp neighbours come next, dp
-outermost, across nodes. That is the order of their traffic: tp all-reduces activations twice
+outside them, and HSDP's dp_replicate outermost, across nodes. That is the order of their traffic: tp all-reduces activations twice
 per layer, forward and backward, on the critical path; pp sends one activation (or its
 gradient) per microbatch and cut, point to point; dp all-reduces the gradients once per step,
 overlapped with the backward. A tp axis that a node cannot hold is a warning naming the fix.
