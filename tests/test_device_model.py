@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import shardfx
 from shardfx.run.calibrate import calibrate, measure_link, write
 from shardfx.run.cli import main
-from shardfx.cost.device_model import (GRAPH_KEY, PRESETS, DeviceModel, Link, cache_path,
-                                  device_model)
+from shardfx.cost.device_model import (GRAPH_KEY, PRESETS, DeviceModel, Host, Link, cache_path,
+                                  device_model, gpu_preset)
 from shardfx.errors import InputError
 from shardfx.ir.parse import text_to_ir
 
@@ -50,6 +50,24 @@ def test_presets():
     assert PRESETS["h200"].peak_flops == H100.peak_flops
     assert device_model("h100") is H100 and device_model("cpu") is PRESETS["cpu"]
     assert H100.peak(torch.int64) == 67e12  # no entry of its own: float32's
+
+
+def test_the_host_tier_of_each_preset():
+    """PCIe Gen5 beside an H100 or H200 (an HGX node's 2 TB over its 8 GPUs), NVLink-C2C
+    beside a GH200; on a CPU the host is the same DRAM, a copy at half its bandwidth."""
+    pcie, c2c, cpu = H100.host, PRESETS["gh200"].host, PRESETS["cpu"].host
+    assert PRESETS["h200"].host == pcie and pcie.memory == 250e9
+    assert pcie.d2h == pcie.h2d == Link(53e9, 10e-6)
+    assert c2c.h2d.bandwidth == 450e9 and c2c.memory == 480e9
+    assert cpu.d2h.bandwidth == PRESETS["cpu"].memory_bandwidth / 2
+    # 1 GB each way: 10 us + 18.9 ms over PCIe, 2.2 ms over C2C
+    assert pcie.copy_seconds(1e9, "d2h") == pytest.approx(10e-6 + 1e9 / 53e9)
+    assert c2c.copy_seconds(1e9, "h2d") == pytest.approx(2e-6 + 1e9 / 450e9)
+    with pytest.raises(InputError, match="copy direction"):
+        pcie.copy_seconds(1, "up")
+    assert gpu_preset("NVIDIA GH200 480GB") is PRESETS["gh200"]  # not the H200's
+    assert gpu_preset("NVIDIA H200") is PRESETS["h200"] and gpu_preset("A100") is None
+    assert "host d2h" in H100.describe() and "host memory" in H100.describe()
 
 
 def test_op_seconds_is_the_slower_of_compute_and_memory():
@@ -122,7 +140,7 @@ def test_unknown_preset_names_the_presets():
     with pytest.raises(InputError) as info:
         device_model("a100")
     assert "unknown device model 'a100'" in str(info.value)
-    assert "h100, h200, cpu" in info.value.fix
+    assert "h100, h200, gh200, cpu" in info.value.fix
     with pytest.raises(InputError, match="device_model"):
         mlp_plan(4, model="a100")
 
@@ -137,6 +155,13 @@ def test_a_json_file_round_trips_and_a_bad_one_is_named(tmp_path):
         device_model(bad)
     with pytest.raises(InputError, match="no device model file"):
         device_model(tmp_path / "missing.json")
+    host = {**H100.to_json()["host"], "h2d": {"bandwidth": 0, "latency": 1e-6}}
+    bad.write_text(json.dumps({**H100.to_json(), "host": host}))
+    with pytest.raises(InputError, match="host.h2d.bandwidth must be a positive number"):
+        device_model(bad)
+    old = {k: v for k, v in H100.to_json().items() if k != "host"}  # a file from before the tier
+    bad.write_text(json.dumps(old))
+    assert device_model(bad).host is None
 
 
 def test_calibrate_quick_writes_the_cache_the_default_then_picks(tmp_path, monkeypatch, capsys):
@@ -151,6 +176,8 @@ def test_calibrate_quick_writes_the_cache_the_default_then_picks(tmp_path, monke
     assert model.name.startswith("calibrated ")
     assert "peak_flops.float32" in model.measured and "memory_bandwidth" in model.measured
     assert "links.intra" not in model.measured  # --no-links: the preset's link
+    assert {"host.d2h", "host.h2d"} <= set(model.measured) and "host h2d" in out
+    assert model.host.d2h.bandwidth > 1e7 and model.host.memory == 0  # CPU: RAM is shared
     assert model.links == PRESETS["cpu"].links
     assert all(v > 1e6 for v in model.peak_flops.values()) and model.memory_bandwidth > 1e7
     assert model == DeviceModel.from_json(json.loads(path.read_text()))

@@ -4,7 +4,10 @@ budget's schedule search) and behind ``plan.predicted_step``.
 
 A ``DeviceModel`` holds a peak FLOP/s per dtype, a memory bandwidth, and two links: ``intra``
 between devices of one node (NVLink), ``inter`` between nodes (InfiniBand); a mesh axis uses
-the intra link when its ranks fit in a node (``link_of``). An op takes
+the intra link when its ranks fit in a node (``link_of``). Beside the device's memory it holds
+the host's, a second tier (``Host``): how much of it a rank may fill and the link a tensor
+crosses each way (PCIe, or NVLink-C2C on a Grace Hopper), for what offloading costs. An op
+takes
 
     max(flops / peak[dtype], bytes read and written / memory bandwidth)
 
@@ -56,6 +59,25 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Host:
+    """The host's memory as a tier beside the device's: how much of it one rank may keep
+    tensors in, and the link each way. A device-to-host and a host-to-device copy run at once
+    (a copy engine each), so each direction has a link of its own."""
+
+    memory: float  # bytes one rank may keep there (its share of the node's; 0: unknown)
+    d2h: Link  # device -> host
+    h2d: Link  # host -> device
+
+    def copy_seconds(self, nbytes: float, direction: str) -> float:
+        """Seconds to copy ``nbytes`` one way: "d2h" (offload) or "h2d" (bring back)."""
+        if direction not in ("d2h", "h2d"):
+            raise InputError(f"unknown copy direction {direction!r}", where="copy_seconds",
+                             fix='"d2h" (device to host) or "h2d" (host to device)')
+        link = self.d2h if direction == "d2h" else self.h2d
+        return link.latency + nbytes / link.bandwidth
+
+
+@dataclass(frozen=True)
 class DeviceModel:
     """One device's speeds (see the module docstring)."""
 
@@ -66,6 +88,7 @@ class DeviceModel:
     devices_per_node: int = 8  # mesh axes that fit in this many ranks use the intra link
     memory: float = 0.0  # bytes of device memory (0: unknown): when memory matters to a choice
     measured: tuple[str, ...] = field(default=(), compare=False)  # by ``shardfx calibrate``
+    host: Host | None = None  # the host tier (None: no offloading can be priced)
 
     # --- ops --------------------------------------------------------------------------------
 
@@ -141,7 +164,7 @@ class DeviceModel:
                        _positive(data["memory_bandwidth"], "memory_bandwidth"), links,
                        int(data.get("devices_per_node", 8)),
                        _nonnegative(data.get("memory", 0.0), "memory"),
-                       tuple(data.get("measured", ())))
+                       tuple(data.get("measured", ())), _host_of(data.get("host")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise InputError(f"cannot read the device model: {what}", where=where,
@@ -162,7 +185,25 @@ class DeviceModel:
         for kind, link in self.links.items():
             lines.append(f"  link {kind:<11} {link.bandwidth / 1e9:12.2f} GB/s, "
                          f"{link.latency * 1e6:.1f} us latency" + _mark(self, f"links.{kind}"))
+        if self.host is not None:
+            if self.host.memory:
+                lines.append(f"  host memory      {self.host.memory / 2**30:12.1f} GiB"
+                             + _mark(self, "host.memory"))
+            for way in ("d2h", "h2d"):
+                link = getattr(self.host, way)
+                lines.append(f"  host {way:<11} {link.bandwidth / 1e9:12.2f} GB/s, "
+                             f"{link.latency * 1e6:.1f} us latency" + _mark(self, f"host.{way}"))
         return "\n".join(lines)
+
+
+def _host_of(data: Any) -> Host | None:
+    """``to_json``'s ``host`` back (None where the file has none)."""
+    if data is None:
+        return None
+    return Host(_nonnegative(data.get("memory", 0.0), "host.memory"),
+                *(Link(_positive(data[way]["bandwidth"], f"host.{way}.bandwidth"),
+                       _nonnegative(data[way]["latency"], f"host.{way}.latency"))
+                  for way in ("d2h", "h2d")))
 
 
 def _mark(model: DeviceModel, key: str) -> str:
@@ -189,6 +230,11 @@ def _nonnegative(value: Any, name: str) -> float:
 
 NVLINK = Link(450e9, 3e-6)  # NVLink 4: 900 GB/s both directions, ~3 us per message
 NDR_IB = Link(50e9, 10e-6)  # one 400 Gb/s NDR InfiniBand port per GPU
+# PCIe Gen5 x16 between an HGX GPU and its host: 64 GB/s a direction on paper, about 53 GB/s
+# to and from pinned memory; an HGX node's 2 TB of host memory shared by its 8 GPUs.
+PCIE5 = Host(250e9, Link(53e9, 10e-6), Link(53e9, 10e-6))
+# Grace Hopper: NVLink-C2C to the Grace CPU's LPDDR5X, 450 GB/s a direction (900 both), 480 GB.
+C2C = Host(480e9, Link(450e9, 2e-6), Link(450e9, 2e-6))
 
 PRESETS: dict[str, DeviceModel] = {
     # H100 SXM, dense (no sparsity). fp32 is the CUDA cores' 67 TFLOP/s: torch runs fp32
@@ -196,11 +242,15 @@ PRESETS: dict[str, DeviceModel] = {
     # in TF32 on the tensor cores. fp64 on the tensor cores, 67 TFLOP/s too.
     "h100": DeviceModel("h100", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
                                  "float16": 989e12}, 3.35e12, {"intra": NVLINK, "inter": NDR_IB},
-                        memory=80e9),
+                        memory=80e9, host=PCIE5),
     # H200: the H100's compute with faster, larger HBM3e.
     "h200": DeviceModel("h200", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
                                  "float16": 989e12}, 4.8e12, {"intra": NVLINK, "inter": NDR_IB},
-                        memory=141e9),
+                        memory=141e9, host=PCIE5),
+    # GH200 (96 GB HBM3): the H100's compute, 4 TB/s, and the Grace CPU's memory over C2C.
+    "gh200": DeviceModel("gh200", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
+                                   "float16": 989e12}, 4.0e12,
+                         {"intra": NVLINK, "inter": NDR_IB}, memory=96e9, host=C2C),
     # Any CPU, when nothing is calibrated: a few cores' worth of AVX2 (bf16/fp16 matmuls are
     # slower than fp32 on CPUs without AMX), dual-channel DRAM, gloo over loopback inside a
     # machine and 10 Gb Ethernet between machines. Ranks of a CPU mesh are usually processes
@@ -208,7 +258,9 @@ PRESETS: dict[str, DeviceModel] = {
     "cpu": DeviceModel("cpu", {"float64": 50e9, "float32": 100e9, "bfloat16": 50e9,
                                "float16": 20e9}, 10e9,
                        {"intra": Link(2e9, 50e-6), "inter": Link(1.2e9, 100e-6)},
-                       devices_per_node=64),  # its memory: unknown (a machine's RAM is shared)
+                       devices_per_node=64,  # its memory: unknown (a machine's RAM is shared)
+                       # "host" is the same DRAM: a copy there reads and writes each byte
+                       host=Host(0.0, Link(5e9, 1e-6), Link(5e9, 1e-6))),
 }
 
 
@@ -272,12 +324,21 @@ def _default(device: torch.device) -> DeviceModel:
     if device.type != "cuda":
         return PRESETS["cpu"]
     gpu = device_name(device)
-    for key in ("h200", "h100"):
-        if key in gpu.lower():
-            return PRESETS[key]
+    preset = gpu_preset(gpu)
+    if preset is not None:
+        return preset
     log.warning("no device model for GPU %r: planning with the h100 preset; run `shardfx "
                 "calibrate` on it, or pass partition(..., device_model=...)", gpu)
     return replace(PRESETS["h100"], name=f"h100 (for {gpu})")
+
+
+def gpu_preset(gpu: str) -> DeviceModel | None:
+    """The preset of a GPU named ``gpu`` (``torch.cuda.get_device_name``), or None: a GH200
+    before an H200 (its name holds "h200" too), then an H100."""
+    for key in ("gh200", "h200", "h100"):
+        if key in gpu.lower():
+            return PRESETS[key]
+    return None
 
 
 def device_name(device: torch.device | str | None = None) -> str:

@@ -61,8 +61,8 @@ OPTIONS = {
         the CPU or on meta is planned all the same, and the runner puts its weights there.""",
     "device_model": """The speeds every choice that trades time is made at (stage cuts,
         recomputation, the schedule under a budget, the solver) and ``plan.predicted_step`` is
-        predicted on (``cost.device_model``): a preset ("h100", "h200", "cpu"), a JSON file,
-        or a ``DeviceModel``; by default this machine's ``shardfx calibrate`` file for
+        predicted on (``cost.device_model``): a preset ("h100", "h200", "gh200", "cpu"), a JSON
+        file, or a ``DeviceModel``; by default this machine's ``shardfx calibrate`` file for
         ``device``, else the GPU's preset on CUDA, else "cpu".""",
     "debug": """True (or ``SHARDFX_DEBUG=1``) checks the IR and every pass's contract after
         each pass, and the runners compare every step's batch across ranks (else the first

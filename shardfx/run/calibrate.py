@@ -7,6 +7,10 @@ counts less):
   matrices, the size doubled from 64 until one takes a measurable time (CPUs without native
   bf16/fp16 matmuls stop small); CUDA timed between synchronizations.
 - **memory bandwidth**: a copy of a large buffer (bytes read plus bytes written per second).
+- **the host link, each way**: a large copy from the device to (pinned) host memory and one
+  back, their latency from a 4 KiB copy; on a GPU, the host memory a rank may fill (the
+  machine's RAM over its GPUs). On a CPU "host" and device are one memory: the copy is
+  between two buffers of it.
 - **the link between two ranks** (unless ``links=False``): two processes spawned by
   ``shardfx.launch`` (gloo on CPU, NCCL on two GPUs): the latency from many 4 KiB
   all-reduces (``SMALL_BYTES``: gloo takes a faster path for a few bytes, 0.44 ms a 4-byte
@@ -24,6 +28,7 @@ The file goes to ``cache_path(device)``, where ``device_model(None, device)`` fi
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +36,8 @@ from typing import Callable
 
 import torch
 
-from shardfx.cost.device_model import (DTYPES, PRESETS, DeviceModel, Link, cache_path, device_name)
+from shardfx.cost.device_model import (DTYPES, PRESETS, DeviceModel, Host, Link, cache_path,
+                                       device_name, gpu_preset)
 from shardfx.errors import InputError
 from shardfx.runtime.launch import launch
 
@@ -63,6 +69,9 @@ def calibrate(device: torch.device | str = "cpu", quick: bool = False, links: bo
     log("memory bandwidth")
     bandwidth = copy_bandwidth(device, sizes["copy_bytes"] * (4 if device.type == "cuda" else 1))
     measured.append("memory_bandwidth")
+    log("host link, each way")
+    host = host_tier(device, base.host, sizes["copy_bytes"])
+    measured += ["host.d2h", "host.h2d"] + (["host.memory"] if device.type == "cuda" else [])
     link_models = dict(base.links)
     if links:
         log("link between 2 processes")
@@ -76,15 +85,14 @@ def calibrate(device: torch.device | str = "cpu", quick: bool = False, links: bo
         memory = float(torch.cuda.get_device_properties(device).total_memory)
         measured.append("memory")
     return replace(base, name=name, peak_flops=peaks, memory_bandwidth=bandwidth,
-                   links=link_models, memory=memory, measured=tuple(measured))
+                   links=link_models, memory=memory, measured=tuple(measured), host=host)
 
 
 def _base(device: torch.device) -> DeviceModel:
     """The preset this device gets without calibration: what calibration does not measure."""
     if device.type != "cuda":
         return PRESETS["cpu"]
-    gpu = device_name(device).lower()
-    return PRESETS["h200"] if "h200" in gpu else PRESETS["h100"]
+    return gpu_preset(device_name(device)) or PRESETS["h100"]
 
 
 def write(model: DeviceModel, path: Path | None = None,
@@ -145,6 +153,31 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / best_seconds(lambda: dst.copy_(src), device)
+
+
+def host_tier(device: torch.device, preset: Host | None, nbytes: int) -> Host:
+    """The host link each way (module docstring) and, on a GPU, a rank's share of the
+    machine's RAM (else the preset's)."""
+    pinned = device.type == "cuda"
+
+    def pair(n: int, way: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, destination) of ``n`` floats for a copy ``way``."""
+        on_device, on_host = torch.empty(n, device=device), torch.empty(n, pin_memory=pinned)
+        return (on_device, on_host) if way == "d2h" else (on_host, on_device)
+
+    links = []
+    for way in ("d2h", "h2d"):
+        src, dst = pair(nbytes // 4, way)
+        small_src, small_dst = pair(SMALL_BYTES // 4, way)
+        tiny = best_seconds(lambda: small_dst.copy_(small_src, non_blocking=pinned), device,
+                            reps=20)
+        big = best_seconds(lambda: dst.copy_(src, non_blocking=pinned), device)
+        links.append(Link(nbytes / max(big - tiny, big / 2), tiny))
+    memory = preset.memory if preset is not None else 0.0
+    if device.type == "cuda":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = float(ram // max(1, torch.cuda.device_count()))
+    return Host(memory, *links)
 
 
 def measure_link(device: torch.device, tiny_reps: int, big_bytes: int, big_reps: int

@@ -106,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                         "plan.html (the plan as a page) to DIR")
     p.add_argument("--device-model", metavar="NAME|FILE",
                    help="the device speeds the plan trades time at and predicts its step on: "
-                        "h100, h200, cpu or a JSON file (default: this machine's calibration, "
-                        "else the GPU's preset, else cpu)")
+                        "h100, h200, gh200, cpu or a JSON file (default: this machine's "
+                        "calibration, else the GPU's preset, else cpu)")
     p.set_defaults(command=inspect_command, name="inspect")
 
     c = commands.add_parser(
