@@ -34,13 +34,13 @@ in part, is an ``InputError`` naming it, before any step.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 from collections.abc import Callable
 
 import torch
 
 from shardfx.errors import InputError
+from shardfx.runtime.heap import give_back
 
 InitFn = Callable[[torch.nn.Module], None]
 
@@ -181,7 +181,8 @@ class Unmade:
 def settle(runner) -> None:
     """Make the tensors ``runner`` holds but has not made yet (``runner.unmade``): each one's
     whole value, cut into the rectangles this rank holds (``holdings``), one whole tensor at
-    a time."""
+    a time; the memory of a large one is handed back to the system at once (``heap.give_back``):
+    a rank's peak is its part and one whole tensor."""
     unmade = runner.unmade
     if not unmade.names:
         return
@@ -195,30 +196,11 @@ def settle(runner) -> None:
             large = whole.numel() * whole.element_size() >= _TRIM_BYTES
             del whole
             if large:
-                _trim()
+                give_back()
     unmade.filled()
 
 
-_TRIM_BYTES = 8 << 20
-
-
-def _trim() -> None:
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
-    nothing). Without it glibc kept what a whole tensor and its checks freed resident, and
-    the next tensor's peak stacked on it: a 2-layer Llama of vocab 32000 made on dp=2 x tp=2
-    ended 568 MB above what each rank holds, and peaked at 1.35x its part + the largest
-    tensor; with it, at 0.86x."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC(0)
-
-
-_LIBC = None
+_TRIM_BYTES = 8 << 20  # a whole tensor this large is given back at once (runtime.heap)
 
 
 # --- where tensors sit ---------------------------------------------------------------------
