@@ -173,35 +173,32 @@ def _dcp(path: str, layers: int) -> dict:
     return dict(wall=wall, cpu=cpu, peak=peak, held=held, largest=largest, check=0.0)
 
 
-def whole_init(layers: int) -> dict:
-    """today's path for a model from a seed, in this process: the whole model made in fp32."""
-    from transformers import LlamaForCausalLM
-
+def _whole(make) -> dict:
+    """Time, peak RSS and size of the whole model ``make()`` returns, in this process, fp32."""
     base = reset_peak()
     wall, cpu = time.perf_counter(), time.process_time()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config(layers))
+    model = make()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     held = sum(p.numel() * 4 for p in model.parameters())
     out = dict(wall=wall, cpu=cpu, peak=rss()[1] - base, held=held,
                largest=max(p.numel() * 4 for p in model.parameters()))
     del model
     return out
+
+
+def whole_init(layers: int) -> dict:
+    """today's path for a model from a seed, in this process: the whole model made in fp32."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return _whole(lambda: LlamaForCausalLM(config(layers)))
 
 
 def whole_model(path: Path) -> dict:
     """today's path, in this process: the whole model from_pretrained, in fp32."""
     from transformers import AutoModelForCausalLM
 
-    base = reset_peak()
-    wall, cpu = time.perf_counter(), time.process_time()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    held = sum(p.numel() * 4 for p in model.parameters())
-    out = dict(wall=wall, cpu=cpu, peak=rss()[1] - base, held=held,
-               largest=max(p.numel() * 4 for p in model.parameters()))
-    del model
-    return out
+    return _whole(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
 
 def main() -> None:
