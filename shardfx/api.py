@@ -96,8 +96,8 @@ def _zero(zero: object, spec: MeshSpec) -> int | str:
                              "cheapest stage that fits the memory")
     if zero and spec.axis("dp") == 1:
         replicas = spec.axis("dp_replicate") > 1
-        raise InputError(f"zero={zero} shards over the dp axis, and the mesh has none"
-                         + (" (dp_replicate only holds replicas of a dp group)" if replicas else ""),
+        why = " (dp_replicate only holds replicas of a dp group)" if replicas else ""
+        raise InputError(f"zero={zero} shards over the dp axis, and the mesh has none{why}",
                          where=where, fix="add a dp axis to the mesh (mesh={'dp': 2, ...}"
                          + (": HSDP is {'dp_replicate': R, 'dp': D}" if replicas else "")
                          + "), or drop zero")
@@ -169,7 +169,7 @@ def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stag
         raise PipelineError(
             "HSDP (a dp_replicate axis) with a pipeline is not supported: the pipeline runner "
             "reduces its stages' gradients over dp only",
-            where=f"partition(..., mesh={{{', '.join(f'{a!r}: {n}' for a, n in spec.axes)}}})",
+            where=f"partition(..., mesh=...) on mesh {spec}",
             fix=f"fold the replicas into dp (dp={spec.axis('dp_replicate') * spec.axis('dp')}, "
                 "with zero=1 or zero=2), or drop pp")
     if microbatches > 1 and spec.axis("pp") == 1:

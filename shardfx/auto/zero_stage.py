@@ -17,10 +17,10 @@ moves ``(n-1)/n`` of a buffer per pass over it):
 
 (ZeRO's own formulas; ``passes.zero`` is what runs them.) HSDP's replicas (``dp_replicate``
 of ``r`` groups) add an all-reduce over them of what each rank holds of the gradient after the
-dp collectives: the whole of it at stages 0 and 1, its rows (1/n) at 2 and 3. Each collective also pays its
-latency once per bucket of ``BUCKET_BYTES``: stage 0 one all-reduce a bucket, stages 1 and 2
-two collectives, stage 3 three. The cheapest stage is the fewest bytes moved, then the fewest
-collectives: ZeRO-1/2/3 only pay where the memory needs them.
+dp collectives: the whole of it at stages 0 and 1, its rows (1/n) at 2 and 3. Each collective
+also pays its latency once per bucket of ``BUCKET_BYTES``: stage 0 one all-reduce a bucket,
+stages 1 and 2 two collectives, stage 3 three. The cheapest stage is the fewest bytes moved,
+then the fewest collectives: ZeRO-1/2/3 only pay where the memory needs them.
 """
 
 from __future__ import annotations

@@ -105,8 +105,9 @@ def zero_reduce_scatter(program: Program, options) -> Program:
     issued = []
     for b, bucket in enumerate(buckets):
         with right_after(bucket[-1][1]):  # its last gradient exists: start it
-            issued.append(issue_reduce_scatter(graph, [g[1] for g in bucket], [g[2] for g in bucket],
-                                               group, f"zero_rs{b}", narrow))
+            issued.append(issue_reduce_scatter(graph, [g[1] for g in bucket],
+                                               [g[2] for g in bucket], group, f"zero_rs{b}",
+                                               narrow))
     for b, (bucket, started) in enumerate(zip(buckets, issued)):
         name, parts = f"zero_rs{b}", [g[2] for g in bucket]
         fqns = [program.outputs[g[0]].name for g in bucket]

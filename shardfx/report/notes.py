@@ -48,7 +48,7 @@ def memory_notes(plan) -> list[str]:
             notes.append(f"HSDP: {replicas} replicas of the dp={dp} group (dp_replicate), each "
                          "holding the same rows; " + (
                              "each bucket's rows all-reduced across them after its "
-                             "reduce-scatter over dp (1/{dp} of the gradients)".format(dp=dp)
+                             f"reduce-scatter over dp (1/{dp} of the gradients)"
                              if k >= 2 else "the whole gradients all-reduced across them"))
     if plan.options.optimizer_in_backward and plan.program is not None:
         steps = plan.program.module.graph.find_nodes(op="call_function",

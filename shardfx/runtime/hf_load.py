@@ -10,8 +10,8 @@ its experts), only the rows of the checkpoint tensor that make it up (``safetens
 view of its map of the file, its pages dropped after the copy), so no rank reads or holds the
 whole model; it casts them to the model's dtype as it copies them in. Tensors transformers
 converts as it loads (``hf_names``: Mixtral's per-expert weights into one fused tensor) are
-read whole, one group at a time, converted as ``from_pretrained`` converts them, and cut. A tied weight is read once, from
-whichever of its names the checkpoint has.
+read whole, one group at a time, converted as ``from_pretrained`` converts them, and cut. A
+tied weight is read once, from whichever of its names the checkpoint has.
 
 Before anything is copied, the whole checkpoint is checked against the model from the files'
 headers: a missing file, a file that is cut short or whose header is damaged, a tensor the

@@ -90,38 +90,40 @@ class Initializer:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]), torch.device("cpu"):
                 torch.default_generator.manual_seed(_stream(self.seed, fqn))
-                self._apply(places, real)
+                unset = self._apply(places, real)
         finally:
             for module_name, name in places:
                 _put(self.model.get_submodule(module_name), name, tensor)
             for module, name, t in shadows:
                 _put(module, name, t)
-        _check_written(fqn, real, self.init)
+        _check_written(fqn, unset, real.numel(), self.init)
         return real
 
-    def _apply(self, places: list[tuple[str, str]], real: torch.Tensor) -> None:
+    def _apply(self, places: list[tuple[str, str]], real: torch.Tensor) -> int:
         """The initialisation calls that reach a tensor held at ``places``, in the model's
         order. A tensor the model's ``_init_weights`` leaves unset gets what its constructor
-        gave it first (``reset_parameters``), then those calls again, as eager order has it."""
+        gave it first (``reset_parameters``), then those calls again, as eager order has it.
+        Returns how many of ``real``'s values are still unset (``_unset``, counted once)."""
         owners = {module_name for module_name, _ in places}
         reach = {prefix for name in owners for prefix in _prefixes(name)}
         path = [(name, m) for name, m in self._order if name in reach]
         if self.init is not None:
             for _, module in path:
                 self.init(module)
-            return
+            return _unset(real)
         hf = [(module, fn) for name, module in path
               if (fn := _nearest_init_weights(self.model, name)) is not None]
         for module, fn in hf:
             fn(module)
-        if hf and not _unset(real):
-            return
+        if hf and not (unset := _unset(real)):
+            return unset
         for name, module in path:
             reset = getattr(module, "reset_parameters", None)
             if name in owners and callable(reset):
                 reset()
         for module, fn in hf:
             fn(module)
+        return _unset(real)
 
 
 def materialize(model: torch.nn.Module, init_seed: int = 0, init: InitFn | None = None,
@@ -178,6 +180,9 @@ class Unmade:
         self.names.clear()
 
 
+_TRIM_BYTES = 8 << 20  # a whole tensor this large is given back at once (runtime.heap)
+
+
 def settle(runner) -> None:
     """Make the tensors ``runner`` holds but has not made yet (``runner.unmade``): each one's
     whole value, cut into the rectangles this rank holds (``holdings``), one whole tensor at
@@ -198,9 +203,6 @@ def settle(runner) -> None:
             if large:
                 give_back()
     unmade.filled()
-
-
-_TRIM_BYTES = 8 << 20  # a whole tensor this large is given back at once (runtime.heap)
 
 
 # --- where tensors sit ---------------------------------------------------------------------
@@ -307,13 +309,12 @@ def _unset(real: torch.Tensor) -> int:
     return sum(int(torch.isnan(part).sum()) for part in real.reshape(-1).split(_CHUNK))
 
 
-def _check_written(fqn: str, real: torch.Tensor, init: InitFn | None) -> None:
-    unset = _unset(real)
+def _check_written(fqn: str, unset: int, numel: int, init: InitFn | None) -> None:
     if unset:
         how = "init=" if init is not None else "the model's initialisation " \
             "(_init_weights on it and its ancestors, else its module's reset_parameters())"
         raise InputError(
-            f"{fqn} is on the meta device and {how} left {unset} of its {real.numel()} values "
+            f"{fqn} is on the meta device and {how} left {unset} of its {numel} values "
             "unset: there is nothing to start training from",
             where=fqn, fix="pass plan.runner(..., init=fn), fn(module) filling the tensors "
                            "of that module, or materialize the model before plan.runner()")
