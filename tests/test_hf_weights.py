@@ -205,18 +205,22 @@ def _load_everywhere(root: str, cases: list[tuple]) -> list[tuple]:
         runner = meta_plan(name, mesh=mesh, **kw).runner()
         ckpt = hf_load.Checkpoint
         count = [0]
-        read = ckpt.read  # counts what the rank reads: its rows, not the model
+        copy, read = ckpt.copy, ckpt.read  # count what the rank reads: its rows, not the model
 
-        def counting(self, key, region=None):
-            t = read(self, key, region)
+        def copying(self, out, key, region):
+            copy(self, out, key, region)
+            count[0] += out.numel()
+
+        def reading(self, key):
+            t = read(self, key)
             count[0] += t.numel()
             return t
 
-        ckpt.read = counting
+        ckpt.copy, ckpt.read = copying, reading
         try:
             runner.load_hf(Path(root) / name)
         finally:
-            ckpt.read = read
+            ckpt.copy, ckpt.read = copy, read
         total = sum(t.numel() for t in runner.plan.model.parameters())
         out.append((name, str(mesh), runner.state_dict(), count[0] / total))
     return out

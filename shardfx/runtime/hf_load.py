@@ -6,12 +6,12 @@
 A checkpoint directory holds ``model.safetensors``, or several files and
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). Every rank reads, for
 each tensor it holds (``runner.holdings()``: its tp slice, its ZeRO rows, its pipeline stage's,
-its experts), only the rows of the checkpoint tensor that make it up (``safetensors_file``: a
-view of its map of the file, its pages dropped after the copy), so no rank reads or holds the
-whole model; it casts them to the model's dtype as it copies them in. Tensors transformers
-converts as it loads (``hf_names``: Mixtral's per-expert weights into one fused tensor) are
-read whole, one group at a time, converted as ``from_pretrained`` converts them, and cut. A
-tied weight is read once, from whichever of its names the checkpoint has.
+its experts), only the rows of the checkpoint tensor that make it up (``safetensors_file``: read
+a chunk at a time through one small buffer), so no rank reads or holds the whole model; it
+casts them to the model's dtype as it copies them in. Tensors transformers converts as it loads
+(``hf_names``: Mixtral's per-expert weights into one fused tensor) are read whole, one group at
+a time, converted as ``from_pretrained`` converts them, and cut. A tied weight is read once,
+from whichever of its names the checkpoint has.
 
 Before anything is copied, the whole checkpoint is checked against the model from the files'
 headers: a missing file, a file that is cut short or whose header is damaged, a tensor the
@@ -99,23 +99,23 @@ class Checkpoint:
         raise InputError(f"{self.path} holds neither {SINGLE} nor {INDEX}", where=where,
                          fix="save with model.save_pretrained(path) (safetensors, the default)")
 
-    def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor ``name``, or its ``region`` (a slice per dimension): the region's rows,
-        read as one span of the file, then cut in later dimensions in memory (a tp slice of
-        columns)."""
-        handle = self._open[self.file[name]]
-        if not region:
-            return handle.read(name)
-        rows = handle.read(name, region[0])
-        rest = region[1:]
-        if all(r == slice(0, n) for r, n in zip(rest, rows.shape[1:])):
-            return rows
-        return rows[(slice(None), *rest)]
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` whole, in its own dtype (a new tensor)."""
+        return self._open[self.file[name]].read(name)
 
-    def drop(self) -> None:
-        """Let go of the pages read so far (``SafetensorsFile.drop``)."""
-        for handle in self._open.values():
-            handle.drop()
+    def copy(self, out: torch.Tensor, name: str, region: tuple[slice, ...] | None) -> None:
+        """``out.copy_(tensor[region])``, cast: the region's rows read as one span of the
+        file, cut in later dimensions in memory (a tp slice of columns); no region: all."""
+        handle = self._open[self.file[name]]
+        shape = self.shape[name]
+        if not shape:
+            out.copy_(handle.read(name))
+            return
+        region = region or (slice(0, shape[0]),)
+        rest = region[1:]
+        if all(r == slice(0, n) for r, n in zip(rest, shape[1:])):
+            rest = ()
+        handle.copy_rows(name, region[0], out, rest)
 
     def close(self) -> None:
         for handle in self._open.values():
@@ -147,13 +147,12 @@ def _load(runner, ckpt: Checkpoint) -> None:
             if source.converter is None:
                 key = source.keys[0]
                 for view, region in regions:
-                    view.copy_(ckpt.read(key, region))  # from the mapped file, cast
+                    ckpt.copy(view, key, region)  # from the file, cast
             else:
-                whole = source.realize(lambda key: ckpt.read(key).clone(), model)[fqn]
+                whole = source.realize(ckpt.read, model)[fqn]
                 for view, region in regions:
                     view.copy_(whole[region] if region else whole)
                 del whole
-            ckpt.drop()
     runner.unmade.filled()  # every tensor the state dict has was filled (``_check``)
 
 
