@@ -15,6 +15,7 @@ from shardfx.cost.device_model import DeviceModel
 from shardfx.cost.device_model import device_model as choose_device_model
 from shardfx.errors import InputError, MemoryBudgetError, PipelineError
 from shardfx.codegen.step_in_backward import check as check_optimizer_in_backward
+from shardfx.runtime.offload import check as check_offload_optimizer
 from shardfx.cost.optimizer import optimizer_model
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import check_model, microbatch
@@ -205,6 +206,7 @@ def partition(
     zero: int | str = "auto",
     *,
     optimizer_in_backward: bool = False,
+    offload_optimizer: bool = False,
     capacity_factor: float | None = None,
     device: str | torch.device | None = None,
     device_model: str | os.PathLike | DeviceModel | None = None,
@@ -237,12 +239,15 @@ def partition(
                       fused_loss=_fused_loss(fused_loss), zero=_zero(zero, spec),
                       optimizer_in_backward=_flag(optimizer_in_backward,
                                                   "optimizer_in_backward"),
+                      offload_optimizer=_flag(offload_optimizer, "offload_optimizer"),
                       capacity_factor=_capacity(capacity_factor),
                       device=choose_device(device, model, example_args))
     options = dataclasses.replace(options,
                                   device_model=choose_device_model(device_model, options.device))
     if options.optimizer_in_backward:
         check_optimizer_in_backward(options)
+    if options.offload_optimizer:
+        check_offload_optimizer(options, loss_fn is not None)
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
     # The programs run one microbatch at a time: trace on the first microbatch's shapes.

@@ -97,6 +97,19 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
     """Rewrite ``module``'s graph (module docstring); returns how many ``step_parameters`` it
     has. ``temporaries(params)``: the bytes stepping the parameters ``(FQN, placeholder)``
     allocates besides their gradients."""
+    def step(names: tuple[str, ...], grads: list[fx.Node], params: list[tuple[str, fx.Node]]):
+        return step_parameters, (temporaries(params), names, *grads)
+
+    return hook_gradients(module, outputs, inputs, step, after_readers=True)
+
+
+def hook_gradients(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
+                   inputs: tuple[M.InputRole, ...], hook: Callable, after_readers: bool) -> int:
+    """Each group of gradients (a block's, split where they are in two buckets) handed to one
+    op where the last of them is final (``after_readers``: and the last op reading their
+    parameters has run), instead of being returned: ``hook(names, grads, params)`` gives the
+    op's ``(target, args)``, ``params`` the group's ``(FQN, placeholder)``. Returns how many
+    ops it inserted."""
     graph = module.graph
     out = graph.output_node()
     grads = {v for v, r in zip(out.args[0], outputs)
@@ -122,16 +135,17 @@ def step_in_backward(module: fx.GraphModule, outputs: tuple[M.OutputRole, ...],
                 (index, role.name, value))
     for members in groups.values():
         after = [v for _, _, v in members]
-        after += [last_read[params[name]] for _, name, _ in members
-                  if params.get(name) in last_read]
+        if after_readers:
+            after += [last_read[params[name]] for _, name, _ in members
+                      if params.get(name) in last_read]
         at = max(after, key=order.__getitem__)
-        stepped = [(name, params[name]) for _, name, _ in members if name in params]
+        group = [(name, params[name]) for _, name, _ in members if name in params]
+        target, args = hook(tuple(name for _, name, _ in members), [v for _, _, v in members],
+                            group)
         with graph.inserting_after(at):
-            hook = graph.call_function(step_parameters, (
-                temporaries(stepped), tuple(name for _, name, _ in members),
-                *(v for _, _, v in members)))
-        hook.meta[M.PHASE] = M.Phase.BACKWARD
-        hook.meta[M.VAL] = None  # it returns nothing
+            op = graph.call_function(target, args)
+        op.meta[M.PHASE] = M.Phase.BACKWARD
+        op.meta[M.VAL] = None  # it returns nothing
         for index, _, _ in members:
             returned[index] = None
     out.args = (tuple(returned),)

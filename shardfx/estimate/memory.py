@@ -23,12 +23,20 @@ A step's memory is a walk over what runs, in the order it runs:
   previous one's ``denom`` still bound, at the largest such pair; on
   CUDA the foreach kernels make one the size of all of them).
 
+With ``offload_optimizer`` (``runtime.offload``) the optimizer's state, what it steps, its
+gradients and its step are the host's: the device's moments hold no optimizer state, each
+gradient only until its ``gradients_to_host`` op, and the step after the program none of them;
+``DeviceMemory.host`` is what the host holds at that moment (its copies and the state; at the
+step, the gradients and the step's temporaries, priced as torch's CPU optimizers make them),
+beside the device's bytes, not in ``total``.
+
 The peak is the largest of these moments. ``shardfx.runtime.measure`` measures the same quantity (live
 tensor storage) on a real step, and the tests hold the two within 5%.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections import Counter
@@ -65,6 +73,8 @@ class DeviceMemory:
     saved: int = 0  # activations kept for the backward (all microbatches in flight)
     transient: int = 0  # temporaries: inside forward, backward, the optimizer's update
     communication: int = 0  # receive buffers, collectives' and gradient buckets' buffers
+    host: int = 0  # offload_optimizer: what the host holds then (not in total); in a
+    # plan's breakdown (spmd_memory), the host's own peak over the step
     when: str = ""  # the moment of the peak: "backward, at mm_12", "1B0 (stage1_B)", ...
 
     @property
@@ -81,9 +91,10 @@ class DeviceMemory:
 def spmd_memory(program, options, train: bool, layouts: dict, gathers: list) -> DeviceMemory:
     """The peak of a generated program run by ``runtime.runner`` (one device, or the SPMD
     program every device of a dp/tp mesh runs: its values have this device's local shapes),
-    the fullest of ``spmd_moments``."""
+    the fullest of ``spmd_moments``, with the host's own peak over them."""
     moments = spmd_moments(program, options, train, None, layouts, gathers)
-    return max(moments.values(), key=lambda m: m.total)  # the first of equals
+    peak = max(moments.values(), key=lambda m: m.total)  # the first of equals
+    return dataclasses.replace(peak, host=max(m.host for m in moments.values()))
 
 
 def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: list
@@ -94,15 +105,17 @@ def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: 
     2 then run ``gathers`` (the gather programs, a bucket at a time: ``runtime.zero``), as the
     compiler emitted them."""
     return program_moments(program.module, train, optimizer_model(options.optimizer),
-                           options.device, layouts, options.zero, gathers, moment)
+                           options.device, layouts, options.zero, gathers, moment,
+                           options.offload_optimizer)
 
 
 def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
                     device: torch.device = torch.device("cpu"), zero: dict | None = None,
-                    stage: int = 0, gather: list | None = None, moment=None
-                    ) -> dict[object, DeviceMemory]:
+                    stage: int = 0, gather: list | None = None, moment=None,
+                    offload: bool = False) -> dict[object, DeviceMemory]:
     """A program's peak in each part of a step: the program's own ops (one part, or
-    one per ``moment(op)``, as ``walk_moments``), "optimizer step" and "ZeRO gather"."""
+    one per ``moment(op)``, as ``walk_moments``), "optimizer step" and "ZeRO gather".
+    ``offload``: the optimizer's state, step and gradients on the host (module docstring)."""
     params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):
         role, val = node.meta[M.ROLE], node.meta[M.VAL]
@@ -113,29 +126,38 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
             buffers += tensor_bytes(val)
     state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers)
     opt_state = optimizer_state(stepped, optimizer) if train else 0
+    offload = offload and train
+    host = 0
+    if offload:  # the host's copies and the state; the device's state without them
+        host, opt_state = opt_state + sum(map(tensor_bytes, stepped)), 0
     kind = kind_of(program.graph)
     walked = {None: walk(program.graph, kind)} if moment is None else \
         walk_moments(program.graph, kind, moment)
     moments: dict[object, DeviceMemory] = {
-        at: DeviceMemory(**state, optimizer=opt_state, **peak, when=when)
+        at: DeviceMemory(**state, optimizer=opt_state, **peak, host=host, when=when)
         for at, (peak, _, when) in walked.items()}
     in_backward = bool(_steps_in_backward(program.graph))  # no step after the program
-    if train and optimizer.name != "none" and not in_backward:
+    if offload:  # the step on the host: every gradient there, the step's temporaries
+        moments["optimizer step"] = DeviceMemory(
+            **state, transient=_loss_bytes(program.graph), when="optimizer step (on the host)",
+            host=host + sum(map(tensor_bytes, stepped))
+            + optimizer_temporaries(stepped, optimizer, torch.device("cpu")))
+    elif train and optimizer.name != "none" and not in_backward:
         grads = sum(map(tensor_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
         moments["optimizer step"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=grads,
             transient=optimizer_temporaries(stepped, optimizer, device)
             + _loss_bytes(program.graph), when="optimizer step")
-    if train and stage == 1 and not in_backward:  # the runner cuts this rank's rows from the
+    if train and stage == 1 and not in_backward and not offload:  # the runner cuts this rank's rows from the
         # whole gradients, which the program returned and still holds (``runner._set_grads``)
         whole = _graph_grads(program.graph)
         moments["ZeRO-1 rows"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=whole + sum(map(tensor_bytes, stepped)),
             when="ZeRO-1: this rank's rows cut from the whole gradients")
     if train and gather:  # ZeRO-1/2: every rank's updated rows, gathered
-        held = 0 if in_backward else sum(map(tensor_bytes, stepped))
+        held = 0 if in_backward or offload else sum(map(tensor_bytes, stepped))
         moments["ZeRO gather"] = DeviceMemory(  # (stepped in the backward: gradients gone)
-            **state, optimizer=opt_state, gradients=held,
+            **state, optimizer=opt_state, gradients=held, host=host,
             transient=zero_gather_peak(gather), when="ZeRO gather after the optimizer step")
     return moments
 
@@ -145,6 +167,12 @@ def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:
     walk counts their temporaries (the op's ``workspace``), and there is no step after it."""
     return [n for n in graph.nodes
             if n.op == "call_function" and getattr(n.target, "steps_optimizer", False)]
+
+
+def _sent_to_host(graph: fx.Graph) -> list[fx.Node]:
+    """The ops handing gradients to the host (``codegen.gradients_to_host``)."""
+    return [n for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "moves_to_host", False)]
 
 
 def zero_gather_peak(programs: list) -> int:
@@ -166,6 +194,7 @@ def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
     grads = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
              if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
     grads |= {g for step in _steps_in_backward(graph) for g in step.args[2:]}
+    grads |= {g for send in _sent_to_host(graph) for g in send.args[2:]}
     phase = phases(graph)  # ops codegen inserted take the phase of the op before them
 
     def kind(node: fx.Node) -> str:

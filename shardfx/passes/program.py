@@ -23,6 +23,7 @@ from shardfx.codegen.replicas import cut, replica_program
 from shardfx.codegen.zero import zero_gather_programs
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
+from shardfx.codegen.gradients_to_host import send_gradients_to_host
 from shardfx.cost.device_model import default_model
 from shardfx.cost.optimizer import optimizer_model, optimizer_temporaries, stepped_value
 from shardfx.passes.fused_loss import fuse_loss
@@ -54,6 +55,8 @@ def program_passes(options) -> list:
         #                          before first use in forward and again in backward, prefetched
         *([optimizer_in_backward] if options.optimizer_in_backward else []),  # after the
         #             buckets: a gradient is final once its bucket's reduction is waited for
+        *([gradients_to_host] if options.offload_optimizer else []),  # there too, for the
+        #                                    same reason: each gradient leaves when it is final
         *([split_stages] if options.stages > 1 else []),  # a pipeline: F, B, W parts per stage
         *([replica_reductions] if replicas else []),  # a pipeline's dp: each stage's gradients
         #      summed (or ZeRO-2's rows) by the passes above, in parts the runner issues as the
@@ -113,6 +116,23 @@ def optimizer_in_backward(program: Program, options) -> Program:
         return optimizer_temporaries(stepped, model, options.device) + rows
 
     step_in_backward(program.module, program.outputs, program.inputs, temporaries)
+    return program
+
+
+@contract(requires=[BUCKETED],
+          ensures=[holds("no gradient returned: each is sent to the host where it is final",
+                         "not returned", returned_gradient)])
+def gradients_to_host(program: Program, options) -> Program:
+    """Requires/Ensures: ``codegen.gradients_to_host`` (each block's gradients handed to the
+    host where they are final; the gradients not returned)."""
+    layouts = zero_layouts(program, options.mesh.axis("dp")) if options.zero == 1 else {}
+
+    def workspace(params: list[tuple[str, fx.Node]]) -> int:
+        """zero=1 cuts this rank's rows from each whole gradient on the device first."""
+        stepped = [stepped_value(node, layouts.get(name)) for name, node in params]
+        return sum(v.numel() * v.element_size() for v in stepped) if options.zero == 1 else 0
+
+    send_gradients_to_host(program.module, program.outputs, program.inputs, workspace)
     return program
 
 

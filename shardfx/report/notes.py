@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from shardfx.auto import zero_stage
 from shardfx.compiler.budget import Candidate
+from shardfx.codegen.gradients_to_host import gradients_to_host
 from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.ir import meta as M
 from shardfx.auto.remat import by_module, group_name
@@ -14,7 +15,7 @@ from shardfx.codegen.redistribute import Purpose
 
 def memory_notes(plan) -> list[str]:
     """What the plan holds per device and why: the optimizer counted, the precision, the
-    training state, ZeRO, the optimizer in the backward, fused kernels and the fused LM head,
+    training state, ZeRO, the optimizer in the backward or offloaded, fused kernels and the fused LM head,
     and what ``memory_budget`` made it recompute or try."""
     opt = plan.options.optimizer if plan.mode is M.Mode.TRAIN else None
     notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
@@ -57,6 +58,15 @@ def memory_notes(plan) -> list[str]:
                      "parameters (any other parameter alone) stepped where their "
                      "gradients are final, the gradients freed there: the step never "
                      "holds them all")
+    if plan.options.offload_optimizer and plan.program is not None:
+        sends = plan.program.module.graph.find_nodes(op="call_function",
+                                                     target=gradients_to_host)
+        host = max(m.host for m in plan.memory_breakdown().values())
+        notes.append(f"Optimizer offloaded: what it steps, its gradients and its state are "
+                     f"the host's ({nbytes(host)} per device at the step), and it steps "
+                     f"there; {len(sends)} hand-overs copy each block's gradients to the host "
+                     "where they are final and free them on the device; the updated values "
+                     "are copied back after the step")
     kernels = plan.kernels()
     if kernels:
         ops = sum(len(k.group.ops) for k in kernels)

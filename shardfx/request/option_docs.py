@@ -52,6 +52,13 @@ OPTIONS = {
         (``codegen.step_in_backward``): a step never holds the whole model's gradients; it
         cannot clip by the global norm, accumulate batches or scale an fp16 loss, and is not
         in pipelines yet (with ZeRO each rank steps its rows).""",
+    "offload_optimizer": """True keeps what the optimizer steps (a copy of this rank's
+        parameters, or its ZeRO rows of them) and the optimizer's state in host memory, pinned
+        on CUDA, and steps the optimizer there (``torch.optim`` on CPU tensors): each block's
+        gradients go to the host as soon as they are final and leave the device
+        (``codegen.gradients_to_host``), and the updated values come back after the step
+        (``runtime.offload``). The device holds the parameters and activations only; composes
+        with ZeRO-1/2/3, tp, clipping, loss scaling and accumulation; not in pipelines yet.""",
     "capacity_factor": """Mixture of experts: each expert takes at most ceil(factor x T x k /
         E) of the T x k (token, expert) pairs of a rank's T tokens per microbatch, the first in
         token order, the rest dropped (the token's residual carries it on); None: dropless,

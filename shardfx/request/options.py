@@ -37,6 +37,8 @@ class Options:
     # "auto" until the plan chooses (auto.zero_stage), an int in every program pass
     optimizer_in_backward: bool = False  # step each block's parameters as their gradients are
     # final, in the backward (codegen.step_in_backward)
+    offload_optimizer: bool = False  # what the optimizer steps, its state and its step in host
+    # memory (runtime.offload; codegen.gradients_to_host)
     capacity_factor: float | None = None  # MoE experts' capacity (shardfx.experts); None: dropless
     device: torch.device = torch.device("cpu")  # where the programs run (kernels.device)
     device_model: Any = None  # a shardfx.cost.device_model.DeviceModel: the speeds time is traded at

@@ -9,7 +9,7 @@ over the file, the file over the default. The tree, section by section:
 
     [run]         spec (MODULE:FACTORY), seed
     [parallel]    mesh, shard, zero, precision, kernels, microbatches, schedule,
-                  virtual_stages, capacity_factor
+                  virtual_stages, capacity_factor, offload_optimizer
     [optimizer]   lr, weight_decay, beta1, beta2, eps            (AdamW)
     [lr_schedule] warmup, decay (constant | cosine | linear), final_lr   (a fraction of lr)
     [training]    steps, accumulate, clip_grad_norm
@@ -43,6 +43,13 @@ def _f(default: Any, help: str, kind: type = None, choices: tuple = (),
                                             "choices": choices, "parse": parse or kind or type(default)})
 
 
+def boolean(text: str) -> bool:
+    """A true-or-false flag's value: ``true`` or ``false``."""
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"{text!r} is not true or false")
+    return text.lower() == "true"
+
+
 def zero_stage(text: str) -> int | str:
     """A ``--zero`` flag's value: a stage 0-3, or "auto"."""
     return text if text == "auto" else int(text)
@@ -66,6 +73,7 @@ class Parallel:  # partition()'s options: their help is theirs (request/option_d
     schedule: str | None = _f(None, summary("schedule"), str)
     virtual_stages: int | None = _f(None, summary("virtual_stages"), int)
     capacity_factor: float | None = _f(None, summary("capacity_factor"), float)
+    offload_optimizer: bool = _f(False, summary("offload_optimizer"), bool, parse=boolean)
 
 
 @dataclass

@@ -142,7 +142,8 @@ def train(config: RunConfig) -> list[float]:
     plan = shardfx.partition(job.model, job.args, job.loss_fn, job.targets, mesh=mesh,
                              shard=config.shard, precision=config.precision, zero=config.zero,
                              kernels=config.kernels,
-                             capacity_factor=config.capacity_factor, **pipeline)
+                             capacity_factor=config.capacity_factor,
+                             offload_optimizer=config.offload_optimizer, **pipeline)
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")
         print(str(plan).rstrip("\n"))  # what it decided, before it runs

@@ -15,6 +15,11 @@ on a GPU ``torch.cuda.max_memory_allocated`` measures the same thing plus that r
 runners mark ``"fwd+bwd"`` between the program and the optimizer's step, so a step whose peak
 is in the optimizer's update still shows what forward and backward held.
 
+Host memory (``runtime.offload``: an offloaded optimizer's state, its step, what it steps)
+is counted apart: a storage made under ``on_host()``, or registered as the host's, counts in
+``Peak.host`` and not in ``total``, so a CPU run, where host and "device" are one memory,
+still measures the device's peak and the host's each on its own, as a GPU's would be.
+
 ``through_compile=True`` lets ``torch.compile``'d code run compiled under the tracker: a
 dispatch mode that does not say ``ignore_compile_internals`` makes torch.compile fall back to
 eager (and keep skipping the frame), which would measure the eager step instead. Compiled
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -44,6 +50,21 @@ class Peak:
     after: int  # live when the run returned
     marks: dict[str, int] = field(default_factory=dict)  # mark(name) -> the peak so far then
     backend: int = 0  # allocated_peak: the collective backend's threads' own peak, not in total
+    host: int = 0  # the host's own peak (on_host; offload), not in total
+    host_existing: int = 0  # of which: the host's tensors registered before the run
+
+
+_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("on_host", default=False)
+
+
+@contextlib.contextmanager
+def on_host():
+    """Within: every storage made or written is the host's (module docstring)."""
+    token = _HOST.set(True)
+    try:
+        yield
+    finally:
+        _HOST.reset(token)
 
 
 class _Storages(TorchDispatchMode):
@@ -57,13 +78,15 @@ class _Storages(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
+        self.host_live = self.host_peak = 0  # the host's storages (on_host), apart
+        self._host: set[int] = set()
         self._seen: dict[int, weakref.ref] = {}
         self._bytes: dict[int, int] = {}  # storage -> the bytes it is counted at now
         self._existing: set[int] = set()
         self._dead: collections.deque[int] = collections.deque()  # freed, not yet counted
         self.marks: dict[str, int] = {}
 
-    def add(self, t: torch.Tensor, existing: bool = False) -> None:
+    def add(self, t: torch.Tensor, existing: bool = False, host: bool = False) -> None:
         t = getattr(t, "_local_tensor", t) if type(t).__name__ == "DTensor" else t
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
@@ -76,16 +99,25 @@ class _Storages(TorchDispatchMode):
         self._seen[key] = weakref.ref(storage, lambda _, k=key: self._dead.append(k))
         if existing:
             self._existing.add(key)
-        self.live += self._bytes[key]
-        self.peak = max(self.peak, self.live)
+        if host or _HOST.get():
+            self._host.add(key)
+        self._count(key, self._bytes[key])
+
+    def _count(self, key: int, change: int) -> None:
+        if key in self._host:
+            self.host_live += change
+            self.host_peak = max(self.host_peak, self.host_live)
+        else:
+            self.live += change
+            self.peak = max(self.peak, self.live)
 
     def resized(self, storage) -> None:
         self.settle()
         key = storage._cdata
         if key in self._bytes:
-            self.live += storage.nbytes() - self._bytes[key]
+            change = storage.nbytes() - self._bytes[key]
             self._bytes[key] = storage.nbytes()
-            self.peak = max(self.peak, self.live)
+            self._count(key, change)
 
     def settle(self) -> None:
         """Count the storages freed since: before every count that can raise the peak, so
@@ -97,11 +129,13 @@ class _Storages(TorchDispatchMode):
             key = self._dead.popleft()
             self._seen.pop(key, None)
             self._existing.discard(key)
-            self.live -= self._bytes.pop(key, 0)
+            self._count(key, -self._bytes.pop(key, 0))
+            self._host.discard(key)
 
-    def existing_bytes(self) -> int:
+    def existing_bytes(self, host: bool = False) -> int:
         self.settle()
-        return sum(self._seen[k]().nbytes() for k in self._existing if self._seen[k]() is not None)
+        return sum(self._seen[k]().nbytes() for k in self._existing
+                   if (k in self._host) == host and self._seen[k]() is not None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -146,11 +180,12 @@ def measured_peak(run: Callable[[], Any], *existing: Any, through_compile: bool 
     ``through_compile``: let torch.compile'd code in ``run`` run compiled (module docstring)."""
     tracker = _StoragesThroughCompile() if through_compile else _Storages()
     _register(tracker, existing)  # in a call of its own: no reference outlives it
-    start = tracker.existing_bytes()
+    start, host = tracker.existing_bytes(), tracker.existing_bytes(host=True)
     with tracker, _following(tracker):
         run()
     tracker.settle()
-    return Peak(total=tracker.peak, existing=start, after=tracker.live, marks=tracker.marks)
+    return Peak(total=tracker.peak, existing=start, after=tracker.live, marks=tracker.marks,
+                host=tracker.host_peak, host_existing=host)
 
 
 def allocated_peak(run: Callable[[], Any], *existing: Any) -> Peak:
@@ -219,8 +254,22 @@ def mark(name: str) -> None:
 
 
 def _register(tracker: _Storages, existing: tuple) -> None:
+    host = _host_tensors(existing)
+    for t in host:
+        tracker.add(t, existing=True, host=True)
     for t in _tensors(existing):
-        tracker.add(t, existing=True)
+        tracker.add(t, existing=True)  # (the host's already seen: not counted again)
+
+
+def _host_tensors(things: tuple) -> list[torch.Tensor]:
+    """The host's tensors of the runners among ``things`` (``runtime.offload``): what their
+    optimizers step, its gradients, the optimizer's state."""
+    out = []
+    for thing in things:
+        if (offload := getattr(thing, "offload", None)) is not None:
+            out += _tensors((list(offload.masters.values()),
+                             *([thing.optimizer] if thing.optimizer is not None else [])))
+    return out
 
 
 def _tensors(things: tuple) -> list[torch.Tensor]:
@@ -236,7 +285,7 @@ def _tensors(things: tuple) -> list[torch.Tensor]:
         elif isinstance(thing, torch.nn.Module):
             out += _tensors(tuple(thing.parameters())) + list(thing.buffers())
         elif hasattr(thing, "parameters") and hasattr(thing, "optimizer"):  # a shardfx runner
-            out += _tensors(tuple(thing.parameters()))
+            out += _tensors(tuple(getattr(thing, "device_parameters", thing.parameters)()))
             out += list(getattr(thing, "_buffers", {}).values())
             if thing.optimizer is not None:
                 out += _tensors((thing.optimizer,))

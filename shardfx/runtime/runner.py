@@ -21,11 +21,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from shardfx.codegen.accumulate_into import Accumulating, accumulating
+from shardfx.codegen.gradients_to_host import receiving
 from shardfx.codegen.program import Program
 from shardfx.codegen.step_in_backward import stepping
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
-from shardfx.runtime.measure import mark
+from shardfx.runtime.measure import mark, on_host
+from shardfx.runtime.offload import Offload
 from shardfx.kernels import expert_load as load
 from shardfx.kernels.expert_load import BATCH_SPLIT
 from shardfx.runtime.accumulate import accumulated, mean_loss
@@ -96,6 +98,9 @@ class Runner:
             self._buffers = {name: self._whole(name, b).to(self.device)
                              for name, b in self._buffers.items()}
         self._constants: dict[fx.Node, torch.Tensor] = {}  # on this device, made once
+        # offload_optimizer: what the optimizer steps, its gradients and its state on the host
+        self.offload = Offload(self._device_trained(), self.device) \
+            if plan.options.offload_optimizer and plan.mode is M.Mode.TRAIN else None
         self.optimizer = make_optimizer(optimizer, list(self._trained().values()))
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
             check_optimizer(plan.options.optimizer, self.optimizer)
@@ -124,6 +129,8 @@ class Runner:
         returns the mean of their losses (module ``runtime.accumulate``)."""
         batches = accumulated(batches)
         settle(self)  # a meta model's weights, on first use
+        if self.offload is not None:  # the host's copies, after a load or a first use
+            self.offload.pull(self._device_trained())
         if self._in_backward and len(batches) > 1:
             raise InputError(
                 f"this plan steps the optimizer in the backward: it cannot accumulate "
@@ -148,7 +155,13 @@ class Runner:
         self.step_count += 1
         self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
-        if not self._in_backward:  # else each block stepped in the program (step_in_backward)
+        if self.offload is not None:  # every gradient on the host: step there, then back
+            self.offload.wait()
+            with on_host():
+                self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
+                                             self._norm_terms(trained), self.clip_grad_norm)
+            self.offload.push(self._device_trained())
+        elif not self._in_backward:  # else each block stepped in the program
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
                                          self._norm_terms(trained), self.clip_grad_norm)
         for name, g in self._stepped_grads.items():
@@ -206,8 +219,8 @@ class Runner:
         a matmul's or an embedding's, not made anew), when it has one and all of them exist.
         ZeRO steps rows of the gradients, which the program does not make: none there."""
         variant = self._summing
-        if variant is None or self._zero is not None:
-            return {}
+        if variant is None or self._zero is not None or self.offload is not None:
+            return {}  # (offloaded: the host adds each batch's gradients)
         grads = {name: trained[name].grad for name in variant.names if name in trained}
         return grads if all(g is not None for g in grads.values()) and \
             len(grads) == len(variant.names) else {}
@@ -231,7 +244,7 @@ class Runner:
             variant = self._summing
             module = variant.module
             inputs += [into[name] for name in variant.names]
-        with torch.no_grad(), stepping(self._step_in_backward):
+        with torch.no_grad(), stepping(self._step_in_backward), receiving(self._receive):
             values = runnable(module, self.device, self._compiled)(*inputs)
         outs = []
         for role, value in zip(program.outputs, values):
@@ -301,7 +314,8 @@ class Runner:
         out = {}
         for name, p in self._trained().items():
             if p.grad is not None:
-                g = self._zero.whole(name, p.grad) if name in self._stepped else p.grad
+                g = p.grad.to(self.device)  # (offloaded: from the host)
+                g = self._zero.whole(name, g) if name in self._stepped else g
                 out[name] = self._full(name, {name: g})
         return out
 
@@ -310,6 +324,13 @@ class Runner:
         local = (lambda name, t: t) if self._shards is None else self._local
         load_state(self.plan, state, tensors, local)
         self.unmade.filled()  # every tensor filled (load_state checks the names first)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The device's tensors are changing other than by a step: offloaded, the host's
+        copies are filled from them again before the next step."""
+        if self.offload is not None:
+            self.offload.stale = True
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full``: its tp shard, and under ZeRO-3 its rows of that."""
@@ -355,8 +376,20 @@ class Runner:
                 self._stepped_grads[name] = trained[name].grad
             trained[name].grad = None
 
+    def _receive(self, names: tuple[str, ...], grads: tuple) -> None:
+        """The program's ``gradients_to_host`` (``codegen.gradients_to_host``): each gradient
+        (ZeRO-1: this rank's rows cut from it) into its host copy's ``.grad``."""
+        for name, g in zip(names, grads):
+            self.offload.receive(name, self._zero.grad(name, g) if name in self._stepped else g)
+
     def _trained(self) -> dict[str, torch.nn.Parameter]:
-        """The tensors the optimizer steps, by FQN: the parameters, or ZeRO's rows of them."""
+        """The tensors the optimizer steps, by FQN: the parameters, or ZeRO's rows of them;
+        offloaded, their copies on the host."""
+        return self.offload.masters if self.offload is not None else self._device_trained()
+
+    def _device_trained(self) -> dict[str, torch.nn.Parameter]:
+        """The device's tensors the optimizer's updates land in: the parameters, or ZeRO's
+        rows of them."""
         return {**self._params, **self._stepped}
 
     def save(self, path, **meta) -> "Path":
@@ -368,12 +401,14 @@ class Runner:
     def load(self, path) -> dict:
         """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
         returns its meta (``runtime.saving``)."""
+        self._changed()
         return saving.load(self, path)
 
     def load_hf(self, path) -> None:
         """Fill this rank's tensors from the Hugging Face checkpoint directory ``path``
         (``save_pretrained``'s safetensors), reading only its slices of each tensor
         (``runtime.hf_load``); on every rank."""
+        self._changed()
         hf_load.load_hf(self, path)
 
     def save_hf(self, path, max_shard_bytes: int = hf_save.SHARD_BYTES) -> "Path":
@@ -393,6 +428,7 @@ class Runner:
         coord = self._shards.coord if self._shards is not None else {}
         zero = self._zero.layouts if self._zero is not None else {}
         model, stepped = {}, {}
+        trained = self._trained()  # what the optimizer's state is kept for
         for name, t in {**self._params, **self._buffers}.items():
             placements = self._placements.get(name, ())
             shape = zero[name].shape if name in zero else t.shape
@@ -401,18 +437,24 @@ class Runner:
             model[name] = zero_held(t, zero[name], self._zero.index, at, split) \
                 if name in zero and self._zero.stage == 3 else Held(t, at, parts=split)
             if name in zero:
-                stepped[name] = (self._stepped[name],
+                stepped[name] = (trained[name],
                                  zero_held(self._stepped[name], zero[name], self._zero.index, at,
                                            split))
             elif name in self._params:
-                stepped[name] = (self._params[name], model[name])
+                stepped[name] = (trained[name], model[name])
         return model, stepped
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         """What the optimizer steps: this rank's parameters (its tp shards; under ZeRO, its
-        rows of them)."""
+        rows of them); offloaded, their copies on the host."""
         settle(self)
         return self._trained().values()
+
+    def device_parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The device's tensors the optimizer's updates land in (``parameters()`` unless the
+        optimizer is offloaded: then those are the host's copies)."""
+        settle(self)
+        return self._device_trained().values()
 
 
 def load_state(plan: "Plan", state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
