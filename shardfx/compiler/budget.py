@@ -62,14 +62,16 @@ class Candidate:
 def fit_budget(plan, budget: int) -> None:
     """Set ``plan.remat`` and, in a pipeline, ``plan.schedule`` so every device fits ``budget``.
     A budget no plan meets is a ``MemoryBudgetError``, whose fix names the ZeRO stage that
-    would meet it, where one would (``zero_advice``)."""
+    would meet it, where one would (``zero_advice``), and optimizer offload where it would
+    (``offload_advice``)."""
     try:
         _fit_budget(plan, budget)
         if plan.remat is not None and not plan.program_records:  # the chosen program again,
             evaluate(plan, record=True)  # its passes' text recorded
     except MemoryBudgetError as e:
         least = getattr(e, "least", None)
-        advice = zero_advice(plan, least, budget)
+        advice = "; or ".join(filter(None, (zero_advice(plan, least, budget),
+                                            offload_advice(plan, least, budget))))
         if advice:
             fix = f"{advice}; or {e.fix}"
         elif least is not None and plan.options.zero:  # the advice names the stage it has
@@ -100,6 +102,21 @@ def zero_advice(plan, least, budget: int) -> str:
                     f"state {int(state)} bytes per device instead of {p + g + o} (ZeRO-{k} "
                     f"over dp={dp})")
     return ""
+
+
+def offload_advice(plan, least, budget: int) -> str:
+    """Optimizer offload, where the smallest peak found (``least``) without the optimizer's
+    state and the gradients, which it moves to the host (``runtime.offload``), would be under
+    ``budget``; else "". (Offloaded, the device still holds the gradients of the blocks whose
+    backward is under way: "about".)"""
+    if least is None or plan.options.offload_optimizer or not least.optimizer:
+        return ""
+    device = least.total - least.optimizer - least.gradients
+    if device > budget:
+        return ""
+    return (f"partition(..., offload_optimizer=True) would keep the optimizer's state "
+            f"({least.optimizer} bytes) and the gradients ({least.gradients}) in host memory, "
+            f"about {device} bytes per device")
 
 
 def _fit_budget(plan, budget: int) -> None:

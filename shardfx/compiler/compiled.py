@@ -156,7 +156,7 @@ class Compiled:
             return {rank: one for rank in range(self.mesh.size)}
         program, opt = self.compiled_stages(), optimizer_model(self.options.optimizer)
         per_pp = {r: pipeline_memory(program, r, train, opt, self.mesh.axis("dp"), self.device,
-                                     self.options.zero)
+                                     self.options.zero, self.options.offload_optimizer)
                   for r in range(self.mesh.axis("pp"))}
         return {rank: per_pp[coord] for rank, coord in self.pp_coordinates().items()}
 

@@ -22,6 +22,7 @@ optimizer's step, and under ZeRO-1/2 the gather of the updated rows.
 from __future__ import annotations
 
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -117,11 +118,13 @@ def owned_gradients(part: fx.GraphModule, outputs) -> frozenset[int]:
 
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     dp: int = 1, device: torch.device = torch.device("cpu"),
-                    zero: int = 0) -> DeviceMemory:
+                    zero: int = 0, offload: bool = False) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
     ``codegen.steps.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
     optimizer steps this dp replica's rows of each parameter the rank owns: its state and, at
-    its step, the gradients are those rows; then the updated rows are gathered."""
+    its step, the gradients are those rows; then the updated rows are gathered. ``offload``:
+    the optimizer's state, what it steps and, after the schedule, the gradients are the host's
+    (``DeviceMemory.host``: its peak, at the step)."""
     reads = program.reads(rank)
     params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
     buffers = sum(tensor_bytes(program.input_val(n)) for n, r in reads.items()
@@ -133,6 +136,10 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         rows = [torch.empty(M.ZeroShard(tuple(v.shape), dp).shard_shape, dtype=v.dtype,
                              device="meta") for v in rows]
     opt_state = optimizer_state(rows, optimizer) if train else 0
+    offload = offload and train
+    host = 0
+    if offload:  # the host's copies and the state; the device's state without them
+        host, opt_state = opt_state + sum(map(tensor_bytes, rows)), 0
     state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers, optimizer=opt_state)
     parts: dict[str, _Part] = {}  # the parts this rank runs, each walked once
     steps = program.steps(rank)
@@ -227,12 +234,16 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     sending = reducing = 0
     if zero:  # the whole gradients go; the optimizer steps this replica's rows
         grads = {"rows": sum(map(tensor_bytes, rows))}
-    if train and optimizer.name != "none":
+    if offload:  # the gradients went to the host, where the optimizer steps
+        grads = {}
+        host += sum(map(tensor_bytes, rows)) + optimizer_temporaries(rows, optimizer,
+                                                                     torch.device("cpu"))
+    elif train and optimizer.name != "none":
         consider(optimizer_temporaries(rows, optimizer, device), 0, "optimizer step")
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
         gathers = [g for r in _stage_reductions(program, rank).values() for g in r.gathers]
         consider(zero_gather_peak(gathers), 0, "ZeRO gather")
-    return best
+    return dataclasses.replace(best, host=host)
 
 
 def _stage_reductions(program, rank: int) -> dict:

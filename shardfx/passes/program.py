@@ -55,8 +55,9 @@ def program_passes(options) -> list:
         #                          before first use in forward and again in backward, prefetched
         *([optimizer_in_backward] if options.optimizer_in_backward else []),  # after the
         #             buckets: a gradient is final once its bucket's reduction is waited for
-        *([gradients_to_host] if options.offload_optimizer else []),  # there too, for the
-        #                                    same reason: each gradient leaves when it is final
+        *([gradients_to_host] if options.offload_optimizer and options.stages == 1 else []),
+        #   there too, for the same reason: each gradient leaves when it is final (a
+        #   pipeline's runner sends a stage's gradients, summed over its microbatches)
         *([split_stages] if options.stages > 1 else []),  # a pipeline: F, B, W parts per stage
         *([replica_reductions] if replicas else []),  # a pipeline's dp: each stage's gradients
         #      summed (or ZeRO-2's rows) by the passes above, in parts the runner issues as the

@@ -58,15 +58,20 @@ def memory_notes(plan) -> list[str]:
                      "parameters (any other parameter alone) stepped where their "
                      "gradients are final, the gradients freed there: the step never "
                      "holds them all")
-    if plan.options.offload_optimizer and plan.program is not None:
-        sends = plan.program.module.graph.find_nodes(op="call_function",
-                                                     target=gradients_to_host)
+    if plan.options.offload_optimizer and plan.mode is M.Mode.TRAIN:
         host = max(m.host for m in plan.memory_breakdown().values())
+        if plan.program is not None:
+            sends = plan.program.module.graph.find_nodes(op="call_function",
+                                                         target=gradients_to_host)
+            how = (f"{len(sends)} hand-overs copy each block's gradients to the host where "
+                   "they are final and free them on the device")
+        else:
+            how = ("each stage's gradients, summed over its microbatches, go to the host "
+                   "when the schedule ends")
         notes.append(f"Optimizer offloaded: what it steps, its gradients and its state are "
-                     f"the host's ({nbytes(host)} per device at the step), and it steps "
-                     f"there; {len(sends)} hand-overs copy each block's gradients to the host "
-                     "where they are final and free them on the device; the updated values "
-                     "are copied back after the step")
+                     f"the host's (up to {nbytes(host)} per device, at the step), and it "
+                     f"steps there; {how}; the updated values are copied back after the "
+                     "step")
     kernels = plan.kernels()
     if kernels:
         ops = sum(len(k.group.ops) for k in kernels)

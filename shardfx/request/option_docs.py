@@ -57,8 +57,9 @@ OPTIONS = {
         on CUDA, and steps the optimizer there (``torch.optim`` on CPU tensors): each block's
         gradients go to the host as soon as they are final and leave the device
         (``codegen.gradients_to_host``), and the updated values come back after the step
-        (``runtime.offload``). The device holds the parameters and activations only; composes
-        with ZeRO-1/2/3, tp, clipping, loss scaling and accumulation; not in pipelines yet.""",
+        (``runtime.offload``; in a pipeline a stage's gradients go when its schedule ends). The
+        device holds the parameters and activations only; composes with ZeRO-1/2/3, tp, pp,
+        clipping, loss scaling and accumulation.""",
     "capacity_factor": """Mixture of experts: each expert takes at most ceil(factor x T x k /
         E) of the T x k (token, expert) pairs of a rank's T tokens per microbatch, the first in
         token order, the rest dropped (the token's residual carries it on); None: dropless,

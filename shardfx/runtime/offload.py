@@ -112,11 +112,6 @@ def check(options, train: bool) -> None:
                          where=f"{where} without loss_fn",
                          fix="drop offload_optimizer, or pass a loss_fn (and its "
                              "example_targets) to plan training")
-    if options.stages > 1:
-        raise InputError("offload_optimizer is not supported in a pipeline yet: the pipeline's "
-                         "runner sums a stage's gradients over its microbatches on the device",
-                         where=where, fix="drop offload_optimizer, or the pp axis (zero=2 or 3 "
-                                          "over dp also divides the optimizer's state)")
     if options.optimizer_in_backward:
         raise InputError("offload_optimizer and optimizer_in_backward together: the host steps "
                          "after the backward, once every gradient is there", where=where,

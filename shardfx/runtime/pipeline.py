@@ -53,7 +53,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
-from shardfx.runtime.measure import mark
+from shardfx.runtime.measure import mark, on_host
+from shardfx.runtime.offload import Offload
 from shardfx.kernels import expert_load as load
 from shardfx.kernels.expert_load import BATCH_SPLIT
 from shardfx.cost.optimizer import check_optimizer
@@ -123,6 +124,10 @@ class PipelineRunner(PipelineState):
         for fqn in self.zero.layouts if self.zero is not None else ():
             self.params[fqn], self.stepped[fqn] = self.zero.hold(fqn, self.params[fqn].detach(),
                                                                  fqn in self.unmade.names)
+        # offload_optimizer: what the optimizer steps, its gradients and its state on the host
+        self.offload = Offload({fqn: self.device_trained()[fqn] for fqn in sorted(self.owned)},
+                               self.device) \
+            if plan.options.offload_optimizer and plan.mode is M.Mode.TRAIN else None
         owned = [self.trained()[fqn] for fqn in sorted(self.owned)]
         self.optimizer = make_optimizer(optimizer, owned)
         if self.optimizer is not None and plan.mode is M.Mode.TRAIN:
@@ -196,6 +201,8 @@ class PipelineRunner(PipelineState):
         the schedule; their gradients add up, each reduced over dp as the schedule ends."""
         batches = accumulated(batches)
         settle(self)  # a meta model's weights, on first use
+        if self.offload is not None:  # the host's copies, after a load or a first use
+            self.offload.pull(self.device_trained())
         trained = self.trained()
         for p in trained.values():  # the last step's gradients go now, not at the end
             p.grad = None
@@ -208,8 +215,15 @@ class PipelineRunner(PipelineState):
         self.step_count += 1
         self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
-        self.grad_norm = finish_step(self.optimizer, self.loss_scaler, self._norm_terms(trained),
-                                     self.clip_grad_norm)
+        if self.offload is None:
+            self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
+                                         self._norm_terms(trained), self.clip_grad_norm)
+        else:  # every gradient on the host: step there, then back
+            self.offload.wait()
+            with on_host():
+                self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
+                                             self._norm_terms(trained), self.clip_grad_norm)
+            self.offload.push(self.device_trained())
         if self.zero is not None:  # every replica's updated rows, gathered
             self.zero.after_step(self.stepped, self._dp.group_name)
         self._share_tied()
@@ -253,7 +267,9 @@ class PipelineRunner(PipelineState):
                 continue
             if fqn in self.stepped:  # this replica's rows
                 g = rows[fqn] if zero2 else self.zero.rows(fqn, g)
-            if p.grad is None:
+            if self.offload is not None:  # to the host (added to an earlier batch's there)
+                self.offload.receive(fqn, g)
+            elif p.grad is None:
                 p.grad = g
             else:
                 p.grad.add_(g)

@@ -29,8 +29,27 @@ class PipelineState:
         settle(self)
         return self.trained().values()
 
+    def device_parameters(self):
+        """This rank's parameters on its device (``parameters()`` unless the optimizer is
+        offloaded: then those it steps are the host's copies)."""
+        settle(self)
+        return self.device_trained().values()
+
     def trained(self) -> dict[str, torch.Tensor]:
+        """What this rank's optimizer steps and the parameters it reads, by FQN; offloaded,
+        those it steps are the host's copies (``runtime.offload``)."""
+        if getattr(self, "offload", None) is None:  # (none yet while the runner is made)
+            return self.device_trained()
+        return self.device_trained() | self.offload.masters
+
+    def device_trained(self) -> dict[str, torch.Tensor]:
         return {**self.params, **self.stepped}
+
+    def _changed(self) -> None:
+        """The device's tensors are changing other than by a step: offloaded, the host's
+        copies are filled from them again before the next step."""
+        if getattr(self, "offload", None) is not None:
+            self.offload.stale = True
 
     def save(self, path, **meta):
         """Write this runner's training state to the checkpoint ``path``, on every rank, all
@@ -40,11 +59,13 @@ class PipelineState:
     def load(self, path) -> dict:
         """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
         returns its meta."""
+        self._changed()
         return saving.load(self, path)
 
     def load_hf(self, path) -> None:
         """Fill this rank's stages' tensors from the Hugging Face checkpoint directory ``path``
         (``runtime.hf_load``); on every rank."""
+        self._changed()
         hf_load.load_hf(self, path)
 
     def save_hf(self, path, max_shard_bytes: int = hf_save.SHARD_BYTES):
@@ -74,6 +95,7 @@ class PipelineState:
         axes = self.tp.spec.axes if self.tp is not None else ()
         coord = self.tp.coord if self.tp is not None else {}
         model, stepped = {}, {}
+        trained = self.trained()  # what the optimizer's state is kept for
         for fqn, t in {**self.params, **self.buffers}.items():
             placements = self.program.placements.get(fqn, ())
             model[fqn] = Held(t, offsets(t.shape, placements, axes, coord),
@@ -81,10 +103,10 @@ class PipelineState:
         for fqn in self.owned:
             if fqn in self.stepped:
                 z = self.zero.layouts[fqn]
-                stepped[fqn] = (self.stepped[fqn], zero_held(
+                stepped[fqn] = (trained[fqn], zero_held(
                     self.stepped[fqn], z, self.dp_index, model[fqn].offsets, model[fqn].parts))
             else:
-                stepped[fqn] = (self.params[fqn], model[fqn])
+                stepped[fqn] = (trained[fqn], model[fqn])
         return model, stepped
 
     def grads(self) -> dict[str, torch.Tensor]:
@@ -95,6 +117,7 @@ class PipelineState:
         for fqn in sorted(self.owned):  # ZeRO: every replica's rows; then every tp shard
             g = trained[fqn].grad
             if g is not None:
+                g = g.to(self.device)  # (offloaded: from the host)
                 mine[fqn] = self.full(fqn, self.zero.whole(fqn, g) if fqn in self.stepped
                                        else g)
         return self._gather(mine, self._grad_shapes())
@@ -122,6 +145,7 @@ class PipelineState:
 
         load_state(self.plan, state, {**self.params, **self.buffers}, local)
         self.unmade.filled()  # every tensor filled (load_state checks the names first)
+        self._changed()
 
     def _holder(self, fqn: str) -> int:
         """The rank that holds ``fqn`` for state_dict: the one that updates it (its gradient or
