@@ -1,9 +1,9 @@
 """``partition(..., offload_optimizer=True)`` (``runtime.offload``,
 ``codegen.gradients_to_host``): what the optimizer steps, its gradients and its state live on
 the host and it steps there; training equals eager on one device, dp with each ZeRO stage and
-dp x tp, and in pipelines, with accumulation, clipping and fp16's loss scale; the device's and the host's
-measured peaks are the memory model's; a checkpoint moves between offloaded and plain runners;
-what it cannot run with is a named error."""
+dp x tp, and in pipelines, with accumulation, clipping and fp16's loss scale; the device's and
+the host's measured peaks are the memory model's; a checkpoint moves between offloaded and plain
+runners; what it cannot run with is a named error."""
 
 from __future__ import annotations
 

@@ -148,8 +148,9 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
             **state, optimizer=opt_state, gradients=grads,
             transient=optimizer_temporaries(stepped, optimizer, device)
             + _loss_bytes(program.graph), when="optimizer step")
-    if train and stage == 1 and not in_backward and not offload:  # the runner cuts this rank's rows from the
-        # whole gradients, which the program returned and still holds (``runner._set_grads``)
+    if train and stage == 1 and not in_backward and not offload:  # the runner cuts this
+        # rank's rows from the whole gradients, which the program returned and still holds
+        # (``runner._set_grads``)
         whole = _graph_grads(program.graph)
         moments["ZeRO-1 rows"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=whole + sum(map(tensor_bytes, stepped)),

@@ -15,8 +15,8 @@ from shardfx.codegen.redistribute import Purpose
 
 def memory_notes(plan) -> list[str]:
     """What the plan holds per device and why: the optimizer counted, the precision, the
-    training state, ZeRO, the optimizer in the backward or offloaded, fused kernels and the fused LM head,
-    and what ``memory_budget`` made it recompute or try."""
+    training state, ZeRO, the optimizer in the backward or offloaded, fused kernels and the
+    fused LM head, and what ``memory_budget`` made it recompute or try."""
     opt = plan.options.optimizer if plan.mode is M.Mode.TRAIN else None
     notes = [f"Optimizer state counted for: {opt or 'none'} (partition(..., optimizer=...))",
              f"Precision: {plan.precision}"]

@@ -35,6 +35,8 @@ first use), the host's copies are filled from them again before the next step (`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from shardfx.errors import InputError
@@ -101,6 +103,20 @@ class Offload:
                 for name, master in self.masters.items():
                     stepped[name].copy_(master, non_blocking=True)
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+
+@contextlib.contextmanager
+def stepping_on_host(offload: Offload | None, stepped: dict[str, torch.Tensor]):
+    """Around a runner's ``finish_step``: offloaded, the gradients' copies are waited for, the
+    step runs on the host (its temporaries counted there: ``on_host``) and its updates go to
+    the device's tensors ``stepped`` after it; else nothing."""
+    if offload is None:
+        yield
+        return
+    offload.wait()
+    with on_host():
+        yield
+    offload.push(stepped)
 
 
 def check(options, train: bool) -> None:

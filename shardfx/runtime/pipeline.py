@@ -53,8 +53,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.errors import PipelineError
 from shardfx.ir import meta as M
-from shardfx.runtime.measure import mark, on_host
-from shardfx.runtime.offload import Offload
+from shardfx.runtime.measure import mark
+from shardfx.runtime.offload import Offload, stepping_on_host
 from shardfx.kernels import expert_load as load
 from shardfx.kernels.expert_load import BATCH_SPLIT
 from shardfx.cost.optimizer import check_optimizer
@@ -215,15 +215,9 @@ class PipelineRunner(PipelineState):
         self.step_count += 1
         self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
-        if self.offload is None:
+        with stepping_on_host(self.offload, self.device_trained()):  # offloaded: there
             self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
                                          self._norm_terms(trained), self.clip_grad_norm)
-        else:  # every gradient on the host: step there, then back
-            self.offload.wait()
-            with on_host():
-                self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
-                                             self._norm_terms(trained), self.clip_grad_norm)
-            self.offload.push(self.device_trained())
         if self.zero is not None:  # every replica's updated rows, gathered
             self.zero.after_step(self.stepped, self._dp.group_name)
         self._share_tied()

@@ -26,8 +26,8 @@ from shardfx.codegen.program import Program
 from shardfx.codegen.step_in_backward import stepping
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
-from shardfx.runtime.measure import mark, on_host
-from shardfx.runtime.offload import Offload
+from shardfx.runtime.measure import mark
+from shardfx.runtime.offload import Offload, stepping_on_host
 from shardfx.kernels import expert_load as load
 from shardfx.kernels.expert_load import BATCH_SPLIT
 from shardfx.runtime.accumulate import accumulated, mean_loss
@@ -155,15 +155,10 @@ class Runner:
         self.step_count += 1
         self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
-        if self.offload is not None:  # every gradient on the host: step there, then back
-            self.offload.wait()
-            with on_host():
+        if not self._in_backward:  # else each block stepped in the program (step_in_backward)
+            with stepping_on_host(self.offload, self._device_trained()):  # offloaded: there
                 self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
                                              self._norm_terms(trained), self.clip_grad_norm)
-            self.offload.push(self._device_trained())
-        elif not self._in_backward:  # else each block stepped in the program
-            self.grad_norm = finish_step(self.optimizer, self.loss_scaler,
-                                         self._norm_terms(trained), self.clip_grad_norm)
         for name, g in self._stepped_grads.items():
             trained[name].grad = g
         self._stepped_grads = {}

@@ -83,8 +83,7 @@ class SafetensorsFile:
         dtype_name, shape, begin = self.tensors[name]
         dtype = DTYPES[dtype_name]
         out = torch.empty(shape, dtype=dtype)
-        self._pread(out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8),
-                    begin)
+        self._pread(out.view(-1).view(torch.uint8), begin)
         return out
 
     def copy_rows(self, name: str, rows: slice, out: torch.Tensor,
