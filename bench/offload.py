@@ -16,7 +16,7 @@ weights:
 
 Peaks are measured by ``shardfx.runtime.measure.measured_peak`` (live tensor storage, the batch
 left out) on a step after the optimizer's state exists. On this CPU host and "device" are one
-memory: the host's tensors (made under ``runtime.measure.on_host``) are counted apart, so the
+memory: the host's tensors (made under ``kernels.host_copy.on_host``) are counted apart, so the
 device column is what a GPU would hold and the host column what its host would. Predicted
 peaks are ``plan.memory_breakdown()``'s total and ``host``. Step times: the rows alternate step
 by step (``bench.common.alternate``), ``--warmup`` untimed rounds then ``--steps`` timed; min

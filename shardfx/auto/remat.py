@@ -8,10 +8,10 @@ Ensures:  a forward value chosen for recomputation is copied into the backward (
           last forward reader. ``undo`` removes the copies again.
 
 **The choice is an ILP** (``scipy.optimize.milp``, HiGHS). For each forward value v: keep it
-(``s_v``) or recompute it (``r_v``). A value the backward reads is kept or recomputed; a value
-recomputed needs each forward input kept or recomputed (parameters and batch inputs are always
-there; across the edge of a repeated block it must be kept, so a block recomputes on its
-own, unless it is a view, recomputed for free); the kept bytes of each budget group (a
+(``s_v``) or recompute it (``r_v``) (or offload it: below). A value the backward reads is
+kept or recomputed; a value recomputed needs each forward input kept or recomputed
+(parameters and batch inputs are always there; across the edge of a repeated block it must be
+kept, so a block recomputes on its own, unless it is a view, recomputed for free); the kept bytes of each budget group (a
 device; a pipeline rank, each stage's bytes times the microbatches its schedule keeps in
 flight) stay under a limit; minimise the recompute time (each op's roofline time on the plan's
 device model, ``DeviceModel.node_seconds``: a memory-bound pointwise chain and a matmul are
@@ -42,12 +42,31 @@ Under a schedule that splits the backward (zero-bubble), values the W parts read
 recomputed in B they would wait for W with every block's at once; under the others a stage's
 backward is one part (``codegen.stages.split_stages(whole_backward=True)``). How the limits
 are searched until the generated program fits the budget: ``auto.remat_search``.
+
+**Offload, the third choice** (vDNN): where the device model has a host tier with memory
+(``DeviceModel.host``; the ``cpu`` preset's is the same DRAM and has none), a value the
+backward reads may instead go to host memory after its last forward reader and come back
+before its first backward reader (``o_v``; ``codegen.activation_offload`` emits the copies).
+It is kept, recomputed or offloaded (``s_v + r_v + o_v >= 1``, offloading excluding the
+other two), and its price is the copy time that does not hide behind compute: per budget
+group, ``e_f >= sum(o_v * d2h_v) - T_f`` and ``e_b >= sum(o_v * h2d_v) - T_b``, where
+``d2h_v``/``h2d_v`` are its bytes over the host link each way (``Host.copy_seconds``) and
+``T_f``/``T_b`` the group's forward and backward compute (a copy engine runs beside the
+kernels); the offloaded bytes (per microbatch in flight) stay under the host memory left
+(``host_free``). Offloaded are values that own their storage (not views, not a tuple of
+results), that the program does not return, and in a pipeline that only their own stage reads
+and no W part (the host copy waits in the pipeline's runner from the forward to the backward,
+per microbatch, as a saved value does). A value recomputed from an offloaded one reads it
+back from the host (its copy in the backward is a backward reader like any other): a block's
+input offloaded and the block recomputed from it, as activation checkpointing with offloaded
+checkpoints does.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -78,6 +97,8 @@ class Choice:
     seconds: float  # estimated time it adds
     saved_before: dict  # budget group -> bytes kept for the backward without remat
     saved_after: dict  # ... and with it
+    offloaded: tuple[str, ...] = ()  # forward values sent to host memory and back, by name
+    offloaded_bytes: int = 0  # their bytes on one device (every block's), per microbatch
 
 
 def forward_values(gm: fx.GraphModule) -> list[fx.Node]:
@@ -106,6 +127,18 @@ def local_bytes(node: fx.Node, axes) -> int:
     if out and isinstance(out[0], tuple):
         return nbytes
     return math.prod(local_shape(val.shape, out, axes)) * val.element_size()
+
+
+def offloadable(node: fx.Node, base: dict) -> bool:
+    """Whether ``node`` may go to host memory and back (module docstring): the backward reads
+    it (or a view of it, then recomputed from the copy brought back), it owns its storage, the
+    program does not return it, and in a pipeline only its own stage reads it."""
+    stage = node.meta.get(M.STAGE)
+    return (isinstance(node.meta.get(M.VAL), torch.Tensor) and node not in base
+            and not is_view(node) and value_bytes(node) > 0
+            and (needed(node) or any(base.get(u) is node and needed(u) for u in node.users))
+            and all(u.op == "call_function" and u.meta.get(M.STAGE) == stage
+                    for u in node.users))
 
 
 def recompute_seconds(node: fx.Node, model: DeviceModel) -> float:
@@ -187,9 +220,11 @@ class Problem:
     """Variables of the ILP: one per forward value, shared by the same op of every block
     that repeats another."""
 
-    def __init__(self, gm: fx.GraphModule, group_of, weight_of, split_backward: bool = False):
+    def __init__(self, gm: fx.GraphModule, group_of, weight_of, split_backward: bool = False,
+                 host_used: int = 0):
         """``group_of(node)``: its budget group; ``weight_of(node)``: how many copies of its
-        bytes the group holds (microbatches in flight)."""
+        bytes the group holds (microbatches in flight); ``host_used``: the host bytes a rank
+        holds already (``offload_optimizer``'s), which offloaded values do not get."""
         self.gm = gm
         self.forward = forward_values(gm)
         axes = gm.meta[M.GRAPH].mesh
@@ -205,6 +240,14 @@ class Problem:
         self.needs: set[tuple[int, int]] = set()  # (v, u): recomputing v needs u
         self.keeps: set[tuple[int, int]] = set()  # (v, u): recomputing v needs u kept
         self.through: set[tuple[int, int]] = set()  # (v, u): recomputing v needs u recomputed
+        host = model.host
+        self.host_free = max(0.0, host.memory - host_used) if host is not None else 0.0
+        self.can_offload = np.full(n, self.host_free > 0)
+        self.host_bytes = np.zeros(n)  # bytes an offloaded variable puts in host memory
+        self.copy = {way: np.zeros(n) for way in ("d2h", "h2d")}  # seconds each way
+        self.group_of_var: dict[int, object] = {}
+        self.compute: dict = defaultdict(lambda: {"d2h": 0.0, "h2d": 0.0})  # seconds a
+        #                        group's copies may hide behind: forward (d2h), backward (h2d)
         base = bases(gm.graph)
         segment = _segments(self.forward)
         weight_part = _read_by_weight_gradients(gm, split_backward)
@@ -224,6 +267,14 @@ class Problem:
                 self.can_keep[i] = False  # a view: recomputed for free (keeping it keeps its base)
             self.must[i] |= needed(node)
             self.can_recompute[i] &= may and node not in weight_part
+            group = self.group_of_var.setdefault(i, group_of(node))
+            self.compute[group]["d2h"] += model.node_seconds(node)
+            # every value sharing the variable may go, or none does
+            self.can_offload[i] &= offloadable(node, base) and node not in weight_part
+            if self.can_offload[i]:
+                self.host_bytes[i] += nbytes * weight_of(node)
+                for way in self.copy:
+                    self.copy[way][i] += host.copy_seconds(nbytes, way)
             moved = {src for src, _, _ in moves}
             for u in node.all_input_nodes:
                 if u in self.var:
@@ -236,28 +287,42 @@ class Problem:
                         self.needs.add((i, j))  # (a view is recomputed for free, anywhere)
                     else:  # across a block's edge: kept, so a block recomputes on its own
                         self.keeps.add((i, j))
+        for node in op_nodes(gm.graph):
+            if node.meta[M.PHASE] is M.Phase.BACKWARD and M.REMAT not in node.meta:
+                self.compute[group_of(node)]["h2d"] += model.node_seconds(node)
+        self.groups = sorted({self.group_of_var[i] for i in np.flatnonzero(self.can_offload)},
+                             key=str)
 
-    def solve(self, limits: dict) -> tuple[np.ndarray, np.ndarray] | None:
-        """Keep and recompute flags under ``limits`` (group -> bytes; a missing group is
-        unlimited), at the least recompute time; None if no choice meets them."""
+    def solve(self, limits: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Keep, recompute and offload flags under ``limits`` (group -> bytes; a missing group
+        is unlimited), at the least time recomputing and exposed copies add; None if no choice
+        meets them."""
         n = self.n
         total = sum(self.bytes.values(), np.zeros(n))
-        # free recomputation (a view) still costs a little; among equal times keep fewer bytes
-        cost = np.concatenate([1e-18 * total, self.cost + 1e-12])
-        return self._milp(cost, limits)
+        # free recomputation (a view) still costs a little; among equal times keep fewer bytes,
+        # and of offloads that hide, copy fewer
+        cost = np.concatenate([1e-18 * total, self.cost + 1e-12,
+                               1e-6 * self.copy["d2h"] + 1e-12])
+        return self._milp(cost, limits, exposed=1.0)
 
-    def smallest(self) -> tuple[np.ndarray, np.ndarray]:
-        """The choice that keeps the fewest bytes (recomputing everything it may)."""
+    def smallest(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The choice that keeps the fewest bytes (recomputing or offloading everything it
+        may)."""
         n = self.n
         total = sum(self.bytes.values(), np.zeros(n))
-        found = self._milp(np.concatenate([total + 1e-9, self.cost * 1e-12 + 1e-15]), {})
+        found = self._milp(np.concatenate([total + 1e-9, self.cost * 1e-12 + 1e-15,
+                                           self.copy["d2h"] * 1e-12 + 2e-15]), {}, exposed=1e-12)
         if found is None:  # cannot happen: keeping what the backward reads always works
-            return self.must.copy(), np.zeros(n, dtype=bool)
+            return self.must.copy(), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
         return found
 
-    def _milp(self, cost: np.ndarray, limits: dict) -> tuple[np.ndarray, np.ndarray] | None:
-        """Variables ``[s_0 .. s_n-1, r_0 .. r_n-1]``: the constraints of the module docstring."""
+    def _milp(self, cost: np.ndarray, limits: dict, exposed: float
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Variables ``[s_0 .. s_n-1, r_0 .. r_n-1, o_0 .. o_n-1]`` and, per budget group that
+        may offload, its exposed copy seconds ``e_f, e_b`` (at ``exposed`` per second): the
+        constraints of the module docstring."""
         n = self.n
+        extra = 2 * len(self.groups)
         rows, cols, vals, lo, hi = [], [], [], [], []
 
         def row(entries, lower, upper):
@@ -267,25 +332,51 @@ class Problem:
             lo.append(lower), hi.append(upper)
 
         for i in np.flatnonzero(self.must):
-            row([(i, 1), (n + i, 1)], 1, np.inf)  # s_i + r_i >= 1
+            row([(i, 1), (n + i, 1), (2 * n + i, 1)], 1, np.inf)  # s_i + r_i + o_i >= 1
+        offload = np.flatnonzero(self.can_offload)
+        for i in offload:
+            row([(i, 1), (2 * n + i, 1)], -np.inf, 1)  # offloaded: neither kept
+            row([(n + i, 1), (2 * n + i, 1)], -np.inf, 1)  # ... nor recomputed
+        if len(offload):
+            row([(2 * n + i, self.host_bytes[i]) for i in offload], -np.inf, self.host_free)
+        for g, group in enumerate(self.groups):  # sum(o * copy) - e <= compute, each way
+            mine = [i for i in offload if self.group_of_var[i] == group]
+            for k, way in enumerate(("d2h", "h2d")):
+                row([(2 * n + i, self.copy[way][i]) for i in mine] + [(3 * n + 2 * g + k, -1)],
+                    -np.inf, self.compute[group][way])
         for v, u in self.needs:
-            row([(n + v, 1), (u, -1), (n + u, -1)], -np.inf, 0)  # r_v <= s_u + r_u
+            row([(n + v, 1), (u, -1), (n + u, -1), (2 * n + u, -1)], -np.inf, 0)
+            #                                                         r_v <= s_u + r_u + o_u
         for v, u in self.keeps:
-            row([(n + v, 1), (u, -1)], -np.inf, 0)  # r_v <= s_u
+            row([(n + v, 1), (u, -1), (2 * n + u, -1)], -np.inf, 0)  # r_v <= s_u + o_u
         for v, u in self.through:
             row([(n + v, 1), (n + u, -1)], -np.inf, 0)  # r_v <= r_u
         for group, limit in limits.items():
             b = self.bytes[group]
             row([(i, b[i]) for i in np.flatnonzero(b)], -np.inf, limit)
-        upper = np.concatenate([self.can_keep, self.can_recompute]).astype(float)
-        a = coo_matrix((vals, (rows, cols)), shape=(len(lo), 2 * n))
+        upper = np.concatenate([self.can_keep, self.can_recompute, self.can_offload,
+                                np.full(extra, np.inf)]).astype(float)
+        cost = np.concatenate([cost, np.full(extra, exposed)])
+        size = 3 * n + extra
+        a = coo_matrix((vals, (rows, cols)), shape=(len(lo), size))
         result = milp(cost, constraints=LinearConstraint(a, lo, hi) if lo else None,
-                      integrality=np.ones(2 * n), bounds=Bounds(np.zeros(2 * n), upper),
-                      options={"time_limit": 60})
+                      integrality=np.concatenate([np.ones(3 * n), np.zeros(extra)]),
+                      bounds=Bounds(np.zeros(size), upper), options={"time_limit": 60})
         if result.x is None:
             return None
-        x = np.round(result.x).astype(bool)
-        return x[:n], x[n:]
+        x = np.round(result.x[:3 * n]).astype(bool)
+        return x[:n], x[n:2 * n], x[2 * n:]
+
+    def exposed_seconds(self, off: np.ndarray) -> float:
+        """Copy seconds of the offloaded variables ``off`` that no compute hides (module
+        docstring), summed over the budget groups."""
+        out = 0.0
+        for group in self.groups:
+            mine = np.array([self.group_of_var.get(i) == group for i in range(self.n)])
+            for way in ("d2h", "h2d"):
+                out += max(0.0, float(self.copy[way][off & mine].sum())
+                           - self.compute[group][way])
+        return out
 
     def kept_bytes(self, keep: np.ndarray) -> dict:
         return {g: int(b[keep].sum()) for g, b in self.bytes.items()}
@@ -368,13 +459,16 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 # --- applying a choice ------------------------------------------------------------------------
 
 def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndarray,
-          recompile: bool = True) -> Choice:
-    """Copy the values chosen for recomputation into the backward (see the module docstring).
-    ``recompile=False``: ``gm``'s Python code is left as it was (a trial's ``undo`` follows;
-    code generation reads the graph)."""
+          off: np.ndarray | None = None, recompile: bool = True) -> Choice:
+    """Copy the values chosen for recomputation into the backward, and mark those chosen for
+    offload (``OFFLOAD``: the op before which the backward brings it back; see the module
+    docstring). ``recompile=False``: ``gm``'s Python code is left as it was (a trial's
+    ``undo`` follows; code generation reads the graph)."""
     graph = gm.graph
     var = problem.var
     redo = {n for n in problem.forward if again[var[n]] and not keep[var[n]]}
+    away = [] if off is None else [n for n in problem.forward if off[var[n]]
+                                   and not keep[var[n]] and not again[var[n]]]
     if redo:
         _sink_views(graph, redo)
     copies: dict[fx.Node, fx.Node] = {}
@@ -399,12 +493,41 @@ def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndar
             mapping = {a: copy_of(a, node) for a in reads}
             node.args = fx.node.map_arg(node.args, lambda a: mapping.get(a, a))
             node.kwargs = fx.node.map_arg(node.kwargs, lambda a: mapping.get(a, a))
+    if away:
+        point = _prefetch_points(graph)
+        for node in away:
+            first = min((u for u in node.users if u.meta.get(M.PHASE) is M.Phase.BACKWARD),
+                        key=lambda u: point[u][1])
+            node.meta[M.OFFLOAD] = point[first][0].name
     graph.lint()
     if recompile:
         gm.recompile()
     flops = sum(c.meta[M.COST].flops for c in copies.values())
     seconds = sum(recompute_seconds(c, model_of(gm)) for c in copies.values())
-    return Choice(tuple(n.name for n in copies), flops, seconds, {}, {})
+    axes = gm.meta[M.GRAPH].mesh
+    return Choice(tuple(n.name for n in copies), flops, seconds, {}, {},
+                  tuple(n.name for n in away), sum(local_bytes(n, axes) for n in away))
+
+
+def _prefetch_points(graph: fx.Graph) -> dict[fx.Node, tuple[fx.Node, int]]:
+    """For each backward op: (where a value it is the first to read comes back from the host,
+    its position). One block ahead: the first op of the backward of the block before its own
+    (``model.layers.4`` for an op of ``model.layers.3``'s backward), the backward's first op
+    for the block the backward starts in, so the copy runs while the device computes."""
+    out: dict[fx.Node, tuple[fx.Node, int]] = {}
+    block, start, before = None, None, None
+    for i, node in enumerate(op_nodes(graph)):
+        if node.meta.get(M.PHASE) is not M.Phase.BACKWARD:
+            continue
+        if start is None:
+            start = node
+        path = origin(node).split(" ")[0]
+        name = re.match(r"^(.*?\.\d+)(\.|$)", path)
+        name = name.group(1) if name else None
+        if name is not None and name != block:
+            block, before, start = name, start, node
+        out[node] = (before or start, i)
+    return out
 
 
 def _sink_views(graph: fx.Graph, redo: set[fx.Node]) -> None:
@@ -429,8 +552,11 @@ def _sink_views(graph: fx.Graph, redo: set[fx.Node]) -> None:
 
 
 def undo(gm: fx.GraphModule, recompile: bool = True) -> None:
-    """Remove every recomputed copy: its readers read the original again."""
+    """Remove every recomputed copy (its readers read the original again) and every offload
+    mark."""
     graph = gm.graph
+    for node in graph.nodes:
+        node.meta.pop(M.OFFLOAD, None)
     by_name = {n.name: n for n in graph.nodes}
     copies = [n for n in graph.nodes if M.REMAT in n.meta]
     for node in copies:
@@ -441,20 +567,27 @@ def undo(gm: fx.GraphModule, recompile: bool = True) -> None:
         gm.recompile()
 
 
-def by_module(gm: fx.GraphModule, names: tuple[str, ...], most: int = 8) -> str:
-    """What is recomputed, by the module that runs it (``ir.text.origin``), a repeated
-    block's index as ``*``: "model.layers.*.mlp.act_fn (1 op x 8 blocks), ..."."""
-    wanted, ops, blocks = set(names), defaultdict(int), defaultdict(set)
+def module_rows(gm: fx.GraphModule, names: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
+    """The ops ``names`` by the module that runs them (``ir.text.origin``), a repeated block's
+    index as ``*``, most ops first: (module, ops per block, blocks, bytes on one device)."""
+    wanted, ops, blocks, size = set(names), defaultdict(int), defaultdict(set), defaultdict(int)
+    axes = gm.meta[M.GRAPH].mesh
     for node in gm.graph.nodes:
         if node.name in wanted:
             path = origin(node).split(" ")[0] or "(no module)"
             key = block_pattern(path)
             ops[key] += 1
             blocks[key].add(path)
-    rows = sorted(ops, key=lambda k: -ops[k])
-    text = ", ".join(f"{k} ({ops[k] // len(blocks[k])} op{'s' * (ops[k] // len(blocks[k]) > 1)}"
-                     + (f" x {len(blocks[k])} blocks)" if len(blocks[k]) > 1 else ")")
-                     for k in rows[:most])
+            size[key] += local_bytes(node, axes)
+    return [(k, ops[k] // len(blocks[k]), len(blocks[k]), size[k])
+            for k in sorted(ops, key=lambda k: -ops[k])]
+
+
+def by_module(gm: fx.GraphModule, names: tuple[str, ...], most: int = 8) -> str:
+    """``module_rows`` as text: "model.layers.*.mlp.act_fn (1 op x 8 blocks), ..."."""
+    rows = module_rows(gm, names)
+    text = ", ".join(f"{k} ({n} op{'s' * (n > 1)}" + (f" x {b} blocks)" if b > 1 else ")")
+                     for k, n, b, _ in rows[:most])
     return text + (f", and {len(rows) - most} more modules" if len(rows) > most else "")
 
 

@@ -18,6 +18,8 @@ program (``fit``, ``trial_memory``) or on shallow copies of a deep model (``shar
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch.fx as fx
 
@@ -45,7 +47,8 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
     memory = evaluate()
     if _fits(memory, budget):
         return None
-    problem = Problem(gm, group_of, weight_of, split_backward)
+    host_used = max((m.host for m in memory.values()), default=0)
+    problem = Problem(gm, group_of, weight_of, split_backward, host_used)
     try:
         best = search(problem, budget, memory, lambda solution: trial_memory(gm, problem, solution,
                                                                        evaluate))
@@ -59,15 +62,17 @@ def fit(gm: fx.GraphModule, budget: int, group_of, weight_of, evaluate,
 
 def choose(gm: fx.GraphModule, problem: Problem, best: tuple, recompile: bool = True
            ) -> Choice:
-    """Apply ``best`` (keep, recompute flags) to ``gm``; what it recomputes."""
+    """Apply ``best`` (keep, recompute, offload flags) to ``gm``; what it recomputes and
+    offloads."""
     choice = apply(gm, problem, *best, recompile=recompile)
     before = problem.kept_bytes(problem.must & problem.can_keep)
-    return Choice(choice.recomputed, choice.flops, choice.seconds, before,
-                  problem.kept_bytes(best[0]))
+    seconds = choice.seconds + (problem.exposed_seconds(best[2]) if len(best) > 2 else 0.0)
+    return dataclasses.replace(choice, seconds=seconds, saved_before=before,
+                               saved_after=problem.kept_bytes(best[0]))
 
 
-def search(problem: Problem, budget: int, memory: dict, trial) -> tuple[np.ndarray, np.ndarray]:
-    """The (keep, recompute) flags that recompute the least and whose peak, ``trial(flags)``
+def search(problem: Problem, budget: int, memory: dict, trial) -> tuple:
+    """The (keep, recompute, offload) flags that recompute (and copy) the least and whose peak, ``trial(flags)``
     (each group's ``DeviceMemory``), is under ``budget``; ``memory``: each group's peak
     recomputing nothing, which does not fit.
 
@@ -87,9 +92,9 @@ def search(problem: Problem, budget: int, memory: dict, trial) -> tuple[np.ndarr
     the flags it carries (``error.solution``, None for recomputing nothing), which this search
     finds again at that budget."""
     before = problem.kept_bytes(problem.must & problem.can_keep)
-    keep, again = problem.smallest()
-    fewest = problem.kept_bytes(keep)
-    best, best_limits = (keep, again), dict(fewest)
+    best = problem.smallest()
+    fewest = problem.kept_bytes(best[0])
+    best_limits = dict(fewest)
     most = trial(best)
     if not _fits(most, budget):
         found = lowest(problem, {0.0: (most, best, fewest), 1.0: (memory, None, before)}, trial)
@@ -181,19 +186,19 @@ def _fits(memory: dict, budget: int) -> bool:
 
 
 def _keep_what_fits(problem: Problem, best: tuple, budget: int, trial, tries: int = 8
-                    ) -> tuple[np.ndarray, np.ndarray]:
+                    ) -> tuple:
     """Keep again, costliest first, recomputed values whose keeping still fits. The ILP counts
     every kept byte against the limit, wherever in the backward the value dies; one the
     backward reads first (the loss head's log-softmax and the LM head's matmul before it)
     is gone before the backward's own peak, so keeping it may cost nothing."""
-    keep, again = best
+    keep, again, off = best
     redo = [i for i in np.flatnonzero(again & ~keep) if problem.can_keep[i] and problem.cost[i] > 0]
     for i in sorted(redo, key=lambda i: -problem.cost[i])[:tries]:
         trial_keep, trial_again = keep.copy(), again.copy()
         trial_keep[i], trial_again[i] = True, False
-        if _fits(trial((trial_keep, trial_again)), budget):
+        if _fits(trial((trial_keep, trial_again, off)), budget):
             keep, again = trial_keep, trial_again
-    return keep, again
+    return keep, again, off
 
 
 def infeasible(budget: int, memory: dict, solution: tuple | None = None):

@@ -130,7 +130,8 @@ def _emit_op(node: fx.Node, emit, to, env: dict, have: dict, mesh: list[MeshInpu
     target = RESHAPES.get(target, target)
     local = emit(target, *args, **kwargs)
     local._rename(node.name)
-    local.meta.update({k: node.meta[k] for k in (M.PHASE, M.STAGE) if k in node.meta})
+    local.meta.update({k: node.meta[k] for k in (M.PHASE, M.STAGE, M.OFFLOAD)
+                       if k in node.meta})
     env[node], have[node] = local, sharding.out
     if hasattr(target, "exchanges"):
         module = module_of(node), str(node.meta.get(M.PHASE, ""))

@@ -42,6 +42,7 @@ from shardfx.auto.remat import Choice, recompute_seconds, undo
 from shardfx.auto.remat_search import advice as remat_advice, device_group, fit, held_once
 from shardfx.passes.stage_cut import node_time
 from shardfx.compiler.driver import emit
+from shardfx.codegen.activation_offload import offloaded
 from shardfx.schedule import Action, Kind, Schedule, check, one_f_one_b, peak_in_flight, simulate
 from shardfx.auto import zero_stage
 
@@ -68,6 +69,13 @@ def fit_budget(plan, budget: int) -> None:
         _fit_budget(plan, budget)
         if plan.remat is not None and not plan.program_records:  # the chosen program again,
             evaluate(plan, record=True)  # its passes' text recorded
+        if plan.remat is not None and plan.remat.offloaded:
+            # what the program copies: a fused loss reads some values whole, forward and
+            # backward in one op, and they stay (codegen.activation_offload)
+            sent = offloaded(plan.stage_program or plan.program)
+            plan.remat = dataclasses.replace(
+                plan.remat, offloaded=tuple(n for n in plan.remat.offloaded if n in sent),
+                offloaded_bytes=sum(sent.values()))
     except MemoryBudgetError as e:
         least = getattr(e, "least", None)
         advice = "; or ".join(filter(None, (zero_advice(plan, least, budget),

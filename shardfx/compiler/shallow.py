@@ -79,7 +79,7 @@ def fit(plan, budget: int, evaluate) -> Choice | None:
     memory = {"device": plan.memory_breakdown()[0]}
     if memory["device"].total <= budget:
         return None
-    problem = Problem(plan.ir, device_group, held_once)
+    problem = Problem(plan.ir, device_group, held_once, host_used=memory["device"].host)
     shallow = _Shallow.of(plan, problem)
     if shallow is None:
         return fit_whole(plan.ir, budget, device_group, held_once, evaluate)
@@ -225,4 +225,5 @@ def _extend(near: DeviceMemory, far: DeviceMemory, d1: int, d2: int, depth: int
     steps = (depth - d2) / (d2 - d1)
     parts = {k: int(np.rint(getattr(far, k) + (getattr(far, k) - getattr(near, k)) * steps))
              for k in KINDS}
-    return DeviceMemory(**parts, when=far.when)
+    host = int(np.rint(far.host + (far.host - near.host) * steps))
+    return DeviceMemory(**parts, host=host, when=far.when)

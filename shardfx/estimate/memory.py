@@ -28,7 +28,9 @@ gradients and its step are the host's: the device's moments hold no optimizer st
 gradient only until its ``gradients_to_host`` op, and the step after the program none of them;
 ``DeviceMemory.host`` is what the host holds at that moment (its copies and the state; at the
 step, the gradients and the step's temporaries, priced as torch's CPU optimizers make them),
-beside the device's bytes, not in ``total``.
+beside the device's bytes, not in ``total``. An activation offloaded (``kernels.host_copy``:
+``to_host``'s result, until ``from_host`` last reads it) is the host's too: the walk counts it
+apart, and ``host`` adds the most such bytes live at once.
 
 The peak is the largest of these moments. ``shardfx.runtime.measure`` measures the same quantity (live
 tensor storage) on a real step, and the tests hold the two within 5%.
@@ -134,7 +136,8 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
     walked = {None: walk(program.graph, kind)} if moment is None else \
         walk_moments(program.graph, kind, moment)
     moments: dict[object, DeviceMemory] = {
-        at: DeviceMemory(**state, optimizer=opt_state, **peak, host=host, when=when)
+        at: DeviceMemory(**state, optimizer=opt_state, **(peak | {"host": host + peak["host"]}),
+                         when=when)
         for at, (peak, _, when) in walked.items()}
     in_backward = bool(_steps_in_backward(program.graph))  # no step after the program
     if offload:  # the step on the host: every gradient there, the step's temporaries
@@ -199,6 +202,8 @@ def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
     phase = phases(graph)  # ops codegen inserted take the phase of the op before them
 
     def kind(node: fx.Node) -> str:
+        if getattr(node.target, "on_host", False):
+            return "host"  # an offloaded activation (codegen.activation_offload)
         if node in grads:
             return "gradients"
         if is_collective(node) or (node.users and all(map(is_collective, node.users))):
@@ -216,7 +221,7 @@ def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
     """Live bytes at the fullest op of ``graph`` by kind, that op, and a line naming it.
     Placeholders are the caller's and not counted; a value is live from its op to its last
     reader (the output node keeps what the graph returns)."""
-    none = {k: 0 for k in ("gradients", "saved", "transient", "communication")}
+    none = {k: 0 for k in ("gradients", "saved", "transient", "communication", "host")}
     return walk_moments(graph, kind, lambda node: None, size).get(None, (none, None, ""))
 
 
@@ -245,6 +250,7 @@ def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=N
                 node not in base and isinstance(node.args[0], fx.Node):
             born.setdefault(node.args[0], []).append(node)
     live: Counter = Counter()
+    host: dict = {}  # moment -> the most bytes offloaded activations held on the host in it
     frees: dict[int, list] = {}
     best: dict = {}  # moment -> (bytes, live by kind, op)
     total = 0
@@ -259,23 +265,24 @@ def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=N
                 nbytes, k = size(value), kind(value)
                 if nbytes:
                     live[k] += nbytes
-                    total += nbytes
+                    total += nbytes if k != "host" else 0  # the host's: not the device's
                     end = max(last_use.get(value, order[value]), last_use.get(node, i))
                     frees.setdefault(end, []).append((k, nbytes))
             work = _workspace(node)  # what the op allocates for itself while it runs
             at = moment(node)
+            host[at] = max(host.get(at, 0), live["host"])
             if total + work > best.get(at, (0,))[0]:
                 fullest = Counter(live)
                 fullest["transient"] += work
                 best[at] = (total + work, fullest, node)
         for k, nbytes in frees.pop(i, ()):
             live[k] -= nbytes
-            total -= nbytes
+            total -= nbytes if k != "host" else 0
     out = {}
     for at, (_, fullest, node) in best.items():
         when = f"{node.meta.get(M.PHASE) or 'program'}, at {node.name}"
-        out[at] = ({k: fullest[k] for k in ("gradients", "saved", "transient", "communication")},
-                   node, when)
+        out[at] = ({k: fullest[k] for k in ("gradients", "saved", "transient", "communication")}
+                   | {"host": host[at]}, node, when)
     return out
 
 

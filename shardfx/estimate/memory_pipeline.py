@@ -15,8 +15,10 @@ sends stays until the step ends (a gloo send's buffer is released when the step 
 a parameter's gradient is accumulated from its first microbatch on, in that microbatch's output
 itself where nothing else holds its storage (``owned_gradients``), else in a copy; later
 microbatches run the part's accumulating variant where it has one
-(``codegen.accumulate_into``); inside a part, its own liveness peak (``memory.walk``). Then the
-optimizer's step, and under ZeRO-1/2 the gather of the updated rows.
+(``codegen.accumulate_into``); inside a part, its own liveness peak (``memory.walk``). An
+offloaded activation (``codegen.activation_offload``) waits from its forward to its backward
+in host memory instead, counted in ``host``. Then the optimizer's step, and under ZeRO-1/2
+the gather of the updated rows.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class _Part:
 
     peak: dict[str, int]
     outputs: dict[int, int] = field(default_factory=dict)  # storage the part allocated
+    host: dict[int, int] = field(default_factory=dict)  # ... in host memory (an offloaded
+    #                                                     activation, to_host's)
     values: dict[int, int] = field(default_factory=dict)  # each output's own bytes (a clone's)
     views: dict[int, int] = field(default_factory=dict)  # output -> the input it is a view of
 
@@ -50,21 +54,23 @@ def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
     into a gradient's accumulator instead: ``codegen.accumulate_into.summable``)."""
     graph = part.graph
     kind = kind_of(graph)
-    peak, _, _ = walk(graph, lambda n: "communication" if kind(n) == "communication"
+    peak, _, _ = walk(graph, lambda n: kind(n) if kind(n) in ("communication", "host")
                       else "transient", lambda n: 0 if n in summed else value_bytes(n))
     outs = graph.output_node().args[0]
     base = bases(graph)
     position = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
-    sizes, values, views, owners = {}, {}, {}, set()
+    sizes, values, views, owners, host = {}, {}, {}, set(), {}
     for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
         owner = base.get(v, v) if isinstance(v, fx.Node) else None
         sizes[i] = 0 if owner is None or owner in owners or owner in summed \
             else value_bytes(owner)
+        if owner is not None and kind(owner) == "host":
+            host[i], sizes[i] = sizes[i], 0
         values[i] = tensor_bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
         if owner in position:
             views[i] = position[owner]
         owners.add(owner)  # outputs sharing a storage: counted once
-    return _Part(peak, sizes, values, views)
+    return _Part(peak, sizes, host, values, views)
 
 
 def exclusive_outputs(part: fx.GraphModule) -> frozenset[int]:
@@ -159,6 +165,8 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         if now.total > best.total:
             best = now
 
+    host_saved: dict[tuple, int] = {}  # offloaded activations waiting for their backward
+    offloaded = 0  # the most bytes of them the host held at once
     sending = 0  # gloo frees a send's buffer only when the step's end waits for it
     sent: set[tuple] = set()  # saved values also sent
     reducing = 0  # dp buckets started (counted to the step's end: an upper bound)
@@ -185,6 +193,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
                      info.peak["communication"] + sending + reducing,
                      f"{step.name} ({call.part})")
+            offloaded = max(offloaded, sum(host_saved.values()) + info.peak["host"])
             out_bytes = sum(info.outputs.values())  # all live until the call's outputs go
             if call.part not in owned:
                 owned[call.part] = owned_gradients(getattr(program.module, call.part),
@@ -201,7 +210,10 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                             out_bytes -= nbytes
                         consider(out_bytes, sending + reducing,
                                  f"{step.name} ({call.part}, gradients)")
-                if o.local:
+                if o.local and o.index in info.host:  # waits in host memory
+                    host_saved[(call.part, o.index, mb)] = info.host[o.index]
+                    offloaded = max(offloaded, sum(host_saved.values()))
+                elif o.local:
                     saved[(call.part, o.index, mb)] = nbytes
                     source = call.inputs[info.views[o.index]] if o.index in info.views else None
                     if source is not None and source[0] == "value":  # a view of an input
@@ -212,6 +224,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                 elif o.sends:
                     sending += nbytes
         for key in step.frees:
+            host_saved.pop(key, None)
             freed = saved.pop(key, 0)
             sending += freed if key in sent else 0
             freed += comm.pop(key, 0)
@@ -234,6 +247,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     sending = reducing = 0
     if zero:  # the whole gradients go; the optimizer steps this replica's rows
         grads = {"rows": sum(map(tensor_bytes, rows))}
+    schedule_host = host + offloaded  # the host during the schedule
     if offload:  # the gradients went to the host, where the optimizer steps
         grads = {}
         host += sum(map(tensor_bytes, rows)) + optimizer_temporaries(rows, optimizer,
@@ -243,7 +257,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if train and zero:  # every replica's updated rows, gathered a bucket at a time
         gathers = [g for r in _stage_reductions(program, rank).values() for g in r.gathers]
         consider(zero_gather_peak(gathers), 0, "ZeRO gather")
-    return dataclasses.replace(best, host=host)
+    return dataclasses.replace(best, host=max(host, schedule_host))
 
 
 def _stage_reductions(program, rank: int) -> dict:

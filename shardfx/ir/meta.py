@@ -16,6 +16,7 @@ reader can find in one place what a key means and which pass produces it.
     SHARDING          call_function      NodeSharding   passes.shard_propagate
     STAGE             ops, inputs        int            passes.stage_cut
     REMAT             recomputed copies  str (original) auto.remat
+    OFFLOAD           offloaded values   str (the op it returns before) auto.remat
     ZERO              parameter inputs   ZeroShard      passes.zero (ZeRO-3: a dp shard)
     BLOCK             ops of a repeat    BlockPlace     partitioner.stamp
     CHOICE            call_function      Placements...  auto.shard (operand placements)
@@ -41,6 +42,7 @@ ANNOTATION = "shardfx.annotation"
 SHARDING = "shardfx.sharding"
 STAGE = "shardfx.stage"
 REMAT = "shardfx.remat"
+OFFLOAD = "shardfx.offload"
 ZERO = "shardfx.zero"
 GRAPH = "shardfx.graph"
 BLOCK = "shardfx.block"

@@ -24,6 +24,7 @@ from shardfx.codegen.zero import zero_gather_programs
 from shardfx.codegen.stages import split_stages as _split
 from shardfx.codegen.step_in_backward import step_in_backward
 from shardfx.codegen.gradients_to_host import send_gradients_to_host
+from shardfx.codegen.activation_offload import offload_activations
 from shardfx.cost.device_model import default_model
 from shardfx.cost.optimizer import optimizer_model, optimizer_temporaries, stepped_value
 from shardfx.passes.fused_loss import fuse_loss
@@ -58,6 +59,8 @@ def program_passes(options) -> list:
         *([gradients_to_host] if options.offload_optimizer and options.stages == 1 else []),
         #   there too, for the same reason: each gradient leaves when it is final (a
         #   pipeline's runner sends a stage's gradients, summed over its microbatches)
+        *([activation_offload] if offloads_activations(options) else []),  # the values remat
+        #          sends to host memory: after the passes that add readers, before triton
         *([split_stages] if options.stages > 1 else []),  # a pipeline: F, B, W parts per stage
         *([replica_reductions] if replicas else []),  # a pipeline's dp: each stage's gradients
         #      summed (or ZeRO-2's rows) by the passes above, in parts the runner issues as the
@@ -134,6 +137,21 @@ def gradients_to_host(program: Program, options) -> Program:
         return sum(v.numel() * v.element_size() for v in stepped) if options.zero == 1 else 0
 
     send_gradients_to_host(program.module, program.outputs, program.inputs, workspace)
+    return program
+
+
+def offloads_activations(options) -> bool:
+    """Whether remat may offload activations (``auto.remat``): under a memory budget, on a
+    device model with host memory."""
+    host = default_model(options).host
+    return options.memory_budget is not None and host is not None and host.memory > 0
+
+
+def activation_offload(program: Program, options) -> Program:
+    """Requires/Ensures: ``codegen.activation_offload`` (each value ``auto.remat`` marked for
+    offload copied to host memory after its last forward reader and back before the backward
+    reads it; a program without marks unchanged)."""
+    offload_activations(program.module)
     return program
 
 

@@ -25,6 +25,7 @@ from html import escape
 from shardfx.codegen.spmd import local_shape
 from shardfx.ir import meta as M
 from shardfx.estimate.memory import KINDS
+from shardfx.auto.remat import module_rows
 from shardfx.passes.shard_annotate import sequence_split
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.ir.units import flops, nbytes
@@ -194,6 +195,8 @@ def _memory(plan) -> str:
     rows = [row(kind, [nbytes(getattr(m, kind)) for m in devices]) for kind in KINDS]
     rows += [row("total", [nbytes(m.total) for m in devices]),
              row("when", [m.when for m in devices], "mono")]
+    if any(m.host for m in devices):
+        rows.append(row("host (not in total)", [nbytes(m.host) for m in devices]))
     state = ""
     if plan.mode is M.Mode.TRAIN:
         kept = list(plan.state_rows().values())
@@ -203,7 +206,19 @@ def _memory(plan) -> str:
                        f"the training state each device keeps{zero}")
     return ('<section id="memory"><h2>Memory per device (predicted)</h2>'
             + _table(["", *memory], rows, "the peak of a step, by what holds it") + state
-            + "</section>")
+            + _offloaded(plan) + "</section>")
+
+
+def _offloaded(plan) -> str:
+    """The activations remat sends to host memory, by module (empty where none)."""
+    if plan.remat is None or not plan.remat.offloaded:
+        return ""
+    rows = [f"<tr>{_td(k, 'mono')}{_td(n, 'num')}{_td(b, 'num')}{_td(nbytes(size), 'num')}</tr>"
+            for k, n, b, size in module_rows(plan.ir, plan.remat.offloaded)]
+    return _table(["module", "values per block", "blocks", "bytes"], rows,
+                  "activations offloaded to host memory (memory_budget), bytes per device: "
+                  "copied out after their last forward reader, back one block ahead of the "
+                  "backward that reads them")
 
 
 # --- collectives --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from shardfx.compiler.budget import Candidate
 from shardfx.codegen.gradients_to_host import gradients_to_host
 from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.ir import meta as M
-from shardfx.auto.remat import by_module, group_name
+from shardfx.auto.remat import by_module, group_name, module_rows
 from shardfx.ir.units import flops, nbytes
 from shardfx.codegen.redistribute import Purpose
 
@@ -105,6 +105,16 @@ def memory_notes(plan) -> list[str]:
                          f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
                          f"for the backward {kept}; recomputed, by module: "
                          f"{by_module(plan.ir, r.recomputed)}")
+            if r.offloaded:
+                notes.append(f"Offloaded to host memory under memory_budget: {len(r.offloaded)} "
+                             f"activations, {nbytes(r.offloaded_bytes)} "
+                             + ("per device, " if plan.stage_program is None else
+                                "per microbatch over all stages, ")
+                             + "copied out after their last forward reader and back one block "
+                             "ahead of the backward that reads them; by module: "
+                             + ", ".join(f"{k} ({nbytes(b)}"
+                                         + (f" in {n} blocks)" if n > 1 else ")")
+                                         for k, _, n, b in module_rows(plan.ir, r.offloaded)))
         if plan.budget_candidates:
             notes.append("Schedules tried under memory_budget (the fastest that fits is "
                          "run):\n" + "\n".join(

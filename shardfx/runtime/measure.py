@@ -15,8 +15,9 @@ on a GPU ``torch.cuda.max_memory_allocated`` measures the same thing plus that r
 runners mark ``"fwd+bwd"`` between the program and the optimizer's step, so a step whose peak
 is in the optimizer's update still shows what forward and backward held.
 
-Host memory (``runtime.offload``: an offloaded optimizer's state, its step, what it steps)
-is counted apart: a storage made under ``on_host()``, or registered as the host's, counts in
+Host memory (``runtime.offload``: an offloaded optimizer's state, its step, what it steps;
+``kernels.host_copy``: offloaded activations) is counted apart: a storage made under
+``kernels.host_copy.on_host()``, or registered as the host's, counts in
 ``Peak.host`` and not in ``total``, so a CPU run, where host and "device" are one memory,
 still measures the device's peak and the host's each on its own, as a GPU's would be.
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from shardfx.kernels.host_copy import in_host_pool
 
 
 @dataclass(frozen=True)
@@ -52,19 +54,6 @@ class Peak:
     backend: int = 0  # allocated_peak: the collective backend's threads' own peak, not in total
     host: int = 0  # the host's own peak (on_host; offload), not in total
     host_existing: int = 0  # of which: the host's tensors registered before the run
-
-
-_HOST: contextvars.ContextVar[bool] = contextvars.ContextVar("on_host", default=False)
-
-
-@contextlib.contextmanager
-def on_host():
-    """Within: every storage made or written is the host's (module docstring)."""
-    token = _HOST.set(True)
-    try:
-        yield
-    finally:
-        _HOST.reset(token)
 
 
 class _Storages(TorchDispatchMode):
@@ -99,7 +88,7 @@ class _Storages(TorchDispatchMode):
         self._seen[key] = weakref.ref(storage, lambda _, k=key: self._dead.append(k))
         if existing:
             self._existing.add(key)
-        if host or _HOST.get():
+        if host or in_host_pool():
             self._host.add(key)
         self._count(key, self._bytes[key])
 

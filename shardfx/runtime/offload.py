@@ -25,7 +25,7 @@ compute waiting only where it reads what they write; the gradients' device memor
 until their copy is done (``record_stream``).
 
 Where "device" and host are one memory (a CPU run), the host's tensors are still counted
-apart: every storage made by the code here runs under ``runtime.measure.on_host``, so
+apart: every storage made by the code here runs under ``kernels.host_copy.on_host``, so
 ``measured_peak`` reports the device's peak without them and the host's beside it (the
 separate pool the memory model predicts: ``estimate.memory``'s ``host``).
 
@@ -40,7 +40,7 @@ import contextlib
 import torch
 
 from shardfx.errors import InputError
-from shardfx.runtime.measure import on_host
+from shardfx.kernels.host_copy import on_host
 
 
 class Offload:
