@@ -2,13 +2,15 @@
 # Everything shardfx checks and measures on one GPU, in one go, each part under a time limit,
 # so a short lease on a GPU machine gives every number it can: the CUDA tests, then
 # bench/gpu.py (nanoGPT in fp32 and bf16 against eager and torch.compile, then a Hugging Face
-# Llama in bf16), then bench/kernels.py (the fused Triton kernels). Each part's log goes to
+# Llama in bf16), then bench/kernels.py (the fused Triton kernels), then bench/offload_gpu.py
+# (activation offload on a 1.1B Llama; the deepest model a capped GPU trains with the
+# optimizer offloaded). Each part's log goes to
 # $OUT (default /tmp/gpu-session) and the tables the benches append to bench/RESULTS.md are
 # copied there as results.diff. A part cut off by its limit still leaves what it printed:
 # bench/gpu.py says each row's step time as it goes.
 #
-#     bash bench/gpu_session.sh                  # about 8 minutes on an H200
-#     T_LLAMA=400 bash bench/gpu_session.sh      # a limit per part: T_TEST T_NANOGPT T_LLAMA T_KERNELS
+#     bash bench/gpu_session.sh                  # about 11 minutes on an H200
+#     T_LLAMA=400 bash bench/gpu_session.sh      # a limit per part: T_TEST T_NANOGPT T_LLAMA T_KERNELS T_OFFLOAD
 #
 # Runs with the machine's own python3 and PyTorch; wheels in .whl/ (Liger-Kernel for
 # bench/kernels.py's comparison) are installed to /tmp/site first.
@@ -36,5 +38,6 @@ part gpu_nanogpt "${T_NANOGPT:-150}" python3 -m bench.gpu --models nanogpt --war
 part gpu_llama "${T_LLAMA:-240}" python3 -m bench.gpu --models llama --precisions bf16 \
   --warmup 2 --steps 5
 part kernels "${T_KERNELS:-150}" python3 -m bench.kernels --no-step
+part offload "${T_OFFLOAD:-200}" python3 -m bench.offload_gpu --warmup 1 --steps 5
 diff "$OUT/RESULTS.before" bench/RESULTS.md > "$OUT/results.diff"
 exit 0

@@ -1,5 +1,6 @@
-"""Optimizer offload: a training step's device and host memory and its time, shardfx's
-``offload_optimizer=True`` against the same plan without it and against eager.
+"""Offload: a training step's device and host memory and its time, shardfx's
+``offload_optimizer=True`` and activation offload under ``memory_budget`` against the same plan
+without them, against recomputation alone, and against eager.
 
 Model: a seeded Hugging Face Llama (``bench.llama_workload``; default the remat bench's 136.3 M:
 6 layers, hidden 1024, intermediate 2816, 16 heads, 8 KV heads, vocab 32000), fp32, AdamW (lr
@@ -12,7 +13,15 @@ weights:
 - shardfx ``offload_optimizer=True``: AdamW's moments, the copy it steps and the gradients on
   the host, each block's gradients sent there as they are final;
 - shardfx ``offload_optimizer=True, memory_budget=`` half of eager's measured peak: what is
-  left on the device (the activations) cut by shardfx's recomputation until it fits.
+  left on the device (the activations) cut by shardfx's recomputation until it fits;
+- shardfx ``memory_budget=`` 0.6x eager's peak, recomputation alone (the ``cpu`` preset: no
+  host memory to offload to; with AdamW's state on the device, half does not fit);
+- the same budget planned for this CPU with 64 GiB of host memory beside it (``HOST``): the
+  ILP offloads activations where their copies hide behind compute, and recomputes the rest;
+- both offloads at a third of eager's peak.
+
+The "recomputed / offloaded" column is what the plan chose: the FLOPs it recomputes per step,
+and the activation bytes it sends to the host and back.
 
 Peaks are measured by ``shardfx.runtime.measure.measured_peak`` (live tensor storage, the batch
 left out) on a step after the optimizer's state exists. On this CPU host and "device" are one
@@ -29,6 +38,7 @@ the times say what the bookkeeping costs, not what a PCIe link would).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -39,6 +49,7 @@ import shardfx
 from bench.common import alternate, append_results, clocked, count, machine
 from bench.llama_workload import (adamw, fill_sizes, loss_of, size_flags, training_step,
                                   workload)
+from shardfx.cost.device_model import Host, Link, device_model
 from shardfx.runtime.measure import measured_peak
 
 DEFAULT = dict(layers=6, hidden=1024, inter=2816, heads=16, kv=8, vocab=32000, batch=8,
@@ -49,15 +60,32 @@ def _loss(out, y):
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
 
+# The cpu preset has no host memory (its "host" is the same DRAM): for the activation-offload
+# rows the plan is made for this CPU with 64 GiB of host memory beside it, at the preset's
+# 5 GB/s each way.
+HOST = dataclasses.replace(device_model("cpu"),
+                           host=Host(64 * 2**30, Link(5e9, 1e-6), Link(5e9, 1e-6)))
+
+
 def contestants(factory, ids, targets, eager_peak: int) -> dict:
     """Each shardfx row: (step function, what measured_peak counts as existing, its plan)."""
     rows = {}
+    half, tight, third = eager_peak // 2, int(0.6 * eager_peak), eager_peak // 3
     for label, kw in (
             ("shardfx defaults", {}),
             ("shardfx offload_optimizer", dict(offload_optimizer=True)),
             ("shardfx offload_optimizer, budget 0.5x eager",
-             dict(offload_optimizer=True, memory_budget=eager_peak // 2))):
-        plan = shardfx.partition(factory(), (ids,), _loss, (targets,), **kw)
+             dict(offload_optimizer=True, memory_budget=half)),
+            ("shardfx budget 0.6x eager (recompute only)", dict(memory_budget=tight)),
+            ("shardfx budget 0.6x eager, host memory (activation offload)",
+             dict(memory_budget=tight, device_model=HOST)),
+            ("shardfx both offloads, budget 0.33x eager",
+             dict(offload_optimizer=True, memory_budget=third, device_model=HOST))):
+        try:
+            plan = shardfx.partition(factory(), (ids,), _loss, (targets,), **kw)
+        except shardfx.MemoryBudgetError as e:
+            print(f"{label}: does not fit ({e.cause})")
+            continue
         runner = plan.runner(lambda params: torch.optim.AdamW(params, lr=1e-3))
         rows[label] = (lambda r=runner: r.step((ids,), (targets,)), (runner,), plan)
     return rows
@@ -95,13 +123,14 @@ def main() -> None:
                           for name, (step, _, _) in rows.items()}, a.warmup, a.steps)
     base, base_time = peaks["eager"][0], statistics.median(cpu["eager"])
     mib = 2 ** 20
-    lines = [f"optimizer offload: Llama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab} "
+    lines = [f"offload: Llama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab} "
              f"({count(params)} params), batch {a.batch} x {a.seq} tokens, fp32, AdamW, one "
              f"device, 1 thread; {a.steps} timed steps after {a.warmup}, rows alternating; "
              "peaks measured (live tensor storage, the batch left out; the host's apart)", "",
              "| variant | device peak (MiB) | vs eager | predicted | host peak (MiB) | "
-             "predicted | wall min / median (s) | CPU median (s) | vs eager | loss after |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "predicted | recomputed / offloaded | wall min / median (s) | CPU median (s) | "
+             "vs eager | loss after |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, (_, _, plan) in rows.items():
         device, host = peaks[name]
         if plan is not None:
@@ -111,10 +140,14 @@ def main() -> None:
                          f"{b.host / mib:.1f}")
         else:
             predicted = ("-", "-")
+        remat = plan.remat if plan is not None else None
+        chose = "-" if remat is None else (
+            f"{remat.flops / 1e9:.1f} GFLOP / {remat.offloaded_bytes / mib:.0f} MiB")
         t, c = times[name], cpu[name]
         lines.append(
             f"| {name} | {device / mib:.1f} | {device / base:.2f}x | {predicted[0]} | "
-            f"{host / mib:.1f} | {predicted[1]} | {min(t):.2f} / {statistics.median(t):.2f} | "
+            f"{host / mib:.1f} | {predicted[1]} | {chose} | "
+            f"{min(t):.2f} / {statistics.median(t):.2f} | "
             f"{statistics.median(c):.2f} | {statistics.median(c) / base_time:.2f}x | "
             f"{losses[name][-1]:.6f} |")
     lines.append("")

@@ -6,7 +6,8 @@ Skipped, all of them, where there is no CUDA.
 - examples/nanogpt.py's default config (4 layers, n_embd 128, vocab 256), 3 steps in fp32,
   ``kernels="triton"``;
 - a Hugging Face Llama of TinyLlama-1.1B's shape (random weights), 2 steps in fp32;
-- nanoGPT in bf16 with ``kernels="triton"``, within autocast's own error.
+- nanoGPT in bf16 with ``kernels="triton"``, within autocast's own error;
+- nanoGPT with the optimizer and activations offloaded to pinned host memory.
 
 fp32 means fp32: TF32 matmuls are off during every test (PyTorch's default, made sure of).
 """
@@ -94,6 +95,28 @@ def test_1b_llama_trains_like_eager():
     report = compare_training(model, batches, lm_loss)
     assert len(report.loss) == 2, report
     assert on_cuda(report) == []
+
+
+def test_offloaded_optimizer_and_activations_train_like_eager():
+    """``offload_optimizer=True`` and activation offload under a budget, on the GPU: the
+    optimizer's tensors pinned on the host, the copies on their own stream (planned on a
+    device model whose compute hides the copies, so this small model offloads)."""
+    import dataclasses
+
+    from shardfx.cost.device_model import PRESETS
+
+    model, batches, loss_fn = nanogpt_run(3)
+    h200 = PRESETS["h200"]
+    slow = dataclasses.replace(h200, peak_flops={k: v / 1e4 for k, v in h200.peak_flops.items()},
+                               memory_bandwidth=h200.memory_bandwidth / 1e4)
+    full = shardfx.partition(model, batches[0][0], loss_fn, batches[0][1], device_model=slow,
+                             offload_optimizer=True)
+    report = compare_training(model, batches, loss_fn, device_model=slow, offload_optimizer=True,
+                              memory_budget=int(0.7 * full.memory_estimate()[0]))
+    assert report.max() < 1e-5, report
+    assert report.plan.remat is not None and report.plan.remat.offloaded
+    assert all(m.is_pinned() for m in report.runner.offload.masters.values())
+    assert all(p.is_cuda for p in report.runner.device_parameters())
 
 
 def test_nanogpt_bf16_with_triton_kernels_trains_like_autocast():

@@ -49,9 +49,8 @@ def to_host(value: torch.Tensor) -> torch.Tensor:
             return value.clone()
     stream = _copy_stream(value.device)
     stream.wait_stream(torch.cuda.current_stream(value.device))
-    with on_host():
-        out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                  pin_memory=True)
+    with on_host():  # its strides where they are dense, else contiguous (as clone's)
+        out = torch.empty_like(value, device="cpu", pin_memory=True)
     with torch.cuda.stream(stream):
         out.copy_(value, non_blocking=True)
     value.record_stream(stream)
