@@ -25,7 +25,8 @@ import torch.fx as fx
 
 from shardfx.errors import MemoryBudgetError
 from shardfx.estimate.memory import KINDS
-from shardfx.auto.remat import Choice, Problem, apply, group_name, undo
+from shardfx.auto.remat import Choice, Problem
+from shardfx.auto.remat_choice import apply, group_name, undo
 
 
 def device_group(node: fx.Node) -> str:

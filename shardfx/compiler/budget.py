@@ -38,7 +38,8 @@ from shardfx.cost.device_model import default_model, model_of
 from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
-from shardfx.auto.remat import Choice, recompute_seconds, undo
+from shardfx.auto.remat import Choice, recompute_seconds
+from shardfx.auto.remat_choice import undo
 from shardfx.auto.remat_search import advice as remat_advice, device_group, fit, held_once
 from shardfx.passes.stage_cut import node_time
 from shardfx.compiler.driver import emit

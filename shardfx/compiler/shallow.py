@@ -56,7 +56,8 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import phases
 from shardfx.passes.zero import zero_layouts
 from shardfx.estimate.memory import KINDS, DeviceMemory, spmd_moments
-from shardfx.auto.remat import Choice, Problem, apply, undo
+from shardfx.auto.remat import Choice, Problem
+from shardfx.auto.remat_choice import apply, undo
 from shardfx.auto.remat_search import (choose, device_group, fit as fit_whole, held_once,
                                          infeasible, search)
 from shardfx.compiler.driver import compile_ir, emit

@@ -25,7 +25,7 @@ from html import escape
 from shardfx.codegen.spmd import local_shape
 from shardfx.ir import meta as M
 from shardfx.estimate.memory import KINDS
-from shardfx.auto.remat import module_rows
+from shardfx.auto.remat_choice import module_rows
 from shardfx.passes.shard_annotate import sequence_split
 from shardfx.passes.stage_cut import stage_report, weight_stages
 from shardfx.ir.units import flops, nbytes

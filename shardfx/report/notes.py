@@ -8,7 +8,7 @@ from shardfx.compiler.budget import Candidate
 from shardfx.codegen.gradients_to_host import gradients_to_host
 from shardfx.codegen.step_in_backward import step_parameters
 from shardfx.ir import meta as M
-from shardfx.auto.remat import by_module, group_name, module_rows
+from shardfx.auto.remat_choice import by_module, group_name, module_rows
 from shardfx.ir.units import flops, nbytes
 from shardfx.codegen.redistribute import Purpose
 
