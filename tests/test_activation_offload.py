@@ -21,6 +21,7 @@ from shardfx.testing import compare_training
 from models import lm_loss, tiny, token_batches
 
 LAYERS, ROWS, SHARE = 8, 32, 0.6
+SMALL = dict(layers=4, rows=32)  # on a mesh: smaller, so its ranks share 2 cores quicker
 
 
 def with_host(memory: float = 1e9, link: float = 5e9, **kw) -> DeviceModel:
@@ -30,16 +31,16 @@ def with_host(memory: float = 1e9, link: float = 5e9, **kw) -> DeviceModel:
                                                           Link(link, 1e-6)), **kw)
 
 
-def trained(share: float = SHARE, **kw) -> tuple:
+def trained(share: float = SHARE, layers: int = LAYERS, rows: int = ROWS, **kw) -> tuple:
     """This rank's (training error against eager, budget, predicted and measured device peak,
     predicted and measured host peak, what was offloaded and recomputed) at ``share`` of the
     plan's unconstrained peak."""
     kw.setdefault("device_model", with_host())
-    batches = token_batches(3, batch=ROWS)
-    plan = shardfx.partition(tiny("llama", LAYERS), *batches[0][:1], lm_loss, batches[0][1],
+    batches = token_batches(3, batch=rows)
+    plan = shardfx.partition(tiny("llama", layers), *batches[0][:1], lm_loss, batches[0][1],
                              **kw)
     budget = int(share * max(plan.memory_estimate().values()))
-    report = compare_training(tiny("llama", LAYERS), batches[:2], lm_loss, memory_budget=budget,
+    report = compare_training(tiny("llama", layers), batches[:2], lm_loss, memory_budget=budget,
                               **kw)
     plan, runner = report.plan, report.runner
     (x,), (y,) = batches[2]
@@ -55,8 +56,8 @@ def check(row: tuple) -> None:
     assert error < 1e-5, row
     assert offloaded, row  # the plan offloads: this checks that path
     assert measured <= budget, row
-    assert abs(predicted - measured) <= 0.05 * measured, row
-    assert host > 0 and abs(host_predicted - host) <= 0.05 * host, row
+    assert abs(predicted - measured) <= 0.02 * measured, row
+    assert host > 0 and abs(host_predicted - host) <= 0.02 * host, row
 
 
 def test_one_device_offloads_under_budget_and_equals_eager():
@@ -89,8 +90,11 @@ def test_the_program_copies_out_after_the_forward_and_back_before_the_backward(t
 
 
 def _meshes() -> list[tuple]:
-    return [trained(mesh={"dp": 2}, zero=2),
-            trained(mesh={"pp": 2}, microbatches=4, schedule="1f1b", offload_optimizer=True)]
+    """Activations offloaded, alone and with the optimizer, on dp=2 ZeRO-2 and pp=2 (1F1B)."""
+    pp = dict(mesh={"pp": 2}, microbatches=4, schedule="1f1b")
+    return [trained(mesh={"dp": 2}, zero=2, offload_optimizer=both, **SMALL)
+            for both in (False, True)] + \
+        [trained(**pp, offload_optimizer=both, **SMALL) for both in (False, True)]
 
 
 def test_dp_zero2_and_pp_offload_and_equal_eager():
@@ -99,13 +103,15 @@ def test_dp_zero2_and_pp_offload_and_equal_eager():
             check(row)
 
 
-def _dp_tp() -> tuple:
-    return trained(mesh={"dp": 2, "tp": 2}, shard="megatron", zero=2, offload_optimizer=True)
+def _dp_tp() -> list[tuple]:
+    return [trained(mesh={"dp": 2, "tp": 2}, shard="megatron", zero=2, offload_optimizer=both,
+                    **SMALL) for both in (False, True)]
 
 
 def test_dp_tp_offloads_and_equals_eager():
-    for row in shardfx.launch(_dp_tp, nprocs=4, timeout=300, deadline=900):
-        check(row)
+    for rows in shardfx.launch(_dp_tp, nprocs=4, timeout=300, deadline=900):
+        for row in rows:
+            check(row)
 
 
 def test_the_device_model_chooses_between_recomputing_and_offloading():

@@ -30,7 +30,8 @@ gradient only until its ``gradients_to_host`` op, and the step after the program
 step, the gradients and the step's temporaries, priced as torch's CPU optimizers make them),
 beside the device's bytes, not in ``total``. An activation offloaded (``kernels.host_copy``:
 ``to_host``'s result, until ``from_host`` last reads it) is the host's too: the walk counts it
-apart, and ``host`` adds the most such bytes live at once.
+apart, and ``host`` adds the most such bytes live at once, with the gradients already handed
+to the host by then.
 
 The peak is the largest of these moments. ``shardfx.runtime.measure`` measures the same quantity (live
 tensor storage) on a real step, and the tests hold the two within 5%.
@@ -133,8 +134,9 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
     if offload:  # the host's copies and the state; the device's state without them
         host, opt_state = opt_state + sum(map(tensor_bytes, stepped)), 0
     kind = kind_of(program.graph)
-    walked = {None: walk(program.graph, kind)} if moment is None else \
-        walk_moments(program.graph, kind, moment)
+    sent = _host_gradients(program.graph, stepped) if offload else None
+    walked = {None: walk(program.graph, kind, sent=sent)} if moment is None else \
+        walk_moments(program.graph, kind, moment, sent=sent)
     moments: dict[object, DeviceMemory] = {
         at: DeviceMemory(**state, optimizer=opt_state, **(peak | {"host": host + peak["host"]}),
                          when=when)
@@ -171,6 +173,16 @@ def _steps_in_backward(graph: fx.Graph) -> list[fx.Node]:
     walk counts their temporaries (the op's ``workspace``), and there is no step after it."""
     return [n for n in graph.nodes
             if n.op == "call_function" and getattr(n.target, "steps_optimizer", False)]
+
+
+def _host_gradients(graph: fx.Graph, stepped: list) -> Callable[[fx.Node], int]:
+    """For ``walk_moments``: the host bytes each ``gradients_to_host`` op fills (its
+    parameters' gradients, as what the optimizer steps: ZeRO's rows), from there on."""
+    names = [n.meta[M.ROLE].name for n in graph.find_nodes(op="placeholder")
+             if n.meta[M.ROLE].kind is M.InputKind.PARAM]
+    size = dict(zip(names, map(tensor_bytes, stepped)))
+    sends = set(_sent_to_host(graph))
+    return lambda node: sum(size.get(name, 0) for name in node.args[1]) if node in sends else 0
 
 
 def _sent_to_host(graph: fx.Graph) -> list[fx.Node]:
@@ -216,20 +228,23 @@ def kind_of(graph: fx.Graph) -> Callable[[fx.Node], str]:
     return kind
 
 
-def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None
+def walk(graph: fx.Graph, kind: Callable[[fx.Node], str], size=None, sent=None
          ) -> tuple[dict[str, int], fx.Node | None, str]:
     """Live bytes at the fullest op of ``graph`` by kind, that op, and a line naming it.
     Placeholders are the caller's and not counted; a value is live from its op to its last
     reader (the output node keeps what the graph returns)."""
     none = {k: 0 for k in ("gradients", "saved", "transient", "communication", "host")}
-    return walk_moments(graph, kind, lambda node: None, size).get(None, (none, None, ""))
+    return walk_moments(graph, kind, lambda node: None, size, sent).get(None, (none, None, ""))
 
 
-def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=None
-                 ) -> dict:
+def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=None,
+                 sent: Callable[[fx.Node], int] | None = None) -> dict:
     """``walk``'s peak within each moment of ``graph``: ``moment(op)`` names the part of the
-    program an op is in; per part, (live bytes by kind, the fullest op, a line naming it)."""
+    program an op is in; per part, (live bytes by kind, the fullest op, a line naming it).
+    ``sent(op)``: host bytes the op puts there for the rest of the program (the gradients
+    ``gradients_to_host`` hands over), counted in the moments' ``host``."""
     size = size or value_bytes
+    kept_on_host = 0
     order = {n: i for i, n in enumerate(graph.nodes)}
     base = bases(graph)
     last_use: dict[fx.Node, int] = {}
@@ -270,7 +285,8 @@ def walk_moments(graph: fx.Graph, kind: Callable[[fx.Node], str], moment, size=N
                     frees.setdefault(end, []).append((k, nbytes))
             work = _workspace(node)  # what the op allocates for itself while it runs
             at = moment(node)
-            host[at] = max(host.get(at, 0), live["host"])
+            kept_on_host += sent(node) if sent is not None else 0
+            host[at] = max(host.get(at, 0), live["host"] + kept_on_host)
             if total + work > best.get(at, (0,))[0]:
                 fullest = Counter(live)
                 fullest["transient"] += work
