@@ -122,3 +122,13 @@ def capture_path(plan) -> str:
     """How the plan traced the model: each repeated block once and stamped, or the whole
     model (``plan.capture_path``)."""
     return plan.capture_path
+
+
+def cuda_peak(fn) -> tuple[int, int]:
+    """(bytes allocated before, the most allocated during) one call of ``fn`` on the GPU."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return before, torch.cuda.max_memory_allocated()

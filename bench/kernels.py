@@ -303,6 +303,8 @@ def loss_rows(dtype: torch.dtype, device: str, tokens: int, hidden: int, vocab: 
             contestants["Liger"] = liger
     except ImportError:
         pass
+    from bench.common import cuda_peak  # here, as in main: after shardfx chose Triton's mode
+
     want = eager()
     rows = []
     for name, fn in contestants.items():
@@ -312,12 +314,8 @@ def loss_rows(dtype: torch.dtype, device: str, tokens: int, hidden: int, vocab: 
             row["error"] = max(((a.float() - b.float()).norm() / b.float().norm()).item()
                                for a, b in zip(got, want))
             if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                fn()
-                torch.cuda.synchronize()
-                row["peak"] = torch.cuda.max_memory_allocated() - base
+                base, peak = cuda_peak(fn)
+                row["peak"] = peak - base
             row["ms"] = bench_ms(fn, device)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()

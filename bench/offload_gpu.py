@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import shardfx
-from bench.common import append_results, count, machine
+from bench.common import append_results, count, cuda_peak, machine
 from bench.llama_workload import fill_sizes, llama, make_batch, size_flags
 
 DEFAULT = dict(layers=22, hidden=2048, inter=5632, heads=32, kv=4, vocab=32000, batch=4,
@@ -58,12 +58,7 @@ def _peak(device: str, step, *existing) -> tuple[int, int]:
     """(state, peak) bytes of one call of ``step``: allocated before it, and at its fullest
     (on a CPU: what ``existing`` holds, and the live storage at its fullest)."""
     if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return before, torch.cuda.max_memory_allocated()
+        return cuda_peak(step)
     from shardfx.runtime.measure import measured_peak  # CPU check only: the live storage
     peak = measured_peak(step, *existing)
     return peak.existing, peak.total

@@ -70,7 +70,8 @@ import torch
 import shardfx
 from bench.common import append_results, count, machine, timed
 from bench.llama_workload import adamw, fill_sizes, loss_of, size_flags, training_step, workload
-from bench.remat import LOSS_RTOL, MiB, _loss_on_logits, failed
+from bench.remat import MiB, _loss_on_logits, failed
+from bench.remat_report import LOSS_RTOL
 from shardfx.runtime.measure import mark, measured_peak
 from shardfx.request.precision import DTYPES
 
