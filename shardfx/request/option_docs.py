@@ -20,9 +20,9 @@ OPTIONS = {
     "virtual_stages": """With a pp axis: stages per rank, for interleaved-1f1b (default
         2).""",
     "memory_budget": """Bytes per device (an int, a float or "8GiB") the plan must fit:
-        activations are recomputed (``auto.remat``), and in a pipeline fewer microbatches kept
-        in flight, until the predicted peak fits, or a ``MemoryBudgetError`` gives the smallest
-        budget that can.""",
+        activations are recomputed or, where the device model has host memory, offloaded to
+        it (``auto.remat``), and in a pipeline fewer microbatches kept in flight, until the
+        predicted peak fits, or a ``MemoryBudgetError`` gives the smallest budget that can.""",
     "optimizer": """The kind of optimizer ``plan.runner`` will be given (adamw | adam |
         sgd-momentum | sgd | None), for the memory its state takes: the plan is made before the
         optimizer exists, and the runner checks it matches.""",
