@@ -11,7 +11,6 @@ Ensures:  ``apply`` leaves the IR as ``auto.remat``'s module docstring says (eac
 from __future__ import annotations
 
 import operator
-import re
 from collections import defaultdict
 
 import numpy as np
@@ -22,7 +21,8 @@ from shardfx.cost.device_model import model_of
 from shardfx.cost.node import is_view
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
-from shardfx.ir.text import block_pattern, origin
+from shardfx.ir.text import block_pattern, module_of, origin
+from shardfx.passes.stage_cut import block_of_path
 
 
 def apply(gm: fx.GraphModule, problem: Problem, keep: np.ndarray, again: np.ndarray,
@@ -88,9 +88,7 @@ def _prefetch_points(graph: fx.Graph) -> dict[fx.Node, tuple[fx.Node, int]]:
             continue
         if start is None:
             start = node
-        path = origin(node).split(" ")[0]
-        name = re.match(r"^(.*?\.\d+)(\.|$)", path)
-        name = name.group(1) if name else None
+        name = block_of_path(module_of(node))  # (a backward op: its forward's module)
         if name is not None and name != block:
             block, before, start = name, start, node
         out[node] = (before or start, i)

@@ -67,13 +67,14 @@ def choose(gm: fx.GraphModule, problem: Problem, best: tuple, recompile: bool = 
     offloads."""
     choice = apply(gm, problem, *best, recompile=recompile)
     before = problem.kept_bytes(problem.must & problem.can_keep)
-    seconds = choice.seconds + (problem.exposed_seconds(best[2]) if len(best) > 2 else 0.0)
+    seconds = choice.seconds + problem.exposed_seconds(best[2])
     return dataclasses.replace(choice, seconds=seconds, saved_before=before,
                                saved_after=problem.kept_bytes(best[0]))
 
 
 def search(problem: Problem, budget: int, memory: dict, trial) -> tuple:
-    """The (keep, recompute, offload) flags that recompute (and copy) the least and whose peak, ``trial(flags)``
+    """The (keep, recompute, offload) flags that recompute (and copy) the least and whose
+    peak, ``trial(flags)``
     (each group's ``DeviceMemory``), is under ``budget``; ``memory``: each group's peak
     recomputing nothing, which does not fit.
 

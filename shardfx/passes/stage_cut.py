@@ -183,7 +183,12 @@ def block_of(node: fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
-    parts = list(stack.values())[-1][0].split(".")
+    return block_of_path(list(stack.values())[-1][0])
+
+
+def block_of_path(path: str) -> str | None:
+    """``model.layers.3`` of ``model.layers.3.mlp``: a module path up to its first number."""
+    parts = path.split(".")
     numbered = [i for i, p in enumerate(parts) if p.isdigit()]
     return ".".join(parts[:numbered[0] + 1]) if numbered else None
 
