@@ -167,6 +167,33 @@ def test_a_file_cut_short_is_named(tmp_path):
                   r"model\.\S+ ends at byte \d+, the file has \d+")
 
 
+def test_a_header_that_reads_one_tensor_as_another_is_refused(tmp_path):
+    """q_proj's range pointed at o_proj's bytes (same shape and dtype): the values would load
+    without a word; the header's ranges overlap, so the file is refused by name."""
+    from test_safetensors_header import rewrite, split
+
+    path = tmp_path / "overlap"
+    shutil.copytree(saved("llama", tmp_path), path)
+    header, data = split(path / "model.safetensors")
+    q, o = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qo")
+    assert header[q]["shape"] == header[o]["shape"]
+    header[q]["data_offsets"] = header[o]["data_offsets"]
+    rewrite(path / "model.safetensors", header, data)
+    refused(path, r"model.safetensors cannot be read as safetensors: .*overlaps")
+
+
+def test_a_git_lfs_pointer_is_named_as_one(tmp_path):
+    path = tmp_path / "pointer"
+    shutil.copytree(saved("llama", tmp_path), path)
+    (path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n"
+                                            "oid sha256:4d7a2f\nsize 261711\n")
+    runner = meta_plan("llama").runner()
+    with pytest.raises(InputError, match="it is a Git LFS pointer, not the file it points to") \
+            as e:
+        runner.load_hf(path)
+    assert "git lfs pull" in e.value.fix
+
+
 def test_an_index_naming_a_missing_file_is_named(tmp_path):
     path = tmp_path / "lost"
     shutil.copytree(saved("mixtral", tmp_path, max_shard_size="20KB"), path, dirs_exist_ok=True)

@@ -14,7 +14,9 @@ a time, converted as ``from_pretrained`` converts them, and cut. A tied weight i
 from whichever of its names the checkpoint has.
 
 Before anything is copied, the whole checkpoint is checked against the model from the files'
-headers: a missing file, a file that is cut short or whose header is damaged, a tensor the
+headers: a missing file, a file that is cut short, not safetensors (a Git LFS pointer, a pickle)
+or whose header fails any check safetensors makes (ranges that overlap, leave a gap or run past
+the file: ``safetensors_file``), a tensor the
 model lacks (beyond those the model says to skip), a tensor the checkpoint lacks, one that two
 keys would fill, a shape that differs, or a dtype that cannot become the model's (anything but
 floating point into floating point, or the same dtype) is one ``InputError`` naming it, and
@@ -32,7 +34,7 @@ import torch
 
 from shardfx.errors import InputError
 from shardfx.runtime import hf_names
-from shardfx.runtime.safetensors_file import DTYPES, Damaged, SafetensorsFile
+from shardfx.runtime.safetensors_file import DOWNLOAD_AGAIN, DTYPES, Damaged, SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -57,8 +59,7 @@ class Checkpoint:
             except (Damaged, OSError) as e:
                 self.close()
                 raise InputError(f"{file.name} cannot be read as safetensors: {e}",
-                                 where=where, fix="the file is cut short or damaged: copy or "
-                                 "download it again") from None
+                                 where=where, fix=getattr(e, "fix", DOWNLOAD_AGAIN)) from None
             present = handle.tensors
             lost = [n for n in names if n not in present] if names is not None else []
             if lost:
