@@ -24,6 +24,7 @@ from shardfx import launch
 from shardfx.errors import InputError
 from shardfx.runtime.checkpoint import PAUSE_ENV, Box, check, full_state_dict, load, save
 from shardfx.runtime.checkpoint_digest import Digest
+from shardfx.runtime.checkpoint_files import seal
 
 
 def whole(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -289,7 +290,7 @@ def test_strict_optim_false_loads_the_model_without_the_optimizer(small):
 
 def test_a_format_from_the_future_and_another_torch_are_named(small, caplog):
     record = json.loads((small / "shardfx.json").read_text())
-    (small / "shardfx.json").write_text(json.dumps({**record, "torch": "2.0.1"}))
+    (small / "shardfx.json").write_text(json.dumps(seal({**record, "torch": "2.0.1"})))
     with caplog.at_level(logging.WARNING, logger="shardfx.checkpoint"):
         assert check(small) == {"step": 1}  # this torch still reads it: a warning only
     assert f"written by torch 2.0.1; this is torch {torch.__version__}" in caplog.text
@@ -302,12 +303,14 @@ def test_a_format_from_the_future_and_another_torch_are_named(small, caplog):
     digest = Digest()
     digest.update(garbled)
     files = {**record["files"], ".metadata": {"bytes": len(garbled), "digest": digest.hexdigest()}}
-    (small / "shardfx.json").write_text(json.dumps({**record, "torch": "2.0.1", "files": files}))
+    (small / "shardfx.json").write_text(json.dumps(seal({**record, "torch": "2.0.1",
+                                                         "files": files})))
     with pytest.raises(InputError, match=r"written by torch 2.0.1 and this torch .* cannot read "
                                          r"it: \.metadata cannot be read"):
         check(small)  # what the save wrote, which this torch cannot unpickle
     (small / "shardfx.json").write_text(json.dumps({**record, "format": 99}))
-    with pytest.raises(InputError, match=r"checkpoint format 99 .* which reads format 2") as err:
+    with pytest.raises(InputError, match=r"checkpoint format 99 .* which reads formats 2 and 3",
+                       ) as err:
         check(small)
     assert err.value.fix == "upgrade shardfx"
 

@@ -7,6 +7,7 @@ gives wrong values. Real saves, damaged on disk the ways checkpoints get damaged
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import shutil
 from pathlib import Path
@@ -253,9 +254,44 @@ def test_shardfx_json_that_is_not_an_object_and_an_older_format_are_named(small)
     (small / "shardfx.json").write_text(json.dumps({"format": 1, "shardfx": "0.0.9"}))
     with pytest.raises(InputError, match=r"checkpoint format 1 \(written by shardfx 0\.0\.9\) "
                                          r"cannot be read by this shardfx .*, which reads "
-                                         r"format 2") as err:
+                                         r"formats 2 and 3") as err:
         check(small)
     assert err.value.fix.startswith("load it with a shardfx that reads format 1")
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda r: r["meta"].update(step=r["meta"]["step"] + 1), "step"),  # well formed, wrong
+    (lambda r: r["meta"].update(data_position=0), "data_position"),
+    (lambda r: r["files"]["__0_0.distcp"].update(digest="0" * 32), "a data file's checksum"),
+    (lambda r: r["tensors"]["model/a"].update(dtype="bfloat16"), "a tensor's dtype"),
+    (lambda r: r.update(world_size=2), "world_size")])
+def test_a_field_edited_since_the_save_is_refused_naming_shardfx_json(small, edit, field):
+    """Every field of shardfx.json is covered by its own checksum: a well-formed value that
+    is not the save's (a step of 4 made 5 resumes at the wrong step) is refused, naming
+    shardfx.json, not the file an edited checksum describes."""
+    fields = record(small)
+    edit(fields)
+    (small / "shardfx.json").write_text(json.dumps(fields))
+    with pytest.raises(InputError, match=r"shardfx.json of the checkpoint .* is damaged: its "
+                                         r"fields no longer match the checksum") as err:
+        check(small)
+    assert err.value.where.endswith("shardfx.json"), field
+
+
+def test_shardfx_json_laid_out_anew_still_loads(small):
+    """The checksum covers the fields, not the bytes: indentation and key order are free."""
+    fields = record(small)
+    (small / "shardfx.json").write_text(json.dumps(dict(reversed(fields.items()))))
+    assert check(small) == {"step": 3, "seed": 7, "data_position": 3}
+
+
+def test_format_2_without_a_checksum_of_its_own_loads_with_a_warning(small, caplog):
+    fields = record(small)
+    del fields["digest"]
+    (small / "shardfx.json").write_text(json.dumps({**fields, "format": 2}))
+    with caplog.at_level(logging.WARNING, logger="shardfx.checkpoint"):
+        assert check(small) == {"step": 3, "seed": 7, "data_position": 3}
+    assert "its fields (the step, the seed, the data position) cannot be verified" in caplog.text
 
 
 def test_shardfx_run_refuses_a_damaged_checkpoint_before_any_process_plans(ck):

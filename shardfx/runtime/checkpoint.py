@@ -18,7 +18,7 @@ On disk a checkpoint is one directory:
                         byte count that hold it; written once every rank's files are fsynced
       shardfx.json      ours: FORMAT, shardfx's and torch's versions, the world size, the save's
                         id, each file's length and checksum, each key's global shape and dtype,
-                        and the caller's ``meta``
+                        the caller's ``meta``, and its own checksum over all of these
 
 Every file is one save's: rank 0 draws the save's id and broadcasts it; DCP's index carries it
 (``storage_meta.save_id``), each data file ends with a line carrying it and the checksum of its
@@ -79,9 +79,9 @@ from torch.futures import Future
 
 from shardfx.errors import InputError, ShardfxError
 from shardfx.runtime.checkpoint_digest import Digesting
-from shardfx.runtime.checkpoint_files import (FORMAT, __version__, INDEX, RECORD, check_keys, damaged,
-                                              data_files, old_path, open_checkpoint,
-                                              verify_contents)
+from shardfx.runtime.checkpoint_files import (FORMAT, __version__, INDEX, RECORD, check_keys,
+                                              damaged, data_files, old_path, open_checkpoint,
+                                              seal, verify_contents)
 from shardfx.runtime.launch import rank, world_size
 
 PAUSE_ENV = "SHARDFX_CHECKPOINT_PAUSE"  # test hook, see _pause
@@ -187,7 +187,7 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
     if rank() == 0:
         record.update(save=save_id, files=dict(sorted(files.items())))
         with open(staging / RECORD, "w") as f:
-            f.write(json.dumps(record, indent=1))
+            f.write(json.dumps(seal(record), indent=1))
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(staging)

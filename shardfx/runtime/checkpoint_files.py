@@ -3,7 +3,10 @@
 read, that it is whole and one save's own:
 
 - ``shardfx.json`` is JSON with every field of the right type and range (``FIELDS``, and in its
-  ``meta`` the entries shardfx's savers write, ``META``), in a format this shardfx reads;
+  ``meta`` the entries shardfx's savers write, ``META``), in a format this shardfx reads, and
+  its fields are those the save wrote: its own checksum (``digest``, over every other field) still
+  matches, so a field edited since (``"step": 4`` made 5, a file's recorded checksum) is named,
+  never resumed from;
 - ``.metadata``, ``shardfx.json`` and every data file carry the same save id (each data file in
   its trailer, ``checkpoint_digest``), and each file is as long as the save recorded;
 - each file's contents match the checksum recorded when it was written (``verify_contents``;
@@ -16,6 +19,7 @@ Each refusal is an ``InputError`` naming the file or field, the cause and the fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,8 +39,9 @@ try:
 except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0+unknown"
 
-FORMAT = 2  # the layout of shardfx.json (2: the save's id and each file's checksum); a reader
-            # refuses any other
+FORMAT = 3  # the layout of shardfx.json (2: the save's id and each file's checksum; 3: its own
+            # checksum); a reader reads 2 with a warning and refuses any other
+UNSEALED = 2  # the format before shardfx.json had its own checksum
 RECORD = "shardfx.json"
 INDEX = ".metadata"  # DCP's
 
@@ -116,7 +121,8 @@ def verify_contents(folder: Path, record: dict[str, Any], names: list[str]) -> N
 
 
 def read_record(folder: Path) -> dict[str, Any]:
-    """``shardfx.json``, every field checked (``FIELDS``, ``META``)."""
+    """``shardfx.json``, every field checked (``FIELDS``, ``META``) and, together, against its
+    own checksum (``record_digest``)."""
     where = folder / RECORD
     try:
         record = json.loads(where.read_text())
@@ -128,21 +134,43 @@ def read_record(folder: Path) -> dict[str, Any]:
     if not _whole(theirs):
         raise _malformed(where, "format", "a whole number, the format's version", theirs,
                          "format" not in record)
-    if theirs != FORMAT:
+    if theirs not in (FORMAT, UNSEALED):
         by = record.get("shardfx", "?")
         raise InputError(
             f"checkpoint format {theirs} (written by shardfx {by}) cannot be read by this "
-            f"shardfx {__version__}, which reads format {FORMAT}", where=str(where),
+            f"shardfx {__version__}, which reads formats {UNSEALED} and {FORMAT}",
+            where=str(where),
             fix="upgrade shardfx" if theirs > FORMAT else
-            f"load it with a shardfx that reads format {theirs} (format {FORMAT} added the "
-            "save's id and each file's checksum), then save it again with this one")
+            f"load it with a shardfx that reads format {theirs} (format 2 added the save's "
+            "id and each file's checksum), then save it again with this one")
     for name, (ok, want) in FIELDS.items():
         if name not in record or not ok(record[name]):
             raise _malformed(where, name, want, record.get(name), name not in record)
     for name, (ok, want) in META.items():
         if name in record["meta"] and not ok(record["meta"][name]):
             raise _malformed(where, f"meta.{name}", want, record["meta"][name])
+    if theirs == UNSEALED:
+        log.warning("%s is format %d, from before shardfx.json had a checksum of its own: its "
+                    "fields (the step, the seed, the data position) cannot be verified; the "
+                    "next save writes format %d", where, UNSEALED, FORMAT)
+    elif record.get("digest") != record_digest(record):
+        raise damaged(folder, RECORD, "its fields no longer match the checksum recorded when "
+                      "it was saved (a field was edited or damaged since: a changed step, seed "
+                      "or file checksum would resume wrong)")
     return record
+
+
+def seal(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with ``digest``, its checksum, set (``read_record`` checks it)."""
+    return {**record, "digest": record_digest(record)}
+
+
+def record_digest(record: dict[str, Any]) -> str:
+    """BLAKE2b-128 of every field of ``record`` but ``digest``, written as canonical JSON (keys
+    sorted, no spaces): the same fields give the same checksum however the file is laid out."""
+    fields = {k: v for k, v in record.items() if k != "digest"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _malformed(where: Path, field: str | None, want: str, value: Any, missing: bool = False,

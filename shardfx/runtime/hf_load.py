@@ -14,13 +14,12 @@ a time, converted as ``from_pretrained`` converts them, and cut. A tied weight i
 from whichever of its names the checkpoint has.
 
 Before anything is copied, the whole checkpoint is checked against the model from the files'
-headers: a missing file, a file that is cut short, not safetensors (a Git LFS pointer, a pickle)
-or whose header fails any check safetensors makes (ranges that overlap, leave a gap or run past
-the file: ``safetensors_file``), a tensor the
-model lacks (beyond those the model says to skip), a tensor the checkpoint lacks, one that two
-keys would fill, a shape that differs, or a dtype that cannot become the model's (anything but
-floating point into floating point, or the same dtype) is one ``InputError`` naming it, and
-the runner is left as it was.
+headers: a missing file, a file that is cut short, not safetensors (a Git LFS pointer, a
+pickle) or whose header fails any check safetensors makes (ranges that overlap, leave a gap or
+run past the file: ``safetensors_file``), a tensor the model lacks (beyond those the model says
+to skip), a tensor the checkpoint lacks, one that two keys would fill, a shape that differs, or
+a dtype that cannot become the model's (anything but floating point into floating point, or the
+same dtype) is one ``InputError`` naming it, and the runner is left as it was.
 """
 
 from __future__ import annotations
