@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from shardfx.errors import InputError
-from shardfx.runtime import hf_names
+from shardfx.runtime import hf_names, nonfinite
 from shardfx.runtime.safetensors_file import DOWNLOAD_AGAIN, DTYPES, Damaged, SafetensorsFile
 
 INDEX = "model.safetensors.index.json"
@@ -117,19 +117,31 @@ class Checkpoint:
             rest = ()
         handle.copy_rows(name, region[0], out, rest)
 
+    def nonfinite(self) -> dict[str, frozenset[str]]:
+        """The tensors read so far that hold NaN or Inf (``SafetensorsFile.nonfinite``)."""
+        out: dict[str, frozenset[str]] = {}
+        for handle in self._open.values():
+            out.update(handle.nonfinite)
+        return out
+
     def close(self) -> None:
         for handle in self._open.values():
             handle.close()
 
 
-def load_hf(runner, path: str | os.PathLike) -> None:
+def load_hf(runner, path: str | os.PathLike, allow_nonfinite: bool = False) -> None:
     """Fill ``runner``'s tensors from the Hugging Face checkpoint at ``path`` (every rank; the
-    module docstring)."""
+    module docstring). Values that are not finite are refused once every tensor is filled
+    (``nonfinite``), unless ``allow_nonfinite``."""
     ckpt = Checkpoint(path)
     try:
         _load(runner, ckpt)
     finally:
         ckpt.close()
+    if not allow_nonfinite:
+        nonfinite.refuse(ckpt.nonfinite(), f"the checkpoint {ckpt.path}", ckpt.where,
+                         fix="load a good copy of it: a conversion or a cast to a narrower "
+                             "dtype that overflowed makes Inf, a run that diverged NaN")
 
 
 def _load(runner, ckpt: Checkpoint) -> None:

@@ -56,17 +56,18 @@ class PipelineState:
         or nothing (``runtime.saving``); ``meta``: JSON entries of your own."""
         return saving.save(self, path, meta)
 
-    def load(self, path) -> dict:
+    def load(self, path, allow_nonfinite: bool = False) -> dict:
         """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
-        returns its meta."""
+        returns its meta. NaN or Inf is an error unless ``allow_nonfinite`` (``Runner.load``)."""
         self._changed()
-        return saving.load(self, path)
+        return saving.load(self, path, allow_nonfinite)
 
-    def load_hf(self, path) -> None:
+    def load_hf(self, path, allow_nonfinite: bool = False) -> None:
         """Fill this rank's stages' tensors from the Hugging Face checkpoint directory ``path``
-        (``runtime.hf_load``); on every rank."""
+        (``runtime.hf_load``); on every rank. NaN or Inf is an error unless
+        ``allow_nonfinite``."""
         self._changed()
-        hf_load.load_hf(self, path)
+        hf_load.load_hf(self, path, allow_nonfinite)
 
     def save_hf(self, path, max_shard_bytes: int = hf_save.SHARD_BYTES):
         """Write the model as a Hugging Face checkpoint directory (``runtime.hf_save``); on

@@ -393,18 +393,20 @@ class Runner:
         ``load``."""
         return saving.save(self, path, meta)
 
-    def load(self, path) -> dict:
+    def load(self, path, allow_nonfinite: bool = False) -> dict:
         """Load the checkpoint at ``path`` (saved on any mesh) into this runner, on every rank;
-        returns its meta (``runtime.saving``)."""
+        returns its meta (``runtime.saving``). NaN or Inf in a parameter or the optimizer's
+        state is an error naming the tensors, unless ``allow_nonfinite``."""
         self._changed()
-        return saving.load(self, path)
+        return saving.load(self, path, allow_nonfinite)
 
-    def load_hf(self, path) -> None:
+    def load_hf(self, path, allow_nonfinite: bool = False) -> None:
         """Fill this rank's tensors from the Hugging Face checkpoint directory ``path``
         (``save_pretrained``'s safetensors), reading only its slices of each tensor
-        (``runtime.hf_load``); on every rank."""
+        (``runtime.hf_load``); on every rank. NaN or Inf in a tensor is an error naming it,
+        unless ``allow_nonfinite``."""
         self._changed()
-        hf_load.load_hf(self, path)
+        hf_load.load_hf(self, path, allow_nonfinite)
 
     def save_hf(self, path, max_shard_bytes: int = hf_save.SHARD_BYTES) -> "Path":
         """Write the model as a Hugging Face checkpoint directory ``from_pretrained`` loads,

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from shardfx.runtime.nonfinite import kinds
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
           "F8_E8M0": torch.float8_e8m0fnu, "C64": torch.complex64, "I64": torch.int64,
@@ -66,6 +68,7 @@ class SafetensorsFile:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
         self._buf: torch.Tensor | None = None  # copy_rows' bytes, CHUNK at most
+        self.nonfinite: dict[str, frozenset[str]] = {}  # name -> NaN/Inf among values read
         try:
             self.start, self.tensors = _check(self._fd)
         except Damaged:
@@ -78,13 +81,15 @@ class SafetensorsFile:
         dtype = DTYPES[dtype_name]
         out = torch.empty(shape, dtype=dtype)
         self._pread(out.view(-1).view(torch.uint8), begin)
+        self._look(name, out)
         return out
 
     def copy_rows(self, name: str, rows: slice, out: torch.Tensor,
                   cols: tuple[slice, ...] = ()) -> None:
         """``out.copy_(tensor[rows][:, *cols])`` (rows: a slice of dim 0, step 1), cast to
         ``out``'s dtype, read ``CHUNK`` bytes at a time through one buffer (rows whole: a
-        slice of later dimensions is cut in memory)."""
+        slice of later dimensions is cut in memory). Values that are not finite once cast
+        (NaN, Inf: an overflow of the cast too) are noted in ``nonfinite``."""
         dtype_name, shape, begin = self.tensors[name]
         dtype = DTYPES[dtype_name]
         row = dtype.itemsize
@@ -97,7 +102,13 @@ class SafetensorsFile:
             raw = self._buffer(n * row)
             self._pread(raw, begin + at * row)
             part = raw.view(dtype).view(n, *shape[1:])
-            out[at - first:at - first + n].copy_(part[(slice(None), *cols)] if cols else part)
+            into = out[at - first:at - first + n]
+            into.copy_(part[(slice(None), *cols)] if cols else part)
+            self._look(name, into)  # while it is still in cache
+
+    def _look(self, name: str, values: torch.Tensor) -> None:
+        if found := kinds(values):
+            self.nonfinite[name] = self.nonfinite.get(name, frozenset()) | found
 
     def _buffer(self, n: int) -> torch.Tensor:
         if self._buf is None or self._buf.numel() < n:

@@ -33,7 +33,7 @@ import torch
 
 from shardfx.ir import strided
 from shardfx.errors import InputError
-from shardfx.runtime import checkpoint
+from shardfx.runtime import checkpoint, nonfinite
 from shardfx.runtime.checkpoint import Box
 
 log = logging.getLogger("shardfx.checkpoint")
@@ -179,10 +179,11 @@ def save(runner, path, extra: dict[str, Any] | None = None):
     return checkpoint.save(path, tensors, meta)
 
 
-def load(runner, path) -> dict[str, Any]:
+def load(runner, path, allow_nonfinite: bool = False) -> dict[str, Any]:
     """Fill ``runner`` from the checkpoint at ``path`` (every rank); returns its meta. The
     checkpoint is checked before anything is made (``checkpoint.check``; its data files' bytes
-    against their checksums as ``checkpoint.load`` reads them)."""
+    against their checksums as ``checkpoint.load`` reads them), and the parameters and
+    optimizer state it filled for NaN and Inf (``nonfinite``) unless ``allow_nonfinite``."""
     meta = checkpoint.check(path, contents=False)
     if "step" not in meta:
         raise InputError(f"{path} is a shardfx checkpoint, but not one runner.save wrote (its "
@@ -193,8 +194,18 @@ def load(runner, path) -> dict[str, Any]:
     _check_optimizer(opt, meta.get("optimizer"), path)
     if opt is not None:
         _make_state(runner)
-    meta = checkpoint.load(path, state(runner, made=False), strict_optim=opt is not None)
+    filled = state(runner, made=False)
+    meta = checkpoint.load(path, filled, strict_optim=opt is not None)
     runner.unmade.filled()  # every model tensor was in it (checkpoint.check_keys)
+    if not allow_nonfinite:
+        params = {n for n, _ in runner.plan.model.named_parameters(remove_duplicate=False)}
+        looked = ((k.removeprefix("model/"), v.local() if isinstance(v, Box) else v)
+                  for k, v in filled.items()
+                  if k.startswith("optim/") or k.removeprefix("model/") in params)
+        nonfinite.refuse(nonfinite.found_in(looked), f"the checkpoint {path}",
+                         f"runner.load({str(path)!r})",
+                         fix="resume from a checkpoint saved before the run diverged (an "
+                             "earlier step)")
     runner.step_count = meta["step"]  # a whole number >= 0 (checkpoint_files.META)
     runner.rng_seed = meta.get("seed", runner.rng_seed)
     if runner.loss_scaler is not None and meta.get("loss_scaler"):
