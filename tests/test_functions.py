@@ -133,6 +133,52 @@ def test_function_that_writes_its_input_in_place_is_named():
 
 
 
+class Gate(torch.autograd.Function):
+    """A gate whose backward gives the gate's weights no gradient (``None``), as a frozen
+    or separately trained gate does: eager leaves them unchanged, though they reach the
+    loss."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * torch.sigmoid(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad * torch.sigmoid(w), None
+
+
+class Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.w = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return self.b(Gate.apply(self.a(x), self.w))
+
+
+def _gated_on_dp2() -> None:
+    report = compare_training(Gated(), batches(), mse, mesh={"dp": 2}, zero=2)
+    assert "w" not in report.runner.grads()
+
+
+def test_a_function_whose_backward_gives_none_trains_as_eager():
+    """Valid code once refused: eager treats ``None`` as no gradient, and so does shardfx (the
+    weights stay as they were; the layer before the gate trains through it)."""
+    report = compare_training(Gated(), batches(3), mse, mesh={})
+    grads = report.runner.grads()
+    assert "w" not in grads and grads["a.weight"].abs().sum() > 0
+    assert torch.equal(report.runner.state_dict()["w"], Gated().w.detach())
+
+
+@pytest.mark.multiprocess
+def test_a_function_whose_backward_gives_none_trains_as_eager_on_dp():
+    shardfx.launch(_gated_on_dp2, nprocs=2, timeout=120)
+
+
 def test_phimoe_router_trains_as_eager_one_device():
     """PhiMoE's router: Gumbel sampling (``exponential_``), Heun's mask (``rand_like``), input
     jitter (``uniform_``) on shardfx's stream, which eager replays, and ``PhimoeMultiplier``'s
