@@ -94,7 +94,11 @@ same function, both eager copies run each step's forward on that stream too
 in the order the forward draws them. A random op off the stream (randint, randperm,
 multinomial...) draws from the device's generator in both runs, which no rule can relate:
 ``compare_training`` refuses it (``InputError`` naming the op and its line), as it does random
-ops with ``accumulate > 1`` (the batches of a step each draw their own slice).
+ops with ``accumulate > 1`` (the batches of a step each draw their own slice). Activation
+checkpointing with ``preserve_rng_state=False`` around a random op cannot be compared either:
+eager recomputes the region in its backward with fresh values, so its gradients are of another
+mask than its loss's, where shardfx's are those of the forward it ran; the eager run notices the
+fresh draw and ``compare_training`` says so (``InputError`` naming the line), never a mismatch.
 
 Limitations. A small tensor (a bias) whose every true gradient is near zero has an error made
 of one or a few elements' luck; when eager fp32 happens to round those almost exactly and
@@ -417,11 +421,16 @@ def _forward_backward(model: torch.nn.Module, loss_fn, batches: list[tuple[tuple
                    if isinstance(t, torch.Tensor)), "cpu")
     total = 0.0
     for piece, (args, targets) in enumerate(batches):
-        stream = on_stream_eagerly(*draws, piece) if draws else contextlib.nullcontext()
-        with stream:  # the backward too: checkpointing draws its region's values again there
-            with torch.autocast(device, dtype=autocast, enabled=autocast != torch.float32):
+        stream = on_stream_eagerly(*draws, piece) if draws else None
+        with stream or contextlib.nullcontext():  # the backward too: checkpointing draws its
+            with torch.autocast(device, dtype=autocast,  # region's values again there
+                                enabled=autocast != torch.float32):
                 loss = loss_fn(model(*args), *targets) / len(batches)
+            if stream is not None:
+                stream.backward = True
             loss.backward()
+        if stream is not None and stream.fresh:
+            raise _fresh_in_backward(stream.fresh)
         total = total + loss.detach()
     norm = None
     if clip is not None:
@@ -430,6 +439,20 @@ def _forward_backward(model: torch.nn.Module, loss_fn, batches: list[tuple[tuple
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: t for n, t in model.state_dict().items() if n not in params}
     return total, grads, buffers, norm
+
+
+def _fresh_in_backward(fresh: list[str]) -> InputError:
+    """Eager's backward drew random values its forward did not (checkpointing with
+    ``preserve_rng_state=False``): its gradients are of another mask than its loss's."""
+    return InputError(
+        f"this model cannot be compared with eager PyTorch: eager's backward draws random values "
+        f"its forward did not ({fresh[0]}; {len(fresh)} in all), as activation checkpointing "
+        "with preserve_rng_state=False does when it recomputes a region with dropout, so eager's "
+        "gradients are those of another dropout mask than the one its loss used; shardfx's "
+        "are those of the forward it ran (as with preserve_rng_state=True)",
+        where=fresh[0].rpartition("(")[2].rstrip(")"),
+        fix="compare with preserve_rng_state=True (the default), which eager computes as "
+            "shardfx does; shardfx trains the same either way")
 
 
 def _check_step(report: Report, step: int, got, base, want) -> None:

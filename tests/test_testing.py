@@ -384,6 +384,41 @@ def test_random_ops_with_accumulated_batches_are_refused():
     assert "dropout modules ['drop']" in info.value.where and "accumulate=1" in info.value.fix
 
 
+class Recomputed(torch.nn.Module):
+    """Dropout inside an activation checkpoint whose RNG state is or is not preserved."""
+
+    def __init__(self, reentrant: bool, preserve: bool):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+        self.drop = torch.nn.Dropout(0.5)
+        self.reentrant, self.preserve = reentrant, preserve
+
+    def region(self, h):
+        return self.drop(torch.relu(h))  # the line the error names
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.region, self.fc(x), use_reentrant=self.reentrant,
+                                              preserve_rng_state=self.preserve)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_dropout_without_its_rng_state_is_said_not_comparable(reentrant):
+    """preserve_rng_state=False: eager's backward recomputes the region with a fresh mask, so
+    its gradients are not those of its own loss; shardfx's are (it keeps the forward's mask).
+    No false alarm: the checker says the two cannot be compared and why; preserved, they are
+    compared and equal."""
+    with pytest.raises(InputError, match=r"cannot be compared with eager PyTorch: eager's "
+                                         r"backward draws random values its forward did not "
+                                         r"\(aten\.bernoulli_\.float") as info:
+        compare_training(Recomputed(reentrant, preserve=False), batches(2), F.mse_loss)
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1)
+                if "# the line the error names" in text)
+    assert info.value.where.endswith(f"test_testing.py:{line}")
+    assert "preserve_rng_state=True" in info.value.fix
+    compare_training(Recomputed(reentrant, preserve=True), batches(2), F.mse_loss)  # equal
+
+
 @pytest.mark.parametrize("eval_mode", [False, True])
 def test_inactive_dropout_is_compared(eval_mode):
     """p = 0, or dropout in eval mode: nothing random, so the runs are compared."""

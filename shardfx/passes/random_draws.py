@@ -31,6 +31,7 @@ values as fp32 to that dtype's rounding.
 from __future__ import annotations
 
 import math
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -204,15 +205,25 @@ class on_stream_eagerly(TorchDispatchMode):
     torch's generator to its state before the region (``preserve_rng_state``), so that it
     draws the same values. The op numbers follow the same rule: each draw also advances the
     CPU generator by one value, and an op number is given per generator state, so a replay
-    from a restored state gets the numbers (and the values) of the first run."""
+    from a restored state gets the numbers (and the values) of the first run.
+
+    Checkpointing with ``preserve_rng_state=False`` restores nothing: its backward draws values
+    the forward never drew (new op numbers), and eager's gradient is then that of another mask
+    than the forward's. Once the caller sets ``backward`` (the forward done), each such fresh
+    draw of a checkpoint's recomputation is listed in ``fresh`` with the user's line that made
+    it."""
 
     def __init__(self, seed: int, step: int, piece: int = 0):
         super().__init__()
         self.rng = torch.tensor([seed, step, piece], dtype=torch.int64)
         self.numbers: dict[bytes, int] = {}  # the generator's state at a draw -> its op number
+        self.backward = False  # set by the caller once the forward has run
+        self.fresh: list[str] = []  # draws in the backward no forward draw replays
 
-    def _number(self) -> int:
+    def _number(self, func) -> int:
         state = torch.get_rng_state().numpy().tobytes()
+        if self.backward and state not in self.numbers and _recomputing():
+            self.fresh.append(f"{func} ({_user_line()})")
         op = self.numbers.setdefault(state, len(self.numbers))
         torch.empty(1).uniform_()  # the next draw sees another state (the mode is off here)
         return op
@@ -232,8 +243,22 @@ class on_stream_eagerly(TorchDispatchMode):
         if kwargs.get("dtype") is not None:
             dtype = kwargs["dtype"]
         shape = shape_of(func, args, lambda t: t)
-        value = sample(call, func, args, kwargs, self.rng.to(device), self._number(), shape,
+        value = sample(call, func, args, kwargs, self.rng.to(device), self._number(func), shape,
                        dtype, device)
         if func._schema.is_mutable:  # uniform_, exponential_, bernoulli_, normal_: in place
             return first.copy_(value)
         return value
+
+
+def _user_line() -> str:
+    """``file:line`` of the innermost frame outside torch and shardfx: the model's code that
+    called the op (the recomputed forward, when a checkpoint's backward runs it)."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and "/shardfx/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}"
+    return "unknown line"
+
+
+def _recomputing() -> bool:
+    """Whether torch.utils.checkpoint is running a region again (reentrant or not)."""
+    return any(f.filename.endswith("torch/utils/checkpoint.py") for f in traceback.extract_stack())
