@@ -29,7 +29,7 @@ _WHERE = {
     "compiled_regions": "shardfx.runtime.lowered", "materialize": "shardfx.runtime.materialize",
     **{name: "shardfx.errors" for name in (
         "ShardfxError", "CaptureError", "InputError", "LossError", "MeshError", "ShardingError",
-        "PassError", "VerifyError", "MemoryBudgetError")},
+        "PassError", "VerifyError", "MemoryBudgetError", "CheckpointError")},
 }
 __all__ = list(_WHERE)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from pathlib import Path
 
 
 class ShardfxError(Exception):
@@ -62,6 +63,11 @@ class PipelineError(ShardfxError, ValueError):
     not match the stage count, a schedule that deadlocks."""
 
 
+class CheckpointError(ShardfxError, OSError):
+    """A checkpoint could not be written (a disk full, a directory not writable, on any rank):
+    the previous checkpoint is left as it was."""
+
+
 class MemoryBudgetError(ShardfxError, ValueError):
     """A memory budget no plan can meet: the message gives the lowest peak shardfx's search
     reaches (a budget it meets) and what it is made of."""
@@ -93,3 +99,16 @@ def user_line(stack_trace: str | None) -> str | None:
     when its stack trace has no frame outside torch and shardfx."""
     frame = user_frame(stack_trace)
     return None if frame is None else "{}:{} in {}: {}".format(*frame)
+
+
+def path_arg(value, call: str, example: str) -> Path:
+    """``value`` as a ``pathlib.Path``, or an ``InputError`` saying what it is instead (None, a
+    number): for the path argument of ``call`` (``runner.load_hf``), ``example`` its use."""
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return Path(value)
+    kind = type(value).__name__
+    got = "an empty string" if value == "" else "None" if value is None else \
+        f"{value!r:.40} ({'an' if kind[0] in 'aeiou' else 'a'} {kind})"
+    raise InputError(f"the path given to {call} is {got}, not a path",
+                     where=f"{call}({value!r:.40})",
+                     fix=f"pass a directory as a str or a pathlib.Path, e.g. {example}")

@@ -26,7 +26,8 @@ from shardfx.report.dump import write_dump
 from shardfx.report.experts import expert_layers
 from shardfx.report.text import plan_text
 from shardfx.runtime.loss_scale import LossScaling
-from shardfx.runtime.materialize import InitFn
+from shardfx.errors import InputError
+from shardfx.runtime.materialize import InitFn, on_meta
 from shardfx.runtime.pipeline import PipelineRunner
 from shardfx.runtime.runner import OptimizerFactory, Runner
 
@@ -52,7 +53,7 @@ class Plan(Compiled):
     def runner(self, optimizer: OptimizerFactory | None = None,
                loss_scaling: "LossScaling | bool | None" = None,
                clip_grad_norm: float | None = None, keep_grads: bool = False,
-               init_seed: int = 0, init: InitFn | None = None) -> Runner:
+               init_seed: int | None = None, init: InitFn | None = None) -> Runner:
         """A runner for this plan; ``optimizer`` maps the parameters to a torch optimizer.
         ``loss_scaling``: dynamic loss scaling (``runtime.loss_scale``); None scales fp16
         plans only, False never, True or a ``LossScaling`` always. ``clip_grad_norm``: clip
@@ -68,8 +69,17 @@ class Plan(Compiled):
         (Hugging Face's ``_init_weights``, else ``reset_parameters``) or ``init(module)``, each
         tensor from its own stream seeded by ``init_seed`` (``runtime.materialize``): every
         mesh starts from the weights ``shardfx.materialize(model, init_seed)`` gives one
-        device."""
-        kw = dict(init_seed=init_seed, init=init)
+        device (``init_seed`` 0 unless given). Either one for a model with no tensor on meta,
+        whose weights are already made, is an error: it would change nothing."""
+        if (init_seed is not None or init is not None) and not on_meta(self.model):
+            given = "init_seed" if init is None else "init"
+            raise InputError(
+                f"plan.runner(..., {given}=...) has nothing to make: the model's weights are "
+                "already made (none is on the meta device), and the runner trains them as they "
+                "are", where=f"plan.runner(..., {given}=...)",
+                fix="build the model under torch.device('meta') for the runner to make its "
+                    f"weights with {given}=, or leave {given} out to train the weights it has")
+        kw = dict(init_seed=0 if init_seed is None else init_seed, init=init)
         if self.stage_program is not None:
             return PipelineRunner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads, **kw)
         return Runner(self, optimizer, loss_scaling, clip_grad_norm, keep_grads, **kw)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from shardfx import launch
-from shardfx.errors import InputError
+from shardfx.errors import CheckpointError, InputError
 from shardfx.runtime.checkpoint import PAUSE_ENV, Box, check, full_state_dict, load, save
 from shardfx.runtime.checkpoint_digest import Digest
 from shardfx.runtime.checkpoint_files import seal
@@ -330,3 +330,35 @@ def test_a_leftover_partial_is_ignored_and_removed_by_the_next_save(small):
     assert check(small) == {"step": 1}
     save(small, {"model/a": torch.ones(1)}, {"step": 2})
     assert os.listdir(small.parent) == ["ck"] and check(small) == {"step": 2}
+
+
+def _save_with_a_full_disk_on_rank_1(root: str) -> str:
+    """Save step 1 whole, then step 2 with rank 1's data file failing as a full disk does."""
+    from shardfx.runtime import checkpoint
+
+    r = dist.get_rank()
+    state = {"model/w": Box.of(whole((4, 3), 0)[2 * r:2 * r + 2], (4, 3), (2 * r, 0))}
+    save(f"{root}/ck", state, {"step": 1})
+    if r == 1:
+        def full(self, path, mode):
+            raise OSError(28, "No space left on device", str(path))
+
+        checkpoint._DigestedFiles.create_stream = contextlib.contextmanager(full)
+    try:
+        save(f"{root}/ck", {"model/w": Box.of(state["model/w"].local() + 1, (4, 3), (2 * r, 0))},
+             {"step": 2})
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_that_fails_on_one_rank_is_named_on_every_rank(tmp_path):
+    """Not DCP's "CheckpointException ranks:dict_keys([1])": the rank, its cause and file, on
+    every rank; the previous checkpoint is as it was and the failed save's files are gone."""
+    said = launch(_save_with_a_full_disk_on_rank_1, str(tmp_path), nprocs=2, timeout=60)
+    assert said[0] == said[1], said
+    assert "could not be written (rank 1: OSError: [Errno 28] No space left on device" in said[0]
+    assert "__1_0.distcp" in said[0] and "make room" in said[0]
+    assert check(tmp_path / "ck") == {"step": 1}
+    assert torch.equal(full_state_dict(tmp_path / "ck")["w"], whole((4, 3), 0))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

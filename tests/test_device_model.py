@@ -70,6 +70,18 @@ def test_the_host_tier_of_each_preset():
     assert "host d2h" in H100.describe() and "host memory" in H100.describe()
 
 
+@pytest.mark.parametrize("make, says", [
+    (lambda: Link(0, 10e-6), r"link has bandwidth 0; it must be a positive number of bytes/s"),
+    (lambda: Link(53e9, -1.0), r"link has latency -1.0; it must be a number of seconds >= 0"),
+    (lambda: Host(-5, Link(53e9, 0), Link(53e9, 0)), r"host memory is -5"),
+    (lambda: Host(1e9, Link(53e9, 0), None), r"host h2d is NoneType, not a Link")])
+def test_a_hand_made_link_or_host_that_cannot_price_a_copy_is_named(make, says):
+    """Not a ZeroDivisionError when a copy is priced: refused where it is made."""
+    with pytest.raises(InputError, match=says) as e:
+        make()
+    assert e.value.where and e.value.fix
+
+
 def test_op_seconds_is_the_slower_of_compute_and_memory():
     # 1 ms of bf16 compute, 2 ms of memory traffic: memory-bound
     assert H100.op_seconds(989e9, 6.7e9, torch.bfloat16) == pytest.approx(2e-3)

@@ -155,3 +155,16 @@ def test_load_state_dict_missing_key():
     with pytest.raises(InputError) as info:
         runner.load_state_dict(state)
     assert_explained(info.value, cause=("missing", "'2.bias'"), where="runner.load_state_dict")
+
+
+@pytest.mark.parametrize("call, value, said", [
+    ("load_hf", None, "None"), ("load_hf", 123, "123 (an int)"), ("save_hf", None, "None"),
+    ("save", None, "None"), ("load", 3.5, "3.5 (a float)"), ("load", "", "an empty string")])
+def test_a_path_that_is_not_one_is_named(call, value, said):
+    """Not pathlib's TypeError from deep inside: the call, what it was given, and an example."""
+    runner = shardfx.partition(mlp(), (X,), F.mse_loss, (Y,)).runner()
+    with pytest.raises(InputError) as info:
+        getattr(runner, call)(value)
+    assert_explained(info.value, cause=f"the path given to runner.{call} is {said}, not a path",
+                     where=f"runner.{call}(")
+    assert f"runner.{call}(\"" in info.value.fix

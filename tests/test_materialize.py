@@ -114,6 +114,43 @@ def test_init_fills_what_the_model_cannot():
         shardfx.materialize(model, init=half)
 
 
+def test_an_init_that_writes_nan_or_inf_is_named_as_such_not_as_unset():
+    """NaN was the mark of a value nothing wrote; a value written as NaN is told apart (the
+    calls run again from 0 and from 1), and Inf is caught too."""
+    def nan(module):
+        if isinstance(module, Scale):
+            torch.nn.init.constant_(module.scale, float("nan"))
+
+    def inf(module):
+        if isinstance(module, Scale):
+            module.scale[:] = torch.tensor([1.0, float("inf"), 2.0, 3.0])
+
+    def scaled(module):  # reads what is there: nothing was written
+        if isinstance(module, Scale):
+            module.scale.mul_(0.5)
+
+    for init, says in [(nan, r"init= wrote NaN into scale \(every value written"),
+                       (inf, r"init= wrote Inf into scale"),
+                       (scaled, r"init= left 4 of its 4 values unset")]:
+        with torch.device("meta"):
+            model = Scale()
+        with pytest.raises(InputError, match=says):
+            shardfx.materialize(model, init=lambda m, init=init: (
+                init(m), isinstance(m, torch.nn.Linear) and m.reset_parameters()))
+
+
+def test_init_seed_or_init_for_a_model_already_made_is_an_error():
+    """They would change nothing: the runner trains the weights the model has."""
+    (x,), (y,) = token_batches(1)[0]
+    plan = shardfx.partition(tiny("llama"), (x,), lm_loss, (y,))
+    for kw in ({"init_seed": 3}, {"init": lambda m: None}):
+        with pytest.raises(InputError, match=r"has nothing to make: the model's weights are "
+                                             r"already made") as e:
+            plan.runner(**kw)
+        assert "torch.device('meta')" in e.value.fix
+    plan.runner()  # without them: the model's own weights
+
+
 def test_bad_init_arguments_are_errors():
     with pytest.raises(InputError, match="init_seed='1' is not a whole number"):
         Initializer(on_meta_model("llama"), init_seed="1")

@@ -57,6 +57,18 @@ class Link:
     bandwidth: float  # bytes/s, one direction
     latency: float  # seconds per message (per hop of a ring)
 
+    def __post_init__(self) -> None:
+        for field_, ok, want in (("bandwidth", lambda v: v > 0, "a positive number of bytes/s"),
+                                 ("latency", lambda v: v >= 0, "a number of seconds >= 0")):
+            v = getattr(self, field_)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and ok(v)):
+                raise InputError(
+                    f"a device model's link has {field_} {v!r}; it must be {want}",
+                    where=f"Link(bandwidth={self.bandwidth!r}, latency={self.latency!r})",
+                    fix="give the link's real speed (e.g. Link(53e9, 10e-6): PCIe 5 to pinned "
+                        "host memory); a device model with no host tier to offload to has "
+                        "host=None, not a link of bandwidth 0")
+
 
 @dataclass(frozen=True)
 class Host:
@@ -67,6 +79,19 @@ class Host:
     memory: float  # bytes one rank may keep there (its share of the node's; 0: unknown)
     d2h: Link  # device -> host
     h2d: Link  # host -> device
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.memory, (int, float)) and math.isfinite(self.memory)
+                and self.memory >= 0):
+            raise InputError(f"a device model's host memory is {self.memory!r}; it must be a "
+                             "number of bytes >= 0", where=f"Host(memory={self.memory!r}, ...)",
+                             fix="bytes one rank may keep in host memory, e.g. 250e9 (0: "
+                                 "unknown)")
+        for way in ("d2h", "h2d"):
+            if not isinstance(getattr(self, way), Link):
+                raise InputError(f"a device model's host {way} is "
+                                 f"{type(getattr(self, way)).__name__}, not a Link",
+                                 where=f"Host(..., {way}=...)", fix="e.g. Link(53e9, 10e-6)")
 
     def copy_seconds(self, nbytes: float, direction: str) -> float:
         """Seconds to copy ``nbytes`` one way: "d2h" (offload) or "h2d" (bring back)."""

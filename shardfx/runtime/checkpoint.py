@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.futures import Future
 
-from shardfx.errors import InputError, ShardfxError
+from shardfx.errors import CheckpointError, InputError, ShardfxError, path_arg
 from shardfx.runtime.checkpoint_digest import Digesting
 from shardfx.runtime.checkpoint_files import (FORMAT, __version__, INDEX, RECORD, check_keys,
                                               damaged, data_files, old_path, open_checkpoint,
@@ -158,7 +158,7 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
          meta: dict[str, Any] | None = None) -> Path:
     """Write ``state`` and ``meta`` (JSON-able) as the checkpoint ``path``, all or nothing (see
     the module's docstring); on every rank together. Returns ``path`` once it is in place."""
-    final = Path(path)
+    final = path_arg(path, "checkpoint.save", 'save("ckpt", state)')
     where = f"shardfx save({str(path)!r}, ...)"
     _check_values(state, where)
     tensors = _every_rank({k: {"shape": list(_global_shape(v)),
@@ -181,8 +181,13 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
                          fix="save to a new directory, or remove this one first")
     staging = final.with_name(f"{final.name}.partial-{save_id}")
     writer = _Writer(staging, save_id)
-    with _quiet():
-        dcp.save(_dcp_state(state), storage_writer=writer, no_dist=world_size() == 1)
+    try:
+        with _quiet():
+            dcp.save(_dcp_state(state), storage_writer=writer, no_dist=world_size() == 1)
+    except CheckpointException as e:  # a BaseException: each rank's failures, by rank (every
+        if rank() == 0:               # rank has them): this save's files are of no use
+            shutil.rmtree(staging, ignore_errors=True)
+        raise _unwritten(final, e) from e
     files = _every_rank(writer.written)  # each rank's data file; rank 0's .metadata
     if rank() == 0:
         record.update(save=save_id, files=dict(sorted(files.items())))
@@ -202,6 +207,7 @@ def check(path: str | os.PathLike, *, contents: bool = True) -> dict[str, Any]:
     module's docstring), or an ``InputError`` saying why it cannot be loaded: every file read and
     checked against its checksum. ``contents=False``: every check but reading the data files
     whole (``load`` does that as it reads them). Loads no tensor and needs no process group."""
+    path = path_arg(path, "checkpoint.check", 'check("ckpt")')
     return open_checkpoint(path, contents=contents)[1]["meta"]
 
 
@@ -220,6 +226,7 @@ def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
     a load refused for a damaged file has already written into ``state``, which is then not
     to be used.
     """
+    path = path_arg(path, "checkpoint.load", 'load("ckpt", state)')
     _check_values(state, f"shardfx load({str(path)!r}, state)")
     folder, record, _ = open_checkpoint(path, contents=False)
     saved = record["tensors"]
@@ -235,6 +242,7 @@ def load(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
 def full_state_dict(path: str | os.PathLike, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """The whole tensors under ``prefix`` in the checkpoint at ``path``, keyed without it:
     ``model.load_state_dict(full_state_dict("ckpt"))``. One process, no process group."""
+    path = path_arg(path, "checkpoint.full_state_dict", 'full_state_dict("ckpt")')
     folder, record, index = open_checkpoint(path, contents=False)
     keys = {k for k in index.state_dict_metadata if k.startswith(prefix)}
     if not keys:
@@ -411,6 +419,16 @@ def _unreadable(folder: Path, failed: CheckpointException) -> ShardfxError:
                     for r, (exc, _) in sorted(failed.failures.items()))
     return InputError(f"DCP cannot read the checkpoint {folder}: {why}", where=str(folder),
                       fix="resume from an earlier checkpoint")
+
+
+def _unwritten(final: Path, failed: CheckpointException) -> CheckpointError:
+    """One CheckpointError for DCP's ``CheckpointException`` in a save: each rank's cause."""
+    why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}"
+                    for r, (exc, _) in sorted(failed.failures.items()))
+    return CheckpointError(
+        f"the checkpoint {final} could not be written ({why}); the previous checkpoint there, if "
+        "any, is as it was", where=str(final),
+        fix=f"make room or make {final.parent} writable on every rank named, then save again")
 
 
 def _gather(mine: Any) -> list:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from shardfx.errors import InputError
+from shardfx.errors import InputError, path_arg
 from shardfx.runtime import hf_names, nonfinite
 from shardfx.runtime.safetensors_file import DOWNLOAD_AGAIN, DTYPES, Damaged, SafetensorsFile
 
@@ -44,7 +44,7 @@ class Checkpoint:
     the headers (``safetensors_file``); the values read by row span, each file opened once."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = path_arg(path, "runner.load_hf", 'runner.load_hf("Llama-3.2-1B/")')
         where = f"runner.load_hf({str(path)!r})"
         self.where = where
         files = self._files(where)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardfx.errors import InputError
+from shardfx.errors import InputError, path_arg
 from shardfx.runtime import hf_names
 from shardfx.runtime.hf_load import INDEX, SINGLE
 from shardfx.runtime.checkpoint import _fsync_dir, _install
@@ -71,6 +71,7 @@ def save_hf(runner, path, max_shard_bytes: int = SHARD_BYTES) -> Path:
     """Write ``runner``'s model to ``path`` (every rank; the module docstring)."""
     from safetensors.torch import save_file
 
+    path = path_arg(path, "runner.save_hf", 'runner.save_hf("finetuned/")')
     where = f"runner.save_hf({str(path)!r})"
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise InputError(f"max_shard_bytes={max_shard_bytes!r} is not a positive whole number",

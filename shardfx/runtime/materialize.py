@@ -41,6 +41,7 @@ import torch
 
 from shardfx.errors import InputError
 from shardfx.runtime.heap import give_back
+from shardfx.runtime.nonfinite import kinds
 
 InitFn = Callable[[torch.nn.Module], None]
 
@@ -90,40 +91,64 @@ class Initializer:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]), torch.device("cpu"):
                 torch.default_generator.manual_seed(_stream(self.seed, fqn))
-                unset = self._apply(places, real)
+                unset, reset = self._apply(places, real)
+                if unset:  # NaN is left: never written, or written as NaN? Ask twice more.
+                    unset = self._never_written(fqn, places, real, reset)
         finally:
             for module_name, name in places:
                 _put(self.model.get_submodule(module_name), name, tensor)
             for module, name, t in shadows:
                 _put(module, name, t)
-        _check_written(fqn, unset, real.numel(), self.init)
+        _check_written(fqn, unset, real, self.init)
         return real
 
-    def _apply(self, places: list[tuple[str, str]], real: torch.Tensor) -> int:
+    def _apply(self, places: list[tuple[str, str]], real: torch.Tensor,
+               reset: bool | None = None) -> tuple[int, bool]:
         """The initialisation calls that reach a tensor held at ``places``, in the model's
         order. A tensor the model's ``_init_weights`` leaves unset gets what its constructor
-        gave it first (``reset_parameters``), then those calls again, as eager order has it.
-        Returns how many of ``real``'s values are still unset (``_unset``, counted once)."""
+        gave it first (``reset_parameters``), then those calls again, as eager order has it
+        (``reset``: whether to, decided by a first run). Returns how many of ``real``'s values
+        are NaN after the calls (``_unset``, counted once) and whether ``reset_parameters``
+        ran."""
         owners = {module_name for module_name, _ in places}
         reach = {prefix for name in owners for prefix in _prefixes(name)}
         path = [(name, m) for name, m in self._order if name in reach]
         if self.init is not None:
             for _, module in path:
                 self.init(module)
-            return _unset(real)
+            return _unset(real), False
         hf = [(module, fn) for name, module in path
               if (fn := _nearest_init_weights(self.model, name)) is not None]
         for module, fn in hf:
             fn(module)
-        if hf and not (unset := _unset(real)):
-            return unset
+        if reset is None:  # a first run: reset_parameters where _init_weights leaves NaN
+            reset = not hf or _unset(real) > 0
+            if not reset:
+                return 0, False
+        elif not reset:
+            return _unset(real), False
         for name, module in path:
-            reset = getattr(module, "reset_parameters", None)
-            if name in owners and callable(reset):
-                reset()
+            fn = getattr(module, "reset_parameters", None)
+            if name in owners and callable(fn):
+                fn()
         for module, fn in hf:
             fn(module)
-        return _unset(real)
+        return _unset(real), True
+
+    def _never_written(self, fqn: str, places: list[tuple[str, str]], real: torch.Tensor,
+                       reset: bool) -> int:
+        """How many of ``real``'s values the calls never write: they run again from 0 and
+        from 1 (the same stream, so the same draws), and a value that comes out otherwise
+        from the two was made from what was there (left as it was, or scaled); a NaN in both
+        was written as NaN. ``real`` ends as the second run."""
+        runs = []
+        for fill in (0.0, 1.0):
+            real.fill_(fill)
+            torch.default_generator.manual_seed(_stream(self.seed, fqn))
+            self._apply(places, real, reset)
+            runs.append(real.clone())
+        a, b = runs
+        return int(((a != b) & ~(torch.isnan(a) & torch.isnan(b))).sum())
 
 
 def materialize(model: torch.nn.Module, init_seed: int = 0, init: InitFn | None = None,
@@ -309,12 +334,19 @@ def _unset(real: torch.Tensor) -> int:
     return sum(int(torch.isnan(part).sum()) for part in real.reshape(-1).split(_CHUNK))
 
 
-def _check_written(fqn: str, unset: int, numel: int, init: InitFn | None) -> None:
+def _check_written(fqn: str, unset: int, real: torch.Tensor, init: InitFn | None) -> None:
+    """Every value of ``real`` written (``unset`` were not), and finite."""
+    how = "init=" if init is not None else "the model's initialisation " \
+        "(_init_weights on it and its ancestors, else its module's reset_parameters())"
     if unset:
-        how = "init=" if init is not None else "the model's initialisation " \
-            "(_init_weights on it and its ancestors, else its module's reset_parameters())"
         raise InputError(
-            f"{fqn} is on the meta device and {how} left {unset} of its {numel} values "
+            f"{fqn} is on the meta device and {how} left {unset} of its {real.numel()} values "
             "unset: there is nothing to start training from",
             where=fqn, fix="pass plan.runner(..., init=fn), fn(module) filling the tensors "
                            "of that module, or materialize the model before plan.runner()")
+    if found := kinds(real):
+        raise InputError(
+            f"{how} wrote {' and '.join(sorted(found))} into {fqn} (every value written, some "
+            "not finite): training from it would give a NaN loss", where=fqn,
+            fix="fix the initialisation of that tensor's module (a std or bound of 0/0, a log "
+                "of 0), or pass plan.runner(..., init=fn) filling it")

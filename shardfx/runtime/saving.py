@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from shardfx.ir import strided
-from shardfx.errors import InputError
+from shardfx.errors import InputError, path_arg
 from shardfx.runtime import checkpoint, nonfinite
 from shardfx.runtime.checkpoint import Box
 
@@ -164,6 +164,7 @@ def state(runner, made: bool = True) -> dict[str, torch.Tensor]:
 
 def save(runner, path, extra: dict[str, Any] | None = None):
     """Write ``runner``'s state to ``path`` (every rank; all or nothing)."""
+    path = path_arg(path, "runner.save", 'runner.save("ckpt/step-100")')
     tensors = state(runner)
     opt = runner.optimizer
     meta = {
@@ -184,6 +185,7 @@ def load(runner, path, allow_nonfinite: bool = False) -> dict[str, Any]:
     checkpoint is checked before anything is made (``checkpoint.check``; its data files' bytes
     against their checksums as ``checkpoint.load`` reads them), and the parameters and
     optimizer state it filled for NaN and Inf (``nonfinite``) unless ``allow_nonfinite``."""
+    path = path_arg(path, "runner.load", 'runner.load("ckpt/step-100")')
     meta = checkpoint.check(path, contents=False)
     if "step" not in meta:
         raise InputError(f"{path} is a shardfx checkpoint, but not one runner.save wrote (its "
