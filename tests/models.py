@@ -45,7 +45,8 @@ def tiny(name: str, layers: int = 2) -> torch.nn.Module:
 def hf(name: str, layers: int = 2) -> torch.nn.Module:
     """A seeded tiny Hugging Face model: hidden 32, ``layers`` layers, 4 heads (2 kv heads where
     the architecture has them), vocabulary 64, few experts: ``qwen3_moe`` | ``qwen2_moe`` | ``gemma3`` |
-    ``olmo2`` | ``deepseek_v3`` | ``qwen2`` | ``gpt_neox`` | ``bert`` | ``phimoe``."""
+    ``olmo2`` | ``deepseek_v3`` | ``qwen2`` | ``gpt_neox`` | ``bert`` | ``phimoe`` | ``gpt_oss`` |
+    ``llama4``."""
     import transformers as T
 
     torch.manual_seed(0)
@@ -81,6 +82,17 @@ def hf(name: str, layers: int = 2) -> torch.nn.Module:
         return T.BertForMaskedLM(T.BertConfig(**common, max_position_embeddings=64,
                                               hidden_dropout_prob=0,
                                               attention_probs_dropout_prob=0))
+    if name == "gpt_oss":  # experts with biases, an interleaved clamped gate; attention sinks,
+        # sliding and full layers. The clamp at 0.1 (the real one is 7) acts at these sizes.
+        return T.GptOssForCausalLM(T.GptOssConfig(
+            **{**common, "intermediate_size": HIDDEN}, num_key_value_heads=2, head_dim=8,
+            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.1, sliding_window=4))
+    if name == "llama4":  # a dense layer, then a MoE one: a shared expert and 4 routed ones,
+        # top-1 with sigmoid scores applied to the input; chunked attention (chunks of 4)
+        return T.Llama4ForCausalLM(T.Llama4TextConfig(
+            **{**common, "intermediate_size": HIDDEN}, intermediate_size_mlp=2 * HIDDEN,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, attention_chunk_size=4))
     raise ValueError(name)
 
 

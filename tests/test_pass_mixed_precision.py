@@ -112,6 +112,9 @@ def test_fp32_leaves_the_graph_as_it_is():
     assert M.PRECISION not in gm.meta
 
 
+# the experts' form after their tensors: act, gated, interleaved, alpha, limit, offset,
+# transposed, score_before, capacity, layer (``kernels.expert_compute.Form``)
+FORM = "'silu', True, False, 1.0, 0.0, 0.0, False, False, 0.0, 'moe'"
 MOE = """\
 graph train Moe
   w_in: f32[2, 6, 4] = param w_in
@@ -126,16 +129,17 @@ graph train Moe
   weights: f32[3, 1] = operator.getitem(topk, 0)
   index: i64[3, 1] = operator.getitem(topk, 1)
   experts: (f32[3, 4], f32[3, 4], f32[3, 6], f32[3, 4]) = shardfx.experts.default(\
-x, index, weights, w_in, w_out, 'silu', True, False, 0.0, 'moe')
+x, index, weights, w_in, w_out, None, None, 'silu', True, False, 1.0, 0.0, 0.0, False, False, \
+0.0, 'moe')
   y: f32[3, 4] = operator.getitem(experts, 0)
   xd: f32[3, 4] = operator.getitem(experts, 1)
   h: f32[3, 6] = operator.getitem(experts, 2)
   zs: f32[3, 4] = operator.getitem(experts, 3)
   loss: f32[] = aten.sum.default(y)
   expand: f32[3, 4] = aten.expand.default(tangent_loss, [3, 4])
-  experts_backward: (f32[3, 4], f32[3, 1], f32[2, 6, 4], f32[2, 4, 3]) = \
-shardfx.experts_backward.default(expand, x, index, weights, w_in, w_out, xd, h, zs, 'silu', \
-True, False, 0.0, 'moe')
+  experts_backward: (f32[3, 4], f32[3, 1], f32[2, 6, 4], f32[2, 4, 3], f32[0], f32[0]) = \
+shardfx.experts_backward.default(expand, x, index, weights, w_in, w_out, xd, h, zs, None, None, \
+'silu', True, False, 1.0, 0.0, 0.0, False, False, 0.0, 'moe')
   grad_weights: f32[3, 1] = operator.getitem(experts_backward, 1)
   grad_w_in: f32[2, 6, 4] = operator.getitem(experts_backward, 2)
   grad_w_out: f32[2, 4, 3] = operator.getitem(experts_backward, 3)
@@ -173,9 +177,9 @@ def test_router_matmuls_stay_fp32_and_the_experts_compute_in_bf16():
                                                 ("w_out", "2, 4, 3")))
     assert _line(text, "experts") == (
         f"(bf16[3, 4], bf16[3, 4], bf16[3, 6], bf16[3, 4]) = shardfx.experts.default({x16}, "
-        f"index, weights, {w_in16}, {w_out16}, 'silu', True, False, 0.0, 'moe')")
+        f"index, weights, {w_in16}, {w_out16}, None, None, {FORM})")
     assert _line(text, "experts_backward").startswith(
-        "(bf16[3, 4], f32[3, 1], bf16[2, 6, 4], bf16[2, 4, 3]) = "
+        "(bf16[3, 4], f32[3, 1], bf16[2, 6, 4], bf16[2, 4, 3], bf16[0], bf16[0]) = "
         "shardfx.experts_backward.default(")
     # the incoming gradient: the tangent cast to bf16, then expanded
     tangent16 = re.search(r"^  (\w+): bf16\[\] = aten\._to_copy\.default\(tangent_loss, "
@@ -183,8 +187,8 @@ def test_router_matmuls_stay_fp32_and_the_experts_compute_in_bf16():
     grad16 = re.search(rf"^  (\w+): bf16\[3, 4\] = aten\.expand\.default\({tangent16}, "
                        rf"\[3, 4\]\)", text, re.M)[1]
     assert _line(text, "experts_backward").endswith(
-        f".default({grad16}, {x16}, index, weights, {w_in16}, {w_out16}, xd, h, zs, 'silu', "
-        "True, False, 0.0, 'moe')")
+        f".default({grad16}, {x16}, index, weights, {w_in16}, {w_out16}, xd, h, zs, None, "
+        f"None, {FORM})")
     # the loss sums the bf16 output accumulating in fp32; the gradients leave in fp32
     assert _line(text, "loss") == "f32[] = aten.sum.default(y, dtype=torch.float32)"
     for name, shape in (("w_in", "2, 6, 4"), ("w_out", "2, 4, 3")):

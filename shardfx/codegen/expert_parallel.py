@@ -27,7 +27,7 @@ the even routing, each rank keeps 1/ep of its rows and sends the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard
 
 from shardfx.ir import meta as M
-from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD, forward_shapes
+from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD, forward_shapes, with_bias_grads
 from shardfx.kernels import expert_compute as compute
 from shardfx.kernels.expert_compute import Form, Sorted
 
@@ -112,8 +112,9 @@ def _fake(*tensors) -> bool:
 
 @dataclass(frozen=True)
 class ExpertsParallel:
-    """``(y, xd, h, zs) = op(x, index, weights, w_in, w_out, group)``: ``shardfx::experts``
-    with this rank's tokens and its E/ep experts (``w_in``, ``w_out``: (E/ep, ...))."""
+    """``(y, xd, h, zs) = op(x, index, weights, w_in, w_out, b_in, b_out, group)``:
+    ``shardfx::experts`` with this rank's tokens and its E/ep experts (``w_in``, ``w_out`` and
+    the biases where there are any: (E/ep, ...))."""
 
     form: Form
     size: int  # ranks on ep
@@ -123,11 +124,11 @@ class ExpertsParallel:
     def __name__(self) -> str:
         return self.name
 
-    def __call__(self, x, index, weights, w_in, w_out, group: str):
+    def __call__(self, x, index, weights, w_in, w_out, b_in, b_out, group: str):
         if _fake(x, w_in):
             return forward_shapes(x, index, w_in, self.form, w_in.shape[0] * self.size)
         return compute.forward(x, index, weights, w_in, w_out, self.form,
-                               _OverEp(group, self.size))
+                               _OverEp(group, self.size), b_in, b_out)
 
     def flops(self, x, index, weights, w_in, w_out, *_) -> int:
         rows = forward_shapes(x, index, w_in, self.form, w_in.shape[0] * self.size)[1].shape[0]
@@ -141,9 +142,10 @@ class ExpertsParallel:
 
 @dataclass(frozen=True)
 class ExpertsParallelBackward:
-    """``(grad x, grad weights, grad w_in, grad w_out) = op(grad_y, x, index, weights, w_in,
-    w_out, xd, h, zs, group)``, the gradients of ``ExpertsParallel``; those of the weights are
-    this rank's experts' whole gradients."""
+    """``(grad x, grad weights, grad w_in, grad w_out, grad b_in, grad b_out) = op(grad_y, x,
+    index, weights, w_in, w_out, xd, h, zs, b_in, b_out, group)``, the gradients of
+    ``ExpertsParallel``; those of the weights and biases are this rank's experts' whole
+    gradients (an absent bias's: empty)."""
 
     form: Form
     size: int
@@ -153,12 +155,15 @@ class ExpertsParallelBackward:
     def __name__(self) -> str:
         return self.name
 
-    def __call__(self, grad_y, x, index, weights, w_in, w_out, xd, h, zs, group: str):
+    def __call__(self, grad_y, x, index, weights, w_in, w_out, xd, h, zs, b_in, b_out,
+                 group: str):
         if _fake(x, w_in):
             return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(w_in),
-                    torch.empty_like(w_out))
-        return compute.backward(grad_y, x, index, weights, w_in, w_out, xd, h, zs, self.form,
-                                _OverEp(group, self.size))
+                    torch.empty_like(w_out),
+                    *(x.new_empty(0) if b is None else torch.empty_like(b) for b in (b_in, b_out)))
+        return with_bias_grads(compute.backward(grad_y, x, index, weights, w_in, w_out, xd, h,
+                                                zs, self.form, _OverEp(group, self.size), b_in,
+                                                b_out), x)
 
     def flops(self, grad_y, x, index, weights, w_in, w_out, *_) -> int:
         """Twice the forward's: each matmul's input and weight gradients."""
@@ -188,15 +193,14 @@ def experts_op(node: fx.Node, inputs: tuple, mesh: list, args: tuple, kwargs: di
     if node.target not in (EXPERTS, EXPERTS_BACKWARD):
         return None
     backward = node.target is EXPERTS_BACKWARD
-    tensors, (act, gated, transposed, capacity, layer) = args[:-5], args[-5:]
+    tensors, form = args[:-len(Form.ARGS)], Form.from_args(args)
     if not backward and node.meta.get(M.PHASE) is M.Phase.BACKWARD:
-        layer = ""  # a recomputation
+        form = replace(form, layer="")  # a recomputation
     axes = [m.axis for m in mesh]
     w_in = inputs[4 if backward else 3]
     split = [axes[i] for i, p in enumerate(w_in) if type(p) is Shard and p.dim == 0]
     if AXIS not in split:
-        return node.target, (*tensors, act, gated, transposed, capacity, layer), kwargs
+        return node.target, (*tensors, *form.args()), kwargs
     ep = mesh[axes.index(AXIS)]
-    form = Form(act, gated, transposed, capacity, layer)
     kind = ExpertsParallelBackward if backward else ExpertsParallel
     return kind(form, ep.size), (*tensors, ep.group), {}

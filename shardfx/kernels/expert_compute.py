@@ -1,17 +1,20 @@
 """The arithmetic of a mixture-of-experts layer's experts, forward and backward, on one rank.
 
 Each of a rank's T tokens chose k experts (``index``, (T, k)) with weights (``weights``,
-(T, k)); expert e is a gated MLP ``down_e(act(gate_e(x)) * up_e(x))`` whose gate and up
-projections are stacked in ``w_in[e]`` (2I x H, Hugging Face's ``gate_up_proj``) and whose down
-projection is ``w_out[e]`` (H x I). The layer's output for token t is
-``sum_j weights[t, j] * expert_{index[t, j]}(x[t])``.
+(T, k)); expert e is an MLP ``down_e(gate(up_e(x)))``: its first projection ``w_in[e]`` (2I x H,
+Hugging Face's ``gate_up_proj``: the gate and up projections; I x H without a gate), the gate
+between (``kernels.expert_gate``: act(gate) * up, or a variant), its down projection ``w_out[e]``
+(H x I), each projection with the expert's bias where it has one (GPT-OSS). The layer's output
+for token t is ``sum_j weights[t, j] * expert_{index[t, j]}(x[t])``, or, where the weights
+scale the inputs instead (``score_before``, Llama 4), ``sum_j expert_{index[t, j]}(weights[t, j]
+* x[t])``.
 
 The T*k (token, slot) pairs are sorted by expert (stably: within an expert, in token order),
 their rows gathered, and each expert's rows multiplied by its weights in one matmul. Where the
 experts live is the ``Route``'s business: ``Local`` keeps every row on this rank (every expert
 is here); ``codegen.expert_parallel``'s route sends each expert's rows to the rank that holds
-it and brings the results back. The arithmetic between (``_expert_mlps``) sees only the rows of
-the experts it holds, grouped by expert.
+it and brings the results back. The arithmetic between sees only the rows of the experts it
+holds, grouped by expert.
 
 With a capacity (``capacity > 0``), each expert takes at most ``C = ceil(capacity * T * k / E)``
 of a rank's pairs, the first ones in token order; the others are dropped: they add nothing to
@@ -20,7 +23,8 @@ Switch Transformer), and their routing weights get no gradient. Every expert the
 exactly C rows from each rank (padded with zeros), so the shapes do not depend on the routing.
 
 What the backward needs is returned by the forward: the rows each held expert received (``xd``),
-their first projection (``h``), and each pair's expert output in sorted order (``zs``).
+their first projection (``h``), and each pair's expert output in sorted order (``zs``; no
+columns under ``score_before``, whose backward does not read it).
 """
 
 from __future__ import annotations
@@ -29,33 +33,41 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shardfx.kernels import expert_load as load
-
-aten = torch.ops.aten
-_SILU = (F.silu, aten.silu_backward)
-_RELU = (F.relu, lambda grad, x: aten.threshold_backward(grad, x, 0))
-_GELU = (F.gelu, aten.gelu_backward)
-_GELU_TANH = (lambda x: F.gelu(x, approximate="tanh"),
-              lambda grad, x: aten.gelu_backward(grad, x, approximate="tanh"))
-# Hugging Face's ``hidden_act`` names: the function and its backward (grad, input) -> grad input.
-ACTIVATIONS = {"silu": _SILU, "swish": _SILU, "relu": _RELU, "gelu": _GELU,
-               "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH}
+from shardfx.kernels.expert_gate import Gate, activate, activate_backward
 
 
 @dataclass(frozen=True)
 class Form:
-    """What the experts compute besides their weights: the activation's name (``ACTIVATIONS``),
-    whether ``w_in`` is [gate; up] (gated) or up alone, whether the weights are stored (in, out)
-    (``transposed``) rather than (out, in), the capacity factor (0: no capacity, dropless), and
-    the layer's name for the routing record (``kernels.expert_load``)."""
+    """What the experts compute besides their weights: the ``gate`` between the projections
+    (``kernels.expert_gate``), whether the weights are stored (in, out) (``transposed``) rather
+    than (out, in), whether the routing weights scale each expert's input (``score_before``,
+    Llama 4) rather than its output, the capacity factor (0: no capacity, dropless), and the
+    layer's name for the routing record (``kernels.expert_load``)."""
 
-    act: str = "silu"
-    gated: bool = True
+    gate: Gate = Gate()
     transposed: bool = False
+    score_before: bool = False
     capacity: float = 0.0
     layer: str = ""
+
+    # The op's arguments after its tensors, in order (``args``, ``from_args``).
+    ARGS = ("act", "gated", "interleaved", "alpha", "limit", "offset", "transposed",
+            "score_before", "capacity", "layer")
+
+    def args(self) -> tuple:
+        g = self.gate
+        return (g.act, g.gated, g.interleaved, float(g.alpha), float(g.limit), float(g.offset),
+                self.transposed, self.score_before, float(self.capacity), self.layer)
+
+    @classmethod
+    def from_args(cls, args) -> "Form":
+        """The form of the op's trailing arguments (``ARGS``)."""
+        act, gated, interleaved, alpha, limit, offset, transposed, score_before, capacity, \
+            layer = args[-len(cls.ARGS):]
+        return cls(Gate(act, gated, interleaved, alpha, limit, offset), transposed,
+                   score_before, capacity, layer)
 
 
 @dataclass
@@ -197,79 +209,102 @@ def _project_weight_grad(grad, rows, counts, experts, form: Form):
     return grouped_weight_grad(grad, rows, counts, experts)
 
 
-def activate(h: torch.Tensor, form: Form) -> torch.Tensor:
-    """act(h), or act(gate) * up of h = [gate, up] where the experts are gated."""
-    act = ACTIVATIONS[form.act][0]
-    if not form.gated:
-        return act(h)
-    gate, up = h.chunk(2, dim=-1)
-    return act(gate) * up
+def _biased(rows: torch.Tensor, b: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
+    """``rows`` grouped by expert (``counts``) plus each one's expert's bias ``b`` (E, width),
+    where there is one."""
+    if b is None:
+        return rows
+    n = torch.tensor(counts, device=b.device)
+    return rows + b.repeat_interleave(n, dim=0, output_size=rows.shape[0]).to(rows.dtype)
 
 
-def activate_backward(h: torch.Tensor, grad: torch.Tensor, form: Form) -> torch.Tensor:
-    """The gradient of ``activate`` at ``h``."""
-    act, act_backward = ACTIVATIONS[form.act]
-    if not form.gated:
-        return act_backward(grad, h)
-    gate, up = h.chunk(2, dim=-1)
-    return torch.cat([act_backward(grad * up, gate), grad * act(gate)], dim=-1)
+def _bias_grad(grad: torch.Tensor, b: torch.Tensor | None, counts: list[int]):
+    """The gradient of ``_biased``'s bias: each expert's rows of ``grad`` summed."""
+    if b is None:
+        return None
+    n = torch.tensor(counts, device=b.device)
+    experts = torch.arange(len(counts), device=b.device).repeat_interleave(
+        n, output_size=grad.shape[0])
+    return torch.zeros(b.shape, dtype=grad.dtype, device=b.device).index_add_(
+        0, experts, grad).to(b.dtype)
 
 
-def forward(x, index, weights, w_in, w_out, form: Form, route_for) -> tuple:
+def forward(x, index, weights, w_in, w_out, form: Form, route_for, b_in=None,
+            b_out=None) -> tuple:
     """(y, xd, h, zs): the layer's output (T, H) and what its backward reads. ``route_for(s)``
-    is the ``Route`` of this rank's sorted pairs (``Local`` or expert parallel)."""
+    is the ``Route`` of this rank's sorted pairs (``Local`` or expert parallel); ``b_in``,
+    ``b_out``: the experts' biases (E, 2I) and (E, H), if they have them. Where the routing
+    weights scale the inputs (``score_before``) the backward does not read ``zs``: it has no
+    columns."""
     s = sort_pairs(index, _experts(w_in, route_for), form.capacity)
     if form.layer:  # not a recomputation (``codegen.expert_parallel.experts_op``)
         load.record(form.layer, s.counts, s.dropped, s.capacity)
     route = route_for(s)
     xs = x[s.tokens]
+    if form.score_before:
+        w = weights.reshape(-1)[s.order].unsqueeze(-1)
+        xs = (xs.to(torch.promote_types(xs.dtype, w.dtype)) * w).to(x.dtype)
     if s.kept is not None:
         xs = padded(xs, s)
     xd = route.there(xs)
-    h = _project(xd, w_in, route.counts, form)
-    z = _project(activate(h, form), w_out, route.counts, form)
+    h = _biased(_project(xd, w_in, route.counts, form), b_in, route.counts)
+    z = _biased(_project(activate(h, form.gate), w_out, route.counts, form), b_out,
+                route.counts)
     zs = route.back(z)
     if s.kept is not None:
         zs = unpadded(zs, s)
-    return combine(zs, weights, s, x.shape, x.dtype), xd, h, zs
+    y = combine(zs, None if form.score_before else weights, s, x.shape, x.dtype)
+    return y, xd, h, zs[:, :0] if form.score_before else zs
 
 
 def combine(zs, weights, s: Sorted, shape, dtype) -> torch.Tensor:
-    """Each token's sum of its pairs' expert outputs times their weights (in the weights'
-    precision where that is wider, as Hugging Face's experts do), in ``dtype``."""
-    w = weights.reshape(-1)[s.order]
-    pairs = torch.empty((s.order.numel(), shape[-1]), dtype=torch.promote_types(zs.dtype, w.dtype),
-                        device=zs.device)
-    pairs[s.order] = zs * w.unsqueeze(-1)
+    """Each token's sum of its pairs' expert outputs, times their weights where given (in the
+    weights' precision where that is wider, as Hugging Face's experts do), in ``dtype``."""
+    w = None if weights is None else weights.reshape(-1)[s.order]
+    wide = zs.dtype if w is None else torch.promote_types(zs.dtype, w.dtype)
+    pairs = torch.empty((s.order.numel(), shape[-1]), dtype=wide, device=zs.device)
+    pairs[s.order] = zs if w is None else zs * w.unsqueeze(-1)
     return pairs.view(shape[0], -1, shape[-1]).sum(dim=1).to(dtype)
 
 
-def backward(grad_y, x, index, weights, w_in, w_out, xd, h, zs, form: Form, route_for) -> tuple:
-    """(grad x, grad weights, grad w_in, grad w_out) of ``forward``."""
+def backward(grad_y, x, index, weights, w_in, w_out, xd, h, zs, form: Form, route_for,
+             b_in=None, b_out=None) -> tuple:
+    """(grad x, grad weights, grad w_in, grad w_out, grad b_in, grad b_out) of ``forward``;
+    a bias's gradient is None where there is no bias."""
     s = sort_pairs(index, _experts(w_in, route_for), form.capacity)
     route = route_for(s)
     w = weights.reshape(-1)[s.order]
     wide = torch.promote_types(grad_y.dtype, w.dtype)
     g = grad_y[s.tokens].to(wide)
     grad_w = torch.empty_like(weights.reshape(-1))
-    grad_w[s.order] = (g * zs.to(wide)).sum(-1).to(weights.dtype)
-    gz = (g * w.unsqueeze(-1).to(wide)).to(zs.dtype)
+    if form.score_before:  # the weights scaled the inputs: the outputs' gradient as it is
+        gz = g.to(xd.dtype)
+    else:
+        grad_w[s.order] = (g * zs.to(wide)).sum(-1).to(weights.dtype)
+        gz = (g * w.unsqueeze(-1).to(wide)).to(xd.dtype)
+    del g
     if s.kept is not None:
         gz = padded(gz, s)
     gzd = route.there(gz)
     held = w_in.shape[0]
-    a = activate(h, form)
+    a = activate(h, form.gate)
     grad_w_out = _project_weight_grad(gzd, a, route.counts, held, form)
+    grad_b_out = _bias_grad(gzd, b_out, route.counts)
     ga = _project_back(gzd, w_out, route.counts, form)
     del gzd, a
-    gh = activate_backward(h, ga, form)
+    gh = activate_backward(h, ga, form.gate)
     grad_w_in = _project_weight_grad(gh, xd, route.counts, held, form)
+    grad_b_in = _bias_grad(gh, b_in, route.counts)
     gxd = _project_back(gh, w_in, route.counts, form)
     gxs = route.back(gxd)
     if s.kept is not None:
         gxs = unpadded(gxs, s)
+    if form.score_before:  # xs * w: the gradient of each factor is the other's
+        gxs = gxs.to(wide)
+        grad_w[s.order] = (gxs * x[s.tokens].to(wide)).sum(-1).to(weights.dtype)
+        gxs = gxs * w.unsqueeze(-1).to(wide)
     grad_x = torch.zeros_like(x).index_add_(0, s.tokens, gxs.to(x.dtype))
-    return grad_x, grad_w.view_as(weights), grad_w_in, grad_w_out
+    return grad_x, grad_w.view_as(weights), grad_w_in, grad_w_out, grad_b_in, grad_b_out
 
 
 def _experts(w_in: torch.Tensor, route_for) -> int:

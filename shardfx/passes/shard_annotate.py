@@ -20,8 +20,8 @@ Ensures:  ANNOTATION (one DTensor placement per mesh axis) on every tensor place
     its placements, one per mesh axis; unmatched parameters are replicated. A glob whose value
     is ``"auto"`` (``{"*.wq.weight": [...], "*": "auto"}``) leaves its parameters to the solver.
 On an ``ep`` axis, each mixture-of-experts layer's expert weights (the ``shardfx::experts`` op's
-``w_in`` and ``w_out``, (E, ...)) are split by expert, E/ep on each rank, whatever ``shard``
-says; everything else is replicated over ep, as over dp.
+``w_in`` and ``w_out``, (E, ...), and its biases where it has them) are split by expert, E/ep
+on each rank, whatever ``shard`` says; everything else is replicated over ep, as over dp.
 Inputs and targets are sharded on their batch dimension (dim 0) over ``dp`` and ``ep`` (dp's
 part split again over ep, GShard's layout: each ep rank routes its own tokens), and those of the
 first input's (batch, sequence) shape on dim 1 over ``cp`` (context parallelism) and, with
@@ -43,6 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardfx.ir import strided
 from shardfx.errors import MeshError, ShardingError
 from shardfx.ir import meta as M
+from shardfx.kernels.expert_compute import Form
 from shardfx.kernels.experts import EXPERTS
 from shardfx.rules.experts import hidden_split
 from shardfx.ir.contract import contract, on_inputs
@@ -170,11 +171,12 @@ def _experts_split(gm: fx.GraphModule, params: dict, mesh) -> dict[str, M.Placem
 
 def expert_splits(gm: fx.GraphModule) -> dict[str, Placement]:
     """FQN -> placement on tp of each expert weight under Megatron's plan: each expert's
-    intermediate dimension split, as an MLP's (``rules.experts.hidden_split``)."""
+    intermediate dimension split, as an MLP's (``rules.experts.hidden_split``); the first
+    projection's bias with it, the second's replicated (it is added once, to the sum)."""
     out = {}
     for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
-        w_in, w_out, _ = hidden_split(node.args[6], node.args[7])
-        for arg, p in zip(node.args[3:5], (w_in, w_out)):
+        w_in, w_out, _, b_in = hidden_split(Form.from_args(node.args))
+        for arg, p in zip(node.args[3:6], (w_in, w_out, b_in)):
             if (param := _param_of(arg)) is not None:
                 out[param.meta[M.ROLE].name] = p
     return out
@@ -193,10 +195,10 @@ def _param_of(arg) -> fx.Node | None:
 
 def expert_weights(gm: fx.GraphModule) -> dict[str, int]:
     """FQN -> experts, of the parameters the graph's ``shardfx::experts`` ops read as their
-    expert weights."""
+    expert weights and biases."""
     out = {}
     for node in gm.graph.find_nodes(op="call_function", target=EXPERTS):
-        for arg in node.args[3:5]:
+        for arg in node.args[3:7]:
             if (param := _param_of(arg)) is not None:
                 out[param.meta[M.ROLE].name] = param.meta[M.VAL].shape[0]
     return out

@@ -6,18 +6,22 @@ mesh shardfx plans on, the weights may be split by expert as well (each rank hol
 them), which ``codegen.spmd`` runs as expert parallelism: each rank's tokens sent by all-to-all
 to the ranks holding their experts and the results brought back (``codegen.expert_parallel``).
 
-    strategy   x, index, weights   w_in, w_out   y, xd, h, zs   grads: x, weights   w_in, w_out
-    replicate  R                   R             R              R                   R
-    tokens     S(0)                R             S(0)           S(0)                P
-    experts    S(0)                S(0)          S(0)           S(0)                S(0)   (ep only)
-    hidden     R                   S(I), S(I)    P, R, S(I), P  P                   S(I), S(I)
+    strategy   x, index, weights   w_in, w_out, b_in, b_out   y, xd, h, zs    their gradients
+    replicate  R                   R                          R               R
+    tokens     S(0)                R                          S(0)            S(0); weights' P
+    experts    S(0)                S(0)                       S(0)            S(0)   (ep only)
+    hidden     R                   S(I), S(I), S(I), P        P, R, S(I), P   P; S(I) x3, R
 
 ``hidden`` is tensor parallelism inside each expert (Megatron's MLP, per expert): every
-expert's intermediate dimension I split, ``w_in``'s (its gate and up halves each: a strided
-split, ``shardfx.ir.strided``) and ``w_out``'s, so each rank computes its part of every row's
-MLP and the layer's output is a partial sum. The backward reads ``zs`` as the partial sum the
-forward made (``passes.shard_propagate``'s ``CARRIES_PARTIAL``): the routing weights'
-gradient is linear in it.
+expert's intermediate dimension I split, ``w_in``'s and ``b_in``'s (its gate and up halves
+each where they stand side by side: a strided split, ``shardfx.ir.strided``; interleaved, a
+plain split keeps each (gate, up) pair on one rank) and ``w_out``'s, so each rank computes its
+part of every row's MLP and the layer's output is a partial sum. The down projection's bias
+joins that sum as a partial value (each rank adds 1/tp of it, the way DTensor makes a
+replicated value partial), and its gradient, made from the whole output gradient, is
+replicated. The backward reads ``zs`` as the partial sum the forward made
+(``passes.shard_propagate``'s ``CARRIES_PARTIAL``): the routing weights' gradient is linear in
+it. The biases are optional (GPT-OSS has them): an absent one has no placement.
 
 ``xd`` and ``h`` (the rows each held expert received, and their first projection) are split as
 their tokens are: each rank keeps its own. Under expert parallelism without a capacity their
@@ -32,7 +36,8 @@ from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSch
 from torch.distributed.tensor._ops.utils import (expand_to_full_mesh_op_strategy,
                                                 register_op_strategy)
 
-from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD
+from shardfx.kernels.expert_compute import Form
+from shardfx.kernels.experts import EXPERTS, EXPERTS_BACKWARD, TENSORS
 from shardfx.rules.attention import is_planning
 
 OPS = (EXPERTS, EXPERTS_BACKWARD)
@@ -40,18 +45,18 @@ R, S0, P = Replicate(), Shard(0), Partial()
 AXIS = "ep"
 
 
-def _rows(n_outputs: int, n_inputs: int, weights_at: tuple[int, int],
+def _rows(outputs: int, inputs: int, weights_at: tuple[int, ...],
           weight_grads: tuple[int, ...] = ()) -> list[list]:
-    """[outputs..., inputs...] for the strategies ``tokens`` and ``experts`` on one mesh dim
-    (and ``replicate``): the outputs and the inputs other than the weights split on dim 0
-    (tokens), the weights at ``weights_at`` replicated (their gradients, outputs
+    """[outputs..., inputs...] for the strategies ``replicate``, ``tokens`` and ``experts`` on
+    one mesh dim: the outputs and the inputs other than the weights split on dim 0 (tokens), the
+    weights at ``weights_at`` (expert weights and biases) replicated (their gradients, outputs
     ``weight_grads``, partial) or split by expert."""
-    rows = [[R] * (n_outputs + n_inputs)]
+    rows = [[R] * (outputs + inputs)]
     for experts in (False, True):
-        out = [S0] * n_outputs
+        out = [S0] * outputs
         for i in weight_grads:
             out[i] = S0 if experts else P
-        ins = [S0] * n_inputs
+        ins = [S0] * inputs
         for i in weights_at:
             ins[i] = S0 if experts else R
         rows.append(out + ins)
@@ -69,35 +74,51 @@ def _on_ep_only(weights_at: int):
     return valid
 
 
-def hidden_split(gated: bool, transposed: bool) -> tuple:
-    """(w_in's, w_out's, h's) placements splitting each expert's intermediate dimension:
-    ``w_in`` (E, 2I, H) or, transposed, (E, H, 2I), its gate and up halves each split when
-    gated; ``w_out`` (E, H, I) or (E, I, H); ``h`` (rows, 2I) as ``w_in``'s output."""
-    split = (lambda d: _StridedShard(d, split_factor=2)) if gated else Shard
-    return split(2 if transposed else 1), Shard(1 if transposed else 2), split(1)
+def hidden_split(form: Form) -> tuple:
+    """(w_in's, w_out's, h's, b_in's) placements splitting each expert's intermediate
+    dimension: ``w_in`` (E, 2I, H) or, transposed, (E, H, 2I), its gate and up halves each
+    split where they stand side by side; ``w_out`` (E, H, I) or (E, I, H); ``h`` (rows, 2I)
+    and ``b_in`` (E, 2I) as ``w_in``'s output."""
+    side_by_side = form.gate.gated and not form.gate.interleaved
+    split = (lambda d: _StridedShard(d, split_factor=2)) if side_by_side else Shard
+    return split(2 if form.transposed else 1), Shard(1 if form.transposed else 2), split(1), \
+        split(1)
 
 
-def _hidden(op_schema: OpSchema, form_at: int) -> tuple:
-    return hidden_split(*op_schema.args_schema[form_at + 1:form_at + 3])
+def _biases(rows: list[list], op_schema: OpSchema, at: int, grads_at: int | None = None
+            ) -> list[list]:
+    """``rows`` for experts without one or both biases (the op's args ``at``, ``at + 1``
+    None): no placement for the absent one (a row's last two places are the biases'), and its
+    gradient (output ``grads_at`` or ``grads_at + 1``, an empty tensor) replicated."""
+    absent = [i for i in (0, 1) if op_schema.args_schema[at + i] is None]
+    out = []
+    for row in rows:
+        row = list(row)
+        for i in absent:
+            row[len(row) - 2 + i] = None
+            if grads_at is not None:
+                row[grads_at + i] = R
+        out.append(row)
+    return out
 
 
-@register_op_strategy(EXPERTS, schema_info=RuntimeSchemaInfo(5))
+@register_op_strategy(EXPERTS, schema_info=RuntimeSchemaInfo(TENSORS))
 def experts(op_schema: OpSchema) -> OpStrategy:
-    # outputs: y, xd, h, zs; tensor inputs: x, index, weights, w_in, w_out
+    # outputs: y, xd, h, zs; tensor inputs: x, index, weights, w_in, w_out, b_in, b_out
     mesh = op_schema.get_mesh_from_args()
-    w_in, w_out, h = _hidden(op_schema, 5)
-    rows = _rows(4, 5, (3, 4)) + [[P, R, h, P, R, R, R, w_in, w_out]]
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=4,
-                                           is_valid_strategy_cb=_on_ep_only(3))
+    w_in, w_out, h, b_in = hidden_split(Form.from_args(op_schema.args_schema))
+    rows = _rows(4, 7, (3, 4, 5, 6)) + [[P, R, h, P, R, R, R, w_in, w_out, b_in, P]]
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _biases(rows, op_schema, 5),
+                                           input_index=4, is_valid_strategy_cb=_on_ep_only(3))
 
 
-@register_op_strategy(EXPERTS_BACKWARD, schema_info=RuntimeSchemaInfo(9))
+@register_op_strategy(EXPERTS_BACKWARD, schema_info=RuntimeSchemaInfo(TENSORS + 4))
 def experts_backward(op_schema: OpSchema) -> OpStrategy:
-    # outputs: grad x, weights, w_in, w_out; tensor inputs: grad_y, x, index, weights, w_in,
-    # w_out, xd, h, zs
+    # outputs: grad x, weights, w_in, w_out, b_in, b_out; tensor inputs: grad_y, x, index,
+    # weights, w_in, w_out, xd, h, zs, b_in, b_out
     mesh = op_schema.get_mesh_from_args(validate=False)
-    w_in, w_out, h = _hidden(op_schema, 9)
-    rows = _rows(4, 9, (4, 5), weight_grads=(2, 3)) + \
-        [[P, P, w_in, w_out, R, R, R, R, w_in, w_out, R, h, P]]
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=4,
-                                           is_valid_strategy_cb=_on_ep_only(4))
+    w_in, w_out, h, b_in = hidden_split(Form.from_args(op_schema.args_schema))
+    rows = _rows(6, 11, (4, 5, 9, 10), weight_grads=(2, 3, 4, 5)) + \
+        [[P, P, w_in, w_out, b_in, R, R, R, R, R, w_in, w_out, R, h, P, b_in, R]]
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, _biases(rows, op_schema, 9, 4),
+                                           input_index=6, is_valid_strategy_cb=_on_ep_only(4))
