@@ -3,8 +3,9 @@
 
 The experts of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 trace as one op,
 ``shardfx::experts``. Its arithmetic is checked in fp64 against each model's "eager" experts
-loop; whole models then train through shardfx on ep=2, ep=4, dp=2 x ep=2, ep=2 x tp=2 and
-pp=2 x ep=2 within the testing rule (``shardfx.testing``). With a capacity the reference is the
+loop (GPT-OSS's and Llama 4's in ``test_experts_hf``); whole models then train through shardfx
+on ep=2, ep=4, dp=2 x ep=2, ep=2 x tp=2 and pp=2 x ep=2 within the testing rule
+(``shardfx.testing``), GPT-OSS and Llama 4 on ep=2, dp=2 x ep=2 and ep=2 x tp=2. With a capacity the reference is the
 model's own loop with the pairs shardfx drops given weight 0, chosen here by the rule the docs
 state (per rank's tokens, each expert's first C pairs in token order), and the counts of
 dropped pairs must agree.
@@ -29,6 +30,7 @@ from test_errors import assert_explained
 
 BATCH = 4
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+FIRST_DENSE = ("deepseek_v3", "llama4")  # families whose first layer has no experts
 
 
 def build(name: str, layers: int = 2) -> torch.nn.Module:
@@ -239,8 +241,8 @@ def train(cases: list[tuple[str, dict, dict, bool]]) -> list[tuple]:
     out = []
     for name, mesh, kwargs, infer in cases:
         data = token_batches(3, BATCH)
-        # one layer, unless a pipeline needs two (or DeepSeek-V3, whose first is dense)
-        model = build(name, 2 if "pp" in mesh or name == "deepseek_v3" else 1)
+        # one layer, unless a pipeline needs two (or the family's first is dense)
+        model = build(name, 2 if "pp" in mesh or name in FIRST_DENSE else 1)
         factor = kwargs.get("capacity_factor")
         groups = mesh.get("dp", 1) * mesh.get("ep", 1) * kwargs.get("microbatches", 1)
         dropped: list[int] = []
@@ -255,28 +257,38 @@ def train(cases: list[tuple[str, dict, dict, bool]]) -> list[tuple]:
         worst = compare_inference(copy.deepcopy(model), data[0][0], mesh=mesh, **kwargs) \
             if infer else 0.0
         pairs = [sum(r.tokens) for r in load.values()]
+        k = model.config.num_experts_per_tok
+        # the experts ops' operands are not redistributed over ep: forward and backward run as
+        # expert parallelism, their only collectives its all-to-alls
+        gathered = [c.reason for c in report.plan.collectives if c.axis == "ep" and
+                    c.reason.startswith("experts") and c.kind != "all_to_all"]
         out.append((f"{name} {mesh} {kwargs}", report.max(), worst,
-                     sum(r.dropped for r in load.values()), truth, pairs))
+                     sum(r.dropped for r in load.values()), truth, pairs, k, gathered))
     return out
 
 
 def check(results: list[list[tuple]]) -> None:
     for rank in results:
-        for label, train_err, infer_err, dropped, truth, pairs in rank:
+        for label, train_err, infer_err, dropped, truth, pairs, k, gathered in rank:
             assert train_err < 1e-5 and infer_err < 1e-5, (label, train_err, infer_err)
             assert dropped == truth, (label, dropped, truth)
             assert (truth > 0) == ("capacity" in label), (label, truth)  # the rule was tested
-            assert pairs and all(n == 2 * BATCH * SEQ for n in pairs), (label, pairs)  # k T
+            assert pairs and all(n == k * BATCH * SEQ for n in pairs), (label, pairs)  # k T
+            assert not gathered, (label, gathered)
 
 
 def test_two_ranks_ep2_dropless_capacity_and_bf16():
+    """GPT-OSS (biased experts, a clamped interleaved gate) and Llama 4 (scores applied to the
+    input, a shared expert) beside the others (``test_experts_hf``: their arithmetic)."""
     check(shardfx.launch(train, [
         ("mixtral", {"ep": 2}, {}, True),
         ("qwen2_moe", {"ep": 2}, {}, False),
         ("deepseek_v3", {"ep": 2}, {"precision": "bf16"}, False),
         ("mixtral", {"ep": 2}, {"capacity_factor": 1.0}, False),
         ("phimoe", {"ep": 2}, {}, False),  # random routing on shardfx's stream, its own backward
-    ], nprocs=2, timeout=120, deadline=600))
+        ("gpt_oss", {"ep": 2}, {}, False),
+        ("llama4", {"ep": 2}, {}, False),
+    ], nprocs=2, timeout=120, deadline=900))
 
 
 PP = {"microbatches": 2}
@@ -297,7 +309,8 @@ def train_and_resume(cases: list, path: str) -> tuple[list, list]:
 
 def test_four_ranks_ep4_dp_ep_tp_ep_and_a_checkpoint_across_them(tmp_path):
     """Mixtral and Qwen2-MoE on ep=4, dp=2 x ep=2 (Mixtral with ZeRO-3), ep=2 x tp=2 (each
-    expert's MLP split over tp); a checkpoint of ep=2 x tp=2 resumes on ep=4 and dp=4."""
+    expert's MLP split over tp), GPT-OSS and Llama 4 on dp=2 x ep=2 and ep=2 x tp=2; a
+    checkpoint of ep=2 x tp=2 resumes on ep=4 and dp=4."""
     results = shardfx.launch(train_and_resume, [
         ("mixtral", {"ep": 4}, {}, False),
         ("qwen2_moe", {"ep": 4}, {}, False),
@@ -305,7 +318,11 @@ def test_four_ranks_ep4_dp_ep_tp_ep_and_a_checkpoint_across_them(tmp_path):
         ("qwen2_moe", {"dp": 2, "ep": 2}, {}, False),
         ("mixtral", {"tp": 2, "ep": 2}, {"shard": "megatron"}, True),
         ("qwen2_moe", {"tp": 2, "ep": 2}, {"shard": "megatron"}, False),
-    ], str(tmp_path / "ck"), nprocs=4, timeout=120, deadline=900)
+        ("gpt_oss", {"dp": 2, "ep": 2}, {}, False),
+        ("llama4", {"dp": 2, "ep": 2}, {}, False),
+        ("gpt_oss", {"tp": 2, "ep": 2}, {"shard": "megatron"}, False),
+        ("llama4", {"tp": 2, "ep": 2}, {"shard": "megatron"}, False),
+    ], str(tmp_path / "ck"), nprocs=4, timeout=120, deadline=1200)
     check([trained for trained, _ in results])
     for _, resumed in results:  # the saved values exactly, and the next losses the same
         assert [r[1:] for r in resumed] == [(True, True)] * 2, resumed
