@@ -5,6 +5,11 @@ under shardfx.launch and under torchrun, and the report must name the rank at fa
 exception or exit code heads the LaunchError; a rank that hangs is the one named as still
 running, with its stack, while its peers' collectives time out.
 
+A compile is not a fault: a rank that compiles its regions (``kernels="compiled"``) for longer
+than the collective timeout holds its peers up without failing them, and trains as the ATen
+program does; a rank that dies or hangs while compiling still ends the run (``runtime.mesh.
+while_compiling``).
+
 Run as a script under torchrun, this file runs one faulty training run:
 ``python -m torch.distributed.run --nproc-per-node 4 tests/test_faults.py dp=2,tp=2 hang DIR``.
 """
@@ -105,6 +110,91 @@ def test_fault_ends_the_run_within_the_timeout_and_names_the_rank(mesh, fault, t
             assert "in inject" in err.traceback
         else:
             assert err.exitcode == 3 and err.cause.startswith(f"rank {bad} exited with code 3")
+
+
+# ---- while a rank compiles ----------------------------------------------------------------------
+
+
+def slow_compile(seconds: float, then: str = "") -> None:
+    """In this rank: its first region compile waits ``seconds`` first (then, with ``then``,
+    it faults: "exit" or "hang")."""
+    from shardfx.runtime import lowered
+
+    compile_ = lowered._Code._compile
+
+    def slow(self, args):
+        lowered._Code._compile = compile_  # the first compile only
+        time.sleep(seconds)
+        if then:
+            inject(then)
+        return compile_(self, args)
+
+    lowered._Code._compile = slow
+
+
+def compiled_and_aten(delay: float) -> tuple:
+    """dp=2: three steps of the compiled plan, the last rank's first compile ``delay`` s
+    slow, and of the ATen plan; both plans' losses and weights, and every group's timeout
+    after the compiled steps."""
+    from shardfx.runtime.mesh import collective_timeout
+    from torch.distributed.distributed_c10d import _world
+
+    plans = [shardfx.partition(mlp(), (X,), F.mse_loss, (Y,), kernels=k, **PLANS["dp=2"])
+             for k in ("compiled", "aten")]
+    dist.monitored_barrier(timeout=timedelta(seconds=120))  # planning's pace is its own
+    if dist.get_rank() == dist.get_world_size() - 1:
+        slow_compile(delay)
+    out = []
+    for plan in plans:
+        runner = plan.runner(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        losses = torch.stack([runner.step((X,), (Y,)) for _ in range(3)])
+        out.append((losses, runner.state_dict()))
+        if len(out) == 1:
+            timeouts = {collective_timeout(g).total_seconds() for g in list(_world.pg_map)}
+    return out, timeouts
+
+
+def test_a_compile_slower_than_the_timeout_on_one_rank_fails_no_collective():
+    """The last rank's first region compile takes twice the collective timeout while its
+    peer waits in the step's gradient all-reduce: the run completes, equal to the ATen
+    program's, and every group waits its own timeout again after the compiling step."""
+    for (compiled, aten), timeouts in launch(compiled_and_aten, 2 * TIMEOUT, nprocs=2,
+                                             timeout=TIMEOUT, deadline=300):
+        assert timeouts == {TIMEOUT}
+        torch.testing.assert_close(compiled[0], aten[0], rtol=1e-5, atol=0)
+        for name, value in aten[1].items():
+            torch.testing.assert_close(compiled[1][name], value, rtol=1e-5, atol=1e-7)
+
+
+def faulty_compile(fault: str, folder: str) -> None:
+    """dp=2, compiled: the last rank faults in its first region compile, a second after
+    starting it (its peer is compiling or already waits for it)."""
+    plan = shardfx.partition(mlp(), (X,), F.mse_loss, (Y,), kernels="compiled",
+                             **PLANS["dp=2"])
+    dist.monitored_barrier(timeout=timedelta(seconds=120))
+    runner = plan.runner(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    if dist.get_rank() == dist.get_world_size() - 1:
+        Path(folder, "fault").write_text(repr(time.time() + 1))
+        slow_compile(1.0, then=fault)
+    runner.step((X,), (Y,))
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_a_rank_that_dies_or_hangs_while_compiling_still_ends_the_run(fault, tmp_path):
+    """Held for a compile, a collective still fails: at once when the compiling rank dies,
+    after ``compile_timeout`` (not never) when it hangs, naming it with its stack."""
+    compile_timeout = 3 * TIMEOUT
+    with pytest.raises(LaunchError) as info:
+        launch(faulty_compile, fault, str(tmp_path), nprocs=2, timeout=TIMEOUT,
+               compile_timeout=compile_timeout, deadline=300)
+    took, err = seconds_since_fault(tmp_path), info.value
+    print(f"{fault} while compiling: launch ended {took:.1f} s after the fault")
+    if fault == "exit":
+        assert took < SLACK and err.rank == 1 and err.exitcode == 3, str(err)
+    else:  # its peer's collective waited compile_timeout (its own compile time after the fault)
+        assert f"Timed out waiting {compile_timeout * 1000:.0f}ms" in err.cause, str(err)
+        assert err.rank == 0 and took < compile_timeout + GRACE_S + 2 * SLACK, str(err)
+        assert 1 in err.running and "in slow" in err.stacks[1], str(err)
 
 
 # ---- under torchrun -----------------------------------------------------------------------------

@@ -10,7 +10,9 @@ pipe and exit sentinel at once, so nothing can hang:
 
 - ``timeout`` bounds every collective, of the default group and of every group shardfx creates
   (the mesh's dp, tp and pp groups inherit it, see ``runtime.mesh``): a rank that crashes or
-  stops outside a collective fails its peers' collectives within ``timeout``;
+  stops outside a collective fails its peers' collectives within ``timeout``; in a runner's
+  call that compiles (``kernels="compiled"``), ``compile_timeout`` does instead, so a peer's
+  compile never counts against ``timeout`` (``runtime.mesh.while_compiling``);
 - the first rank to fail, by the time it failed, is reported in a ``LaunchError`` with its
   traceback or exit code (a rank that a native crash kills, SIGSEGV or SIGABRT, first writes
   every thread's Python stack to its stderr; a communication error gives way to a failure of
@@ -65,6 +67,7 @@ import torch.multiprocessing as mp
 
 from shardfx.errors import InputError, ShardfxError
 from shardfx.runtime import watchdog
+from shardfx.runtime.mesh import COMPILE_TIMEOUT_S, set_compile_timeout
 from shardfx.runtime.outcomes import KILL_WAIT_S, LaunchError, Outcome, collect, results
 from shardfx.runtime.watchdog import STACK_SIGNAL, read_stacks
 
@@ -94,12 +97,15 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None = None,
-           timeout: float = 60.0, deadline: float | None = None) -> list[Any]:
+           timeout: float = 60.0, deadline: float | None = None,
+           compile_timeout: float = COMPILE_TIMEOUT_S) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` ranks; return their results in rank order.
 
     ``backend``: None picks NCCL when CUDA has a GPU per rank, else gloo. ``timeout``: seconds any
     collective may wait, in every group. ``deadline``: seconds the whole run may take, start-up
     included (None: no limit; a hang inside a collective already ends after ``timeout``).
+    ``compile_timeout``: seconds a collective may wait in a runner's call that compiles (a
+    compiled plan's first step: a peer may still be compiling), when longer than ``timeout``.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise LaunchError(f"nprocs must be a positive int, got {nprocs!r}",
@@ -107,7 +113,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
     where = f"shardfx.launch({getattr(fn, '__qualname__', fn)!r}, nprocs={nprocs})"
     _check_not_starting(where)
     if under_torchrun():
-        return _run_in_process(fn, args, nprocs, backend, timeout)
+        return _run_in_process(fn, args, nprocs, backend, timeout, compile_timeout)
     backend = backend or _default_backend(nprocs)
     deadline = math.inf if deadline is None else deadline
     ctx = _context()
@@ -118,7 +124,8 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int, backend: str | None 
             for r in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker, name=f"{RANK_NAME}{r}", args=(
-                    r, nprocs, port, backend, timeout, torch.get_num_threads(), fn, args,
+                    r, nprocs, port, backend, (timeout, compile_timeout),
+                    torch.get_num_threads(), fn, args,
                     writer, _stack_file(folder, r), dict(os.environ)))
                 try:
                     proc.start()
@@ -204,9 +211,9 @@ def _stop(procs: list, answered: list[int]) -> None:
             proc.join(KILL_WAIT_S)
 
 
-def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launcher_threads: int,
-            fn: Callable[..., Any], args: tuple, pipe: Connection, stack_file: str,
-            env: dict[str, str]) -> None:
+def _worker(r: int, nprocs: int, port: int, backend: str, timeouts: tuple[float, float],
+            launcher_threads: int, fn: Callable[..., Any], args: tuple, pipe: Connection,
+            stack_file: str, env: dict[str, str]) -> None:
     """One rank: join the process group, run fn, send ("ok", value) or ("raised", ...) back.
 
     First, what the rank inherited from the fork server (torch, shardfx, the preloaded
@@ -224,6 +231,7 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
     faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     os.environ.clear()
     os.environ.update(env)  # the launcher's environment now, not the fork server's at its start
+    timeout, compile_timeout = timeouts  # of a collective, of one in a call that compiles
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs))
     try:
@@ -232,6 +240,7 @@ def _worker(r: int, nprocs: int, port: int, backend: str, timeout: float, launch
         gpu = _gpu(backend, r)
         dist.init_process_group(backend, init_method="env://", rank=r, world_size=nprocs,
                                 timeout=timedelta(seconds=timeout), device_id=gpu)
+        set_compile_timeout(compile_timeout)
         value = fn(*args)
         try:
             message = pickle.dumps(("ok", value))
@@ -372,7 +381,8 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
 
-def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) -> list[Any]:
+def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float,
+                    compile_timeout: float) -> list[Any]:
     """Under torchrun: run fn once here and gather every rank's result (module docstring)."""
     name = getattr(fn, "__qualname__", repr(fn))
     where = f"shardfx.launch({name!r}, nprocs={nprocs}) under torchrun"
@@ -384,6 +394,7 @@ def _run_in_process(fn, args, nprocs: int, backend: str | None, timeout: float) 
         gpu = _gpu(backend, int(os.environ.get("LOCAL_RANK", 0)))
         _import_before_groups()
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=gpu)
+    set_compile_timeout(compile_timeout)
     try:
         with watchdog.watch(below="_run_in_process"):
             try:

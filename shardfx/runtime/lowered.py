@@ -37,6 +37,11 @@ Regions made only of views (a reshape between two Python ops) run as they are: c
 buys nothing. A region is compiled at its first call, on the values it is called with, so a
 step's first call pays the compile time, as ``torch.compile`` does; ``compiled_regions()``
 says how many codes were compiled and how long that took (``shardfx run`` prints it).
+
+The ranks of a mesh compile at their own pace: one may compile a region while its peers already
+wait for it in a collective. A runner's call that may compile (``Compiling``) therefore holds
+every collective's timeout to the compile timeout and ends with a barrier
+(``runtime.mesh.while_compiling``): compile time never counts against a collective's timeout.
 """
 
 from __future__ import annotations
@@ -53,9 +58,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import is_getitem, tensor_val
+from shardfx.runtime.mesh import while_compiling
 from shardfx.runtime.released import released
 
 log = logging.getLogger("shardfx.compile")
@@ -384,3 +391,27 @@ def runnable(module: fx.GraphModule, device: torch.device, compiled: bool) -> fx
     let go of gloo's buffers), then, for a compiled plan, ``lowered``."""
     module = released(module, device)
     return lowered(module) if compiled and isinstance(module, fx.GraphModule) else module
+
+
+class Compiling:
+    """Which calls of a runner may compile, each held with ``runtime.mesh.while_compiling`` so
+    no peer's collective times out while this rank compiles: a compiled plan's first call of a
+    kind ("train", "accumulate": several batches run the accumulating variant too, "infer")
+    with inputs of given shapes, strides and dtypes. Every rank passes the same global inputs,
+    so every rank agrees on which calls those are. A plan for one device has no peers to hold
+    (and may run on one rank of a larger world alone)."""
+
+    def __init__(self, compiled: bool, devices: int):
+        self.on = compiled and devices > 1
+        self._ran: set[tuple] = set()
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str, inputs: Any) -> Iterator[None]:
+        key = (kind, tuple((tuple(t.shape), t.stride(), t.dtype) for t in
+                           pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)))
+        if not self.on or key in self._ran:
+            yield
+            return
+        with while_compiling():
+            yield
+        self._ran.add(key)

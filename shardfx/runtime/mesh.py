@@ -20,13 +20,25 @@ Every group of the mesh waits as long as the default group: its timeout, set by
 read back from the default group and given to each group the mesh creates. A rank that
 stops before a tp all-reduce then fails its peers after that timeout, not torch's default
 30 minutes for new groups.
+
+A compile never counts against that timeout (``while_compiling``): a runner's call that may
+compile (``kernels="compiled"``: its first with given inputs) runs with every group of the
+process waiting up to the compile timeout instead (``shardfx.launch(compile_timeout=...)``,
+30 minutes unless told), and ends with a barrier of every rank under it; only then do the
+groups wait their own timeouts again. So a rank that compiles a region for a minute holds up
+its peers' collectives without failing them, while a rank that dies ends the job as before
+(the launcher or torchrun sees its exit; gloo's peers see its connections close), and one
+that hangs fails its peers after the compile timeout, never later: torchtitan's
+``init_timeout_seconds`` for its first step, per call that compiles.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +46,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardfx.errors import MeshError
 from shardfx.mesh import MeshSpec
+
+COMPILE_TIMEOUT_S = 1800.0  # torch's own default for a gloo group: a first compile takes minutes
+_compile_timeout = timedelta(seconds=COMPILE_TIMEOUT_S)
 
 
 def device_mesh(spec: MeshSpec | dict[str, int] | str) -> DeviceMesh:
@@ -77,14 +92,45 @@ def _check_nodes(spec: MeshSpec) -> None:
             "with dp or pp", stacklevel=3)
 
 
-def collective_timeout() -> timedelta | None:
-    """How long a collective of the default process group may wait (None: the backend has
-    no timeout to read back, and new groups get torch's default)."""
+def collective_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """How long a collective of ``group`` (default: the default process group) may wait
+    (None: the backend has no timeout to read back, and new groups get torch's default)."""
     try:
-        backend = dist.group.WORLD._get_backend(torch.device(_device_type()))
+        group = dist.group.WORLD if group is None else group
+        backend = group._get_backend(torch.device(_device_type()))
     except RuntimeError:  # a process group with no backend of its own for this device
         return None
     return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+def set_compile_timeout(seconds: float) -> None:
+    """How long a collective may wait in a call that compiles (``while_compiling``);
+    ``shardfx.launch(compile_timeout=...)`` sets it on every rank."""
+    global _compile_timeout
+    _compile_timeout = timedelta(seconds=seconds)
+
+
+@contextmanager
+def while_compiling() -> Iterator[None]:
+    """Around a call that every rank makes and that may compile (module docstring): every
+    group of this process waits up to the compile timeout (or its own timeout, if longer);
+    the call ends with a barrier of every rank, under it, and then each group waits its own
+    timeout again. Nothing to hold in a world of one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    own = {group: collective_timeout(group) for group in list(_world.pg_map)}
+    own = {group: t for group, t in own.items() if t is not None}
+    for group, t in own.items():
+        _set_pg_timeout(max(t, _compile_timeout), group)
+    try:
+        yield
+        dist.barrier()  # every rank has compiled what this call ran: no peer compiles now
+    finally:
+        for group, t in own.items():
+            _set_pg_timeout(t, group)
 
 
 def _axis_group(grid: torch.Tensor, dim: int, name: str,

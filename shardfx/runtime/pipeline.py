@@ -70,7 +70,7 @@ from shardfx.codegen.steps import StageProgram, Step
 from shardfx.kernels.device import check_weights, place
 from shardfx.runtime.materialize import InitFn, Initializer, Unmade, settle
 from shardfx.runtime.heap import keep_freed_memory
-from shardfx.runtime.lowered import runnable
+from shardfx.runtime.lowered import Compiling, runnable
 from shardfx.runtime.mesh import channels, coordinate, device_mesh
 from shardfx.runtime.shards import Shards
 from shardfx.runtime.timing import Clock
@@ -89,6 +89,7 @@ class PipelineRunner(PipelineState):
         coord = coordinate(mesh)
         self.plan, self.rank = plan, coord["pp"]  # rank: this process's place in its pipeline
         self._compiled = plan.options.kernels == "compiled"  # runtime.lowered
+        self._compiling = Compiling(self._compiled, plan.mesh.size)  # its calls that compile
         self.pp = mesh.get_group("pp")
         self._channels = channels(mesh, "pp")  # (from, to) pipeline ranks -> its group
         self.ranks = dist.get_process_group_ranks(self.pp)  # pipeline rank -> global rank
@@ -200,6 +201,10 @@ class PipelineRunner(PipelineState):
         """One optimizer step over several global batches (``runtime.accumulate``): each runs
         the schedule; their gradients add up, each reduced over dp as the schedule ends."""
         batches = accumulated(batches)
+        with self._compiling("train" if len(batches) == 1 else "accumulate", batches[0]):
+            return self._step(batches)
+
+    def _step(self, batches: list[tuple[tuple, tuple]]) -> torch.Tensor:
         settle(self)  # a meta model's weights, on first use
         if self.offload is not None:  # the host's copies, after a load or a first use
             self.offload.pull(self.device_trained())
@@ -425,7 +430,8 @@ class PipelineRunner(PipelineState):
         if self._forward is None:
             self._forward = self._compile_forward(flat[0].shape[0] // (self._dp_size * self.m))
         program, steps, spec, outputs = self._forward
-        self._execute(program, steps, flat, self._inference_weights(program))
+        with self._compiling("infer", args):
+            self._execute(program, steps, flat, self._inference_weights(program))
         leaves = []
         for role, owner, val in outputs:
             shape = (val.shape[0] * self.m, *val.shape[1:])

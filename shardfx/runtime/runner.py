@@ -40,7 +40,7 @@ from shardfx.runtime.checks import SameBatch, check_step_inputs, make_optimizer,
 from shardfx.codegen.steps import Output
 from shardfx.kernels.device import check_weights, move
 from shardfx.runtime.heap import keep_freed_memory
-from shardfx.runtime.lowered import runnable
+from shardfx.runtime.lowered import Compiling, runnable
 from shardfx.runtime.materialize import (InitFn, Initializer, Unmade, made_later, on_meta,
                                          settle)
 from shardfx.runtime.shards import Shards
@@ -64,6 +64,7 @@ class Runner:
         self.keep_grads = keep_grads  # .grad after the step; freed with it otherwise
         self._in_backward = plan.options.optimizer_in_backward  # codegen.step_in_backward
         self._compiled = plan.options.kernels == "compiled"  # runtime.lowered
+        self._compiling = Compiling(self._compiled, plan.mesh.size)  # its calls that compile
         self._stepped_grads: dict[str, torch.Tensor] = {}  # keep_grads: stepped in the backward
         if self._in_backward and clip_grad_norm is not None:
             raise InputError("this plan steps the optimizer in the backward, before the global "
@@ -128,6 +129,10 @@ class Runner:
         batch's forward and backward, their gradients averaged, then one optimizer step;
         returns the mean of their losses (module ``runtime.accumulate``)."""
         batches = accumulated(batches)
+        with self._compiling("train" if len(batches) == 1 else "accumulate", batches[0]):
+            return self._step(batches)
+
+    def _step(self, batches: list[tuple[tuple, tuple]]) -> torch.Tensor:
         settle(self)  # a meta model's weights, on first use
         if self.offload is not None:  # the host's copies, after a load or a first use
             self.offload.pull(self._device_trained())
@@ -204,8 +209,9 @@ class Runner:
         settle(self)
         flat = check_step_inputs(self.plan, args, (), inference=True)
         program, out_spec = self.plan.inference_program()
-        outs = sorted((r.index, v) for r, v in self._run(program, flat)
-                      if r.kind is M.OutputKind.OUTPUT)
+        with self._compiling("infer", args):
+            outs = sorted((r.index, v) for r, v in self._run(program, flat)
+                          if r.kind is M.OutputKind.OUTPUT)
         return pytree.tree_unflatten([v for _, v in outs], out_spec)
 
     def _accumulators(self, trained: dict) -> dict[str, torch.Tensor]:
