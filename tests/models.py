@@ -131,3 +131,41 @@ class HandFilled(torch.nn.Module):
 
     def forward(self, x):
         return self.lin(x) * self.scale
+
+
+LONG_SEQ = 16  # a sequence a band of keys of 3 crosses the cp chunks of (cp=2: 4 chunks of 4)
+
+
+def banded(name: str, layers: int = 2) -> torch.nn.Module:
+    """A seeded tiny Hugging Face model whose attention is a band of keys narrower than
+    ``LONG_SEQ``: ``mistral`` (a sliding window of 3 keys), ``gemma3`` (a local layer, window 3,
+    then a global one), ``olmo3`` (likewise), ``llama4`` (dense: chunks of 3 positions, then a
+    NoPE layer attending causally)."""
+    import transformers as T
+
+    T.logging.set_verbosity_error()  # tiny configs trip HF's config warnings
+    torch.manual_seed(0)
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, intermediate_size=2 * HIDDEN)
+    alternating = ["sliding_attention", "full_attention"] * (layers // 2) + \
+        ["sliding_attention"] * (layers % 2)
+    if name == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=3))
+    if name == "gemma3":
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, head_dim=8, sliding_window=3,
+                                                      layer_types=alternating))
+    if name == "olmo3":
+        return T.Olmo3ForCausalLM(T.Olmo3Config(**common, sliding_window=3,
+                                                layer_types=alternating, pad_token_id=0))
+    if name == "llama4":
+        return T.Llama4ForCausalLM(T.Llama4TextConfig(
+            **common, head_dim=8, attention_chunk_size=3, no_rope_layer_interval=2,
+            moe_layers=[], intermediate_size_mlp=2 * HIDDEN, pad_token_id=0))
+    raise ValueError(name)
+
+
+def long_batches(n: int, batch: int = 1, seed: int = 1) -> list[tuple[tuple, tuple]]:
+    """``n`` different (args, targets) pairs of token ids, each (batch, LONG_SEQ)."""
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randint(0, VOCAB, (batch, LONG_SEQ), generator=g),),
+             (torch.randint(0, VOCAB, (batch, LONG_SEQ), generator=g),)) for _ in range(n)]

@@ -1,5 +1,6 @@
 """Context parallelism: the ``cp`` mesh axis splits every activation's sequence, attention runs
-as a ring (``codegen.ring_attention``), and training equals one device's."""
+as a ring (``codegen.ring_attention``) over the band of keys its mask allows (causal, full, a
+sliding window, chunks), and training equals one device's."""
 
 from __future__ import annotations
 
@@ -9,41 +10,52 @@ import torch.nn.functional as F
 
 import shardfx
 from shardfx.ir import cp_layout
-from shardfx.codegen.ring_attention import RingAttention, RingAttentionBackward, _blocks
+from shardfx.codegen.ring_attention import RingAttention, RingAttentionBackward
+from shardfx.ir.band import Band
+from shardfx.kernels.attention import BAND_MASK, band_of
 from shardfx.report.html import plan_html
 from shardfx.testing import compare_inference, compare_training
 
-from models import SEQ, VOCAB, lm_loss, tiny, token_batches
+from models import SEQ, VOCAB, banded, lm_loss, long_batches, tiny, token_batches
 
 pytest.importorskip("transformers")
 
 
 class _Encoder(torch.nn.Module):
     """Every token attends to every other (no causal mask), or, with ``window``, to the ones
-    within ``window`` positions: a mask the ring cannot split."""
+    within ``window`` positions either side (a band of keys that is not causal), or with
+    ``every_other`` to those an even distance away (not a band: a mask the ring cannot run)."""
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, every_other: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(VOCAB, 32)
         self.qkv = torch.nn.Linear(32, 96)
         self.out = torch.nn.Linear(32, 32)
         self.head = torch.nn.Linear(32, VOCAB)
-        self.window = window
+        self.window, self.every_other = window, every_other
 
     def forward(self, ids):
         b, t = ids.shape
         q, k, v = self.qkv(self.embed(ids)).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
         mask = None
+        pos = torch.arange(t, device=ids.device)
         if self.window is not None:
-            pos = torch.arange(t, device=ids.device)
             mask = (pos[:, None] - pos[None, :]).abs() <= self.window
+        if self.every_other:
+            mask = (pos[:, None] - pos[None, :]) % 2 == 0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.head(self.out(y.transpose(1, 2).reshape(b, t, 32)))
 
 
 def _build(name: str) -> torch.nn.Module:
-    return _Encoder() if name == "encoder" else tiny(name)
+    """``encoder``, ``encoder-window`` (2 positions either side), a tiny model, or a banded
+    one (``mistral-window``: ``models.banded("mistral")``)."""
+    if name.startswith("encoder"):
+        return _Encoder(window=2 if name == "encoder-window" else None)
+    if name.endswith(("-window", "-chunks")):
+        return banded(name.split("-")[0])
+    return tiny(name)
 
 
 def _graphs(plan) -> list[torch.fx.Graph]:
@@ -53,10 +65,12 @@ def _graphs(plan) -> list[torch.fx.Graph]:
 
 
 def _train_and_infer(cases: list[tuple]) -> list[tuple]:
-    """(model, mesh, batch[, partition's keywords]) each."""
+    """(model, mesh, batch[, partition's keywords]) each; a banded model's sequences are
+    ``LONG_SEQ`` long."""
     out = []
     for name, mesh, batch, *kw in cases:
-        data = token_batches(3, batch)
+        long = name.endswith(("-window", "-chunks"))
+        data = long_batches(3, batch) if long else token_batches(3, batch)
         kw = dict(mesh=mesh, **(kw[0] if kw else {}))
         report = compare_training(_build(name), data, lm_loss, **kw)
         worst = compare_inference(_build(name), data[0][0], **kw)
@@ -77,23 +91,34 @@ def _check(results: list[list[tuple]]) -> None:
 
 
 def test_two_ranks_train_like_one_device():
-    """Causal (Llama's and GPT-2's masks, traced dense, found causal) and full attention."""
+    """Causal (Llama's and GPT-2's masks, traced dense, found causal) and full attention; bands
+    that cross the ranks' chunks: Mistral's sliding window of 3 keys, Gemma 3's local layer
+    beside a global one, Llama 4's chunks of 3 positions beside a causal NoPE layer, and a
+    window either side of each query."""
     _check(shardfx.launch(_train_and_infer, [
         ("llama", {"cp": 2}, 2),  # two sequences: flattened tokens, each one's chunks
         ("gpt2", {"cp": 2}, 1),
         ("encoder", {"cp": 2}, 1),
-    ], nprocs=2, timeout=120, deadline=600))
+        ("encoder-window", {"cp": 2}, 1),
+        ("mistral-window", {"cp": 2}, 2),
+        ("gemma3-window", {"cp": 2}, 1),
+        ("llama4-chunks", {"cp": 2}, 1),
+    ], nprocs=2, timeout=120, deadline=900))
 
 
 def test_four_ranks_train_like_one_device():
+    """cp=4 cuts 16 positions into 8 chunks of 2: a window of 3 keys reaches the neighbours
+    only (a step skipped), chunks of 3 cross chunk boundaries unaligned (with dp)."""
     _check(shardfx.launch(_train_and_infer, [
         ("llama", {"cp": 4}, 1),
         ("gpt2", {"cp": 4}, 1),
+        ("mistral-window", {"cp": 4}, 1),
+        ("llama4-chunks", {"dp": 2, "cp": 2}, 2),
         ("llama", {"dp": 2, "cp": 2}, 4),
         ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron")),
         ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron-sp")),
         ("llama", {"pp": 2, "cp": 2}, 2, dict(microbatches=2)),
-    ], nprocs=4, timeout=120, deadline=900))
+    ], nprocs=4, timeout=120, deadline=1200))
 
 
 def test_only_gradients_and_the_loss_cross_cp():
@@ -126,17 +151,23 @@ def test_megatron_sp_splits_each_cp_part_over_tp():
 
 
 def test_the_ring_counts_its_messages_and_blocks():
-    """What the predicted step (``step_time``) and the device FLOPs take from the ring ops:
-    cp - 1 key/value blocks sent forward; backward those, and their fp32 gradients cp times
-    (the last time home); causal attention computes (cp + 1) / 2 blocks on every rank (its own
-    and half of each other), full attention cp."""
+    """What the predicted step (``step_time``) and the device FLOPs take from the ring ops,
+    the busiest rank's: causal attention at cp=4 sends a whole block at each of the 3 steps
+    (some rank needs both of another's chunks), backward those and the fp32 gradients of the
+    rows received, sent back; it computes 3 of the 4 quarters of its own block and half of
+    each other; full attention every block whole. A window of 4 keys sends 3 rows to each
+    neighbour only, and computes about 4 keys per query. (The work is the same on every rank:
+    tests/test_ring_blocks.py.)"""
     q = k = v = torch.empty(1, 4, 16, 8)  # a rank's (B, H, T / cp, D)
     block = 2 * k.numel() * 4
-    causal, full = RingAttention(True, None, 4), RingAttention(False, None, 4)
+    causal, full = RingAttention(Band(after=0), None, 4), RingAttention(Band(), None, 4)
     assert causal.sends(q, k, v) == [block] * 3
-    assert RingAttentionBackward(True, None, 4).sends(q, q, k, v) == [block] * 3 + [block] * 4
-    assert causal.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * 2.5
+    assert RingAttentionBackward(Band(after=0), None, 4).sends(q, q, k, v) == [block] * 6
+    assert causal.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * (0.75 + 3 * 0.5)
     assert full.flops(q, k, v) == 4 * 4 * 16 * 16 * 8 * 4
+    window = RingAttention(Band(before=3, after=0), None, 4)
+    assert window.sends(q, k, v) == [3 * block // 16] * 2
+    assert window.flops(q, k, v) < causal.flops(q, k, v) / 3
 
 
 def test_each_rank_holds_a_front_and_a_back_chunk():
@@ -157,16 +188,6 @@ def test_each_rank_holds_a_front_and_a_back_chunk():
     assert torch.equal(whole, seq)
     scattered = cp_layout.shuffle(cp_layout.call, seq, (16, 3), 2, sf=2).chunk(2)
     assert all(torch.equal(a, b) for a, b in zip(scattered, parts))
-
-
-def test_causal_attention_is_the_same_work_on_every_rank():
-    """Each rank's own block (causal, counted whole as the flash kernel's FLOPs are) and half
-    of every other: (cp + 1) / 2 blocks on each of the cp ranks, not 1 .. cp."""
-    work = {"own": 1.0, "front": 0.5, "back": 0.5, "all": 1.0}
-    for cp in (2, 4):
-        per_rank = {sum(work[part] for _, part in _blocks(r, cp, True)) for r in range(cp)}
-        assert per_rank == {(cp + 1) / 2}
-        assert {sum(work[p] for _, p in _blocks(r, cp, False)) for r in range(cp)} == {cp}
 
 
 def test_dtensor_dispatch_is_offered_no_sequence_strategy():
@@ -192,23 +213,33 @@ def _partition(model, batch: int = 1, seq: int = SEQ, **kw):
 
 def test_a_mask_the_ring_cannot_split_is_refused():
     with pytest.raises(shardfx.ShardingError) as e:
-        _partition(_Encoder(window=2), mesh={"cp": 2})
-    assert "dense mask, a (8, 8) pattern that is neither causal, full nor a sliding window" \
-        in str(e.value) and "drop the cp axis" in str(e.value)
+        _partition(_Encoder(every_other=True), mesh={"cp": 2})
+    assert "dense mask, a (8, 8) pattern that is not a band of keys" in str(e.value) \
+        and "drop the cp axis" in str(e.value)
 
 
-def test_a_sliding_window_is_named_with_its_width_and_a_fix_for_it():
-    """Mistral's sliding window: not "pass no attention_mask" (the user passed none)."""
-    import transformers as T
-
-    torch.manual_seed(0)
-    model = T.MistralForCausalLM(T.MistralConfig(
-        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, sliding_window=4))
-    with pytest.raises(shardfx.ShardingError) as e:
-        _partition(model, mesh={"cp": 2})
-    assert "a sliding window: each query attends to its own key and the 3 before it" in \
-        str(e.value) and "sliding_window=None" in e.value.fix, e.value
+def test_a_sliding_window_rings_only_to_the_neighbours():
+    """Mistral's sliding window of 3 keys at cp=4 (chunks of 2 positions): the IR makes the
+    mask by ``band_mask`` (the program never does), the ring ops carry the window, and each
+    sends 2 rows to each neighbour and nothing further (2 messages; causal attention: 3 whole
+    blocks); no activation is gathered over cp. In bf16 the masks' casts go with them."""
+    (x,), (y,) = long_batches(1)[0]
+    plan = shardfx.partition(banded("mistral"), (x,), lm_loss, (y,), mesh={"cp": 4},
+                             fused_loss=False)
+    made = [n for n in plan.ir.graph.nodes if n.target is BAND_MASK]
+    assert made and {n.kwargs["before"] for n in made} == {2}
+    program = plan.program.module.graph
+    assert not [n for n in program.nodes if n.target is BAND_MASK]
+    bf16 = shardfx.partition(banded("mistral"), (x,), lm_loss, (y,), mesh={"cp": 2},
+                             precision="bf16").program.module.graph
+    assert not [n for n in bf16.nodes if n.target is BAND_MASK]
+    assert [n for n in bf16.nodes if isinstance(n.target, RingAttention)]
+    rings = [n for n in program.nodes if isinstance(n.target, RingAttention)]
+    assert rings and {n.target.band for n in rings} == {Band(before=2, after=0)}
+    q = rings[0].args[0].meta["val"]
+    row = 2 * q.numel() // q.shape[2] * 4  # a row of keys and values, fp32
+    assert rings[0].target.sends(q, q, q) == [2 * row] * 2
+    assert {c.kind for c in plan.collectives if c.axis == "cp"} == {"all_reduce"}
 
 
 def test_a_mask_from_the_inputs_is_named_as_such():
@@ -247,24 +278,27 @@ def test_bert_on_cp2_is_full_attention_and_equals_one_device():
     assert max(shardfx.launch(_bert_cp2, nprocs=2, timeout=120)) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "nanogpt"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "nanogpt", "mistral-window"])
 def test_a_long_mask_is_checked_a_few_rows_at_a_time(monkeypatch, name):
-    """A mask over ``BLOCK`` elements is computed and compared with the causal one a block of
-    query rows at a time (here 2 rows of 8): the same answers as whole. Each block's copy of
-    the same mask is checked once."""
+    """A mask over ``BLOCK`` elements is computed and its rows read a block of query rows at a
+    time (here 2 rows of 8): the same answers as whole (causal; Mistral's window of 3 keys).
+    Each block's copy of the same mask is checked once."""
     from shardfx.passes import causal_mask
 
     monkeypatch.setattr(causal_mask, "BLOCK", 16)
     checked = []
     monkeypatch.setattr(causal_mask, "_classify",
                         lambda m, check=causal_mask._classify: checked.append(m) or check(m))
-    plan = _partition(tiny(name), mesh={"cp": 2})
+    plan = _partition(_build(name), mesh={"cp": 2})
     assert len(checked) <= 1, checked
     flash = [n for n in plan.ir.graph.nodes if n.target in (causal_mask.FLASH,
                                                             causal_mask.FLASH_BACKWARD)]
-    assert flash and all("attn_mask" not in n.kwargs for n in flash)
+    masks = {str(band_of(n.kwargs["attn_mask"])) if "attn_mask" in n.kwargs else None
+             for n in flash}
+    assert flash and masks == ({"a sliding window of 3 keys (its own and the 2 before it)"}
+                               if name == "mistral-window" else {None}), masks
     with pytest.raises(shardfx.ShardingError):
-        _partition(_Encoder(window=2), mesh={"cp": 2})
+        _partition(_Encoder(every_other=True), mesh={"cp": 2})
 
 
 @pytest.mark.parametrize("kw,words", [

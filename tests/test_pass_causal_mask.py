@@ -3,11 +3,12 @@
 An attention op (CPU flash attention and its backward, as capture leaves
 ``F.scaled_dot_product_attention``) whose dense mask is computed from constants alone and is the
 causal one takes ``is_causal=True`` and no mask, forward and backward, and the mask's ops go; a
-mask of zeros (every key allowed) is dropped, the attention left non-causal. Any other mask is
-refused with a ``ShardingError`` naming what it is (a sliding window, one made from the model's
-inputs, an additive bias), and ``MASK`` says so on both attention ops. The tests check the text
-after the pass, and that the rewritten graph computes the same loss and gradients as the masked
-one.
+mask of zeros (every key allowed) is dropped, the attention left non-causal; a sliding window or
+chunks (a band of keys) is made again by one ``shardfx.band_mask`` op before each attention op.
+Any other mask is refused with a ``ShardingError`` naming what it is (one made from the model's
+inputs, an additive bias, another pattern), and ``MASK`` says so on both attention ops. The
+tests check the text after the pass, and that the rewritten graph computes the same loss and
+gradients as the masked one.
 """
 
 from __future__ import annotations
@@ -96,10 +97,47 @@ def test_mask_allowing_every_key_is_dropped_not_made_causal():
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
-# Masks ring attention cannot run: each is refused, saying what it is.
 WINDOW = CAUSAL.replace("  zeros:", """\
   back: i64[4, 4] = aten.sub.Tensor(queries, keys)
   far: b8[4, 4] = aten.ge.Scalar(back, 2)
+  blocked: b8[4, 4] = aten.bitwise_or.Tensor(later, far)
+  zeros:""").replace("(zeros, later,", "(zeros, blocked,")
+# Llama 4's chunks of 2: a key in another chunk is blocked too.
+CHUNKS = WINDOW.replace("""\
+  back: i64[4, 4] = aten.sub.Tensor(queries, keys)
+  far: b8[4, 4] = aten.ge.Scalar(back, 2)""", """\
+  key_chunk: i64[1, 4] = aten.floor_divide.default(keys, 2)
+  query_chunk: i64[4, 1] = aten.floor_divide.default(queries, 2)
+  far: b8[4, 4] = aten.ne.Tensor(key_chunk, query_chunk)""")
+BAND_MASK = "  band_mask{n}: f32[4, 4] = shardfx.band_mask.default([4, 4], {band}, " \
+            "dtype=torch.float32, device=torch.device('cpu'))\n"
+
+
+@pytest.mark.parametrize("body, band", [
+    (WINDOW, "before=1, after=0, chunk=-1"),
+    (CHUNKS, "before=-1, after=0, chunk=2"),
+], ids=["window", "chunks"])
+def test_a_band_is_made_by_band_mask_before_each_attention(body, band):
+    before = INPUTS + POSITIONS + body + MASKED
+    gm = causal_mask(text_to_ir(before), Options())
+    verify(gm)
+    fwd, bwd = (BAND_MASK.format(n=n, band=band) for n in ("", "_1"))
+    want = INPUTS + POSITIONS + MASKED.replace("  attn:", fwd + "  attn:").replace(
+        "  attn_backward:", bwd + "  attn_backward:").replace(
+        "attn_mask=mask)\n  grad_q", "attn_mask=band_mask_1)\n  grad_q").replace(
+        "attn_mask=mask", "attn_mask=band_mask")
+    assert ir_to_text(gm) == want
+    assert ir_to_text(text_to_ir(want)) == want  # the op parses back
+    for name, w, g in zip(("loss", "grad q", "grad k", "grad v"), _run(text_to_ir(before)),
+                          _run(gm)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
+
+
+# Masks ring attention cannot run: each is refused, saying what it is.
+STRIDED = CAUSAL.replace("  zeros:", """\
+  apart: i64[4, 4] = aten.sub.Tensor(queries, keys)
+  odd: i64[4, 4] = aten.remainder.Scalar(apart, 2)
+  far: b8[4, 4] = aten.eq.Scalar(odd, 1)
   blocked: b8[4, 4] = aten.bitwise_or.Tensor(later, far)
   zeros:""").replace("(zeros, later,", "(zeros, blocked,")
 FROM_INPUT = "  mask: f32[4, 4] = input args[0]\n"
@@ -107,11 +145,10 @@ BIAS = CAUSAL.replace("float('-inf')", "-10000.0")  # a large finite value is no
 
 
 @pytest.mark.parametrize("body, kind, says", [
-    (POSITIONS + WINDOW, "window", "a sliding window: each query attends to its own key and "
-                                   "the 1 before it"),
+    (POSITIONS + STRIDED, "other", "a (4, 4) pattern that is not a band of keys"),
     (FROM_INPUT, "input", "computed from the model's inputs"),
     (POSITIONS + BIAS, "other", "an additive bias (values other than 0 and -inf)"),
-], ids=["window", "input", "bias"])
+], ids=["every-other-key", "input", "bias"])
 def test_other_masks_are_refused_naming_them(body, kind, says):
     gm = text_to_ir(INPUTS + body + MASKED)
     with pytest.raises(ShardingError) as e:

@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shardfx.codegen.expert_parallel import experts_op
 from shardfx.codegen.program import RESHAPES, Program, layout_free
 from shardfx.codegen.redistribute import Collective, MeshInputs, Purpose, redistribute
-from shardfx.codegen.ring_attention import ring_op
+from shardfx.codegen.ring_attention import drop_unread_masks, ring_op
 from shardfx.errors import PassError, ShardingError
 from shardfx.request.hints import MARKERS
 from shardfx.ir import meta as M
@@ -95,6 +95,7 @@ def generate_spmd(gm: fx.GraphModule) -> Program:
     values = [to(v, want, f"return {role}", output=role)
               for v, want, role in zip(out.args[0], wants, out.meta[M.OUTPUTS])]
     graph.output(tuple(values)).meta[M.OUTPUTS] = out.meta[M.OUTPUTS]
+    drop_unread_masks(graph)  # what ring attention took the place of
     for m in mesh:  # keep only the mesh inputs the program reads
         for p in (m.group, m.coord):
             if not p.users:

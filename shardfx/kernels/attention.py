@@ -21,6 +21,11 @@ all see the CPU op's shape.
 
 The CPU op takes no dropout (it refuses ``dropout_p > 0``; PyTorch traces attention with
 dropout as its math: matmuls, softmax and ``native_dropout``), so neither do these.
+
+``band_mask`` makes an attention's dense mask from its band (``ir.band``: a sliding window,
+chunks): ``passes.causal_mask`` puts it where a traced mask was found to be one, so the graph
+says what the mask is and still computes it; ring attention reads the band from it and never
+makes the mask (``codegen.ring_attention``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import math
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from shardfx.ir.band import Band
 
 aten = torch.ops.aten
 CPU_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -136,6 +143,43 @@ def _math_backward(grad_out, q, k, v, out, lse, is_causal, attn_mask, scale):
     grad_q = torch.matmul(ds, k.float()) * scale
     grad_k = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+@torch.library.custom_op("shardfx::band_mask", mutates_args=())
+def _band_mask(shape: list[int], *, before: int, after: int, chunk: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """The mask of ``Band.from_args(before, after, chunk)`` over (..., queries, keys) =
+    ``shape``, queries and keys at positions 0, 1, ...: True / False where attending is
+    allowed / not for a bool ``dtype``, else 0 / -inf (an additive mask)."""
+    queries, keys = shape[-2:]
+    allowed = Band.from_args(before, after, chunk).allowed(
+        torch.arange(queries, device=device), torch.arange(keys, device=device), keys)
+    if dtype != torch.bool:
+        allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+            ~allowed, float("-inf"))
+    return allowed.expand(shape).contiguous()
+
+
+@_band_mask.register_fake
+def _(shape, *, before, after, chunk, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+BAND_MASK = torch.ops.shardfx.band_mask.default
+
+
+def band_mask_args(band: Band, shape, dtype: torch.dtype, device: torch.device):
+    """(args, kwargs) of ``BAND_MASK`` making ``band``'s mask of ``shape`` and ``dtype``."""
+    before, after, chunk = band.args()
+    return (list(shape),), dict(before=before, after=after, chunk=chunk, dtype=dtype,
+                                device=device)
+
+
+def band_of(node) -> Band | None:
+    """The band of a ``BAND_MASK`` node (an fx node calling it), else None."""
+    if getattr(node, "op", None) != "call_function" or node.target is not BAND_MASK:
+        return None
+    return Band.from_args(node.kwargs["before"], node.kwargs["after"], node.kwargs["chunk"])
 
 
 def lower(gm: fx.GraphModule, device: torch.device) -> int:

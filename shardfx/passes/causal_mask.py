@@ -1,5 +1,6 @@
 """causal_mask: an attention whose mask is the causal one computes with ``is_causal`` instead,
-and one whose mask lets every query attend to every key computes without it.
+one whose mask lets every query attend to every key computes without it, and one whose mask
+is another band of keys (a sliding window, chunks: ``ir.band``) says so.
 
 Requires: VAL on every node; the CPU flash attention op (and its backward) as capture leaves
           ``F.scaled_dot_product_attention``.
@@ -8,27 +9,36 @@ Ensures:  each such op whose ``attn_mask`` is computed from constants alone (no 
           its position and before, ``0``/``-inf`` (or True/False) -- takes ``is_causal=True``
           and no mask, and so does its backward; one whose mask allows every key (``0``
           everywhere, or True: Hugging Face BERT's mask when no sequence is padded) takes no
-          mask; the mask's ops, unread, are gone. Every other masked one gets ``MASK``: what
-          its mask is (a sliding window of W keys, one made from the model's inputs such as
-          a padding ``attention_mask``, or another pattern), and the pass refuses it
-          (``mask_refusal``: ring attention runs causal or full attention only, and a
-          ShardingError naming the mask and a fix for it beats a failure further on). Other
-          ops and graphs are unchanged.
+          mask; one whose mask is another band, each query attending to one run of keys
+          around its own (Mistral's sliding window, Gemma's and OLMo 3's local layers, Llama
+          4's chunks), reads the same mask made by ``shardfx.band_mask`` (its ``before``,
+          ``after`` and ``chunk`` in the IR's text), one op right before each attention op
+          (forward and backward), with that op's source and module. The traced mask's ops,
+          unread, are gone. Every other masked one gets ``MASK``: what its mask is (one made
+          from the model's inputs such as a padding ``attention_mask``, or another pattern),
+          and the pass refuses it (``mask_refusal``: ring attention runs bands of keys only,
+          and a ShardingError naming the mask and a fix for it beats a failure further on).
+          Other ops and graphs are unchanged.
 
 Why: Hugging Face models build their attention mask in the traced forward (from
 ``cache_position``: aranges, comparisons, a cumsum telling packed sequences apart), so the
 captured attention carries a dense (T, T) mask even when it is plainly causal. Ring attention
-(``codegen.ring_attention``, the ``cp`` axis) needs to know the mask is causal, to skip the
-blocks of later ranks and mask only its own block; a dense mask it cannot split is refused.
+(``codegen.ring_attention``, the ``cp`` axis) needs to know which keys each query attends to,
+to skip the blocks and the rows of blocks no query sees and mask only where the band's edge
+crosses a block; a dense mask it cannot split is refused. A band's mask stays in the graph
+(the program computes what the model does wherever the ring does not run); the ring reads its
+band and never makes it.
 
-How: the mask's ops are run, on the CPU, from the constants they read, and the value is
-compared with the causal pattern, a block of query rows at a time (``BLOCK`` elements): the
-mask is built by broadcasting a column of query positions against a row of key positions, so
-every (T, T) value is computed per block from its operands' rows, and the (T,) or (T, 1) ones
-whole. A long context's mask is checked in O(T^2) time but O(T) memory per row. A (T, T)
-value made by an op that does not keep rows apart (a view, a reduction) is not split: such a
-mask is checked whole up to ``BLOCK`` elements and left as it is beyond (a cp plan then says
-why it cannot run it).
+How: the mask's ops are run, on the CPU, from the constants they read, and each query row's
+allowed keys are read off, a block of query rows at a time (``BLOCK`` elements): the run of
+keys each row allows (``Band.fit`` finds the band of those runs), or that it allows every key
+(full attention, also where queries and keys differ in length). The mask is built by
+broadcasting a column of query positions against a row of key positions, so every (T, T)
+value is computed per block from its operands' rows, and the (T,) or (T, 1) ones whole. A long
+context's mask is checked in O(T^2) time but O(T) memory per row. A (T, T) value made by an
+op that does not keep rows apart (a view, a reduction) is not split: such a mask is checked
+whole up to ``BLOCK`` elements and left as it is beyond (a cp plan then says why it cannot
+run it).
 """
 
 from __future__ import annotations
@@ -36,10 +46,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from shardfx.ir import meta as M
-from shardfx.ir.graph import hashable
 from shardfx.codegen.ring_attention import mask_refusal
+from shardfx.ir import meta as M
+from shardfx.ir.band import Band
 from shardfx.ir.contract import contract, on_ops
+from shardfx.ir.graph import fake_mode_of, fake_value, hashable
+from shardfx.kernels.attention import BAND_MASK, band_mask_args
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -67,17 +79,19 @@ def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
         if not isinstance(mask, fx.Node):
             continue
         key = _same_ops(mask)  # each stamped block computes the same mask again: check once
-        seen = answers[key] if key in answers else _classify(mask)
+        seen, band = answers[key] if key in answers else _classify(mask)
         if key is not None:
-            answers[key] = seen
-        if seen.kind in ("causal", "full"):
-            _drop_mask(mask, causal=seen.kind == "causal")
-            changed = True
+            answers[key] = seen, band
+        if band is not None and (band.causal or band.full):
+            _drop_mask(mask, causal=band.causal)
+        elif band is not None:
+            _band_mask(mask, band)
         else:
             for user in mask.users:
                 if user.target in (FLASH, FLASH_BACKWARD):
                     user.meta[M.MASK] = seen
             raise mask_refusal(node)
+        changed = True
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -99,49 +113,74 @@ def _drop_mask(mask: fx.Node, causal: bool) -> None:
         node.kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
 
 
-def _classify(mask: fx.Node) -> M.AttentionMask:
-    """What ``mask`` is: causal, full, a sliding window, from the inputs, or other."""
+def _band_mask(mask: fx.Node, band: Band) -> None:
+    """Every attention op (forward and backward) reading ``mask`` reads ``band``'s mask made
+    by ``BAND_MASK`` right before it instead (the same value: shape, dtype, entries)."""
+    val = mask.meta[M.VAL]
+    args, kwargs = band_mask_args(band, val.shape, val.dtype, val.device)
+    graph = mask.graph
+    for node in list(mask.users):
+        if node.target not in (FLASH, FLASH_BACKWARD):
+            continue
+        with graph.inserting_before(node):
+            made = graph.create_node("call_function", BAND_MASK, args, kwargs, name="band_mask")
+        made.meta.update({k: v for k, v in node.meta.items() if k in _PLACE})
+        made.meta[M.VAL] = fake_value(fake_mode_of(graph), BAND_MASK, args, kwargs)
+        node.kwargs = {**node.kwargs, "attn_mask": made}
+
+
+# What a made mask takes from the attention op it is made for: its source line and module (for
+# dumps, and stage cuts between blocks) and the forward op it belongs to (a backward's stage).
+_PLACE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "partitioner_tag",
+          "autograd_backward")
+
+
+def _classify(mask: fx.Node) -> tuple[M.AttentionMask, Band | None]:
+    """What ``mask`` is, and its band of keys (None: not one)."""
     val = mask.meta.get(M.VAL)
     order = _constant_ops(mask)
     if order is None:
         return M.AttentionMask("input", "computed from the model's inputs (an attention_mask "
-                                        "passed to forward: padding, or packed sequences)")
+                                        "passed to forward: padding, or packed sequences)"), None
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        return M.AttentionMask("other", "not a (query, key) mask")
+        return M.AttentionMask("other", "not a (query, key) mask"), None
     q, k = val.shape[-2:]
     blocks = _row_blocks(mask, order, val)
     if blocks is None:
-        return M.AttentionMask("other", f"a ({q}, {k}) mask too large to check")
-    last = blocks(q - 1, q)
-    if last is None:
-        return M.AttentionMask("other", "an additive bias (values other than 0 and -inf)")
-    window = int(last[..., -1, :].sum(-1).max())  # keys the last query may attend to
-    kinds = {"full": lambda a, start: bool(a.all()),
-             "causal": lambda a, start: q == k and bool((a == _band(start, a, k)).all()),
-             "window": lambda a, start: q == k and bool((a == _band(start, a, window)).all())}
+        return M.AttentionMask("other", f"a ({q}, {k}) mask too large to check"), None
     rows = max(1, BLOCK * q // max(1, val.numel()))
+    full, first, last = True, [], []
     for start in range(0, q, rows):
         allowed = blocks(start, min(q, start + rows))
         if allowed is None:
-            return M.AttentionMask("other", "an additive bias (values other than 0 and -inf)")
-        kinds = {name: ok for name, ok in kinds.items() if ok(allowed, start)}
-        if not kinds:
-            return M.AttentionMask("other", f"a ({q}, {k}) pattern that is neither causal, "
-                                            "full nor a sliding window")
-    if "full" in kinds:
-        return M.AttentionMask("full", "every query attends to every key")
-    if "causal" in kinds:
-        return M.AttentionMask("causal", "each query attends to the keys up to its own")
-    return M.AttentionMask("window", f"a sliding window: each query attends to its own key "
-                                     f"and the {window - 1} before it")
+            return M.AttentionMask("other", "an additive bias (values other than 0 and -inf)"), \
+                None
+        allowed = allowed.reshape(-1, *allowed.shape[-2:])  # (masks of the batch, rows, keys)
+        full = full and bool(allowed.all())
+        if q != k and not full:
+            return _other(q, k), None
+        if q != k:
+            continue
+        if not bool((allowed == allowed[:1]).all()):
+            return _other(q, k), None
+        row, keys = allowed[0], torch.arange(k)
+        lo = torch.where(row, keys, k).min(-1).values  # each row's first and last key
+        hi = torch.where(row, keys, -1).max(-1).values
+        if not bool((row.sum(-1) == hi - lo + 1).all()):  # not one run of keys
+            return _other(q, k), None
+        first.append(lo)
+        last.append(hi)
+    band = Band() if full else Band.fit(torch.cat(first), torch.cat(last))
+    if band is None:
+        return _other(q, k), None
+    if band.full or band.causal:
+        return M.AttentionMask(str(band).split()[0], str(band)), band
+    return M.AttentionMask("band", str(band)), band
 
 
-def _band(start: int, allowed: torch.Tensor, width: int) -> torch.Tensor:
-    """Rows ``start ..`` of the causal mask limited to ``width`` keys back (``width`` >= the
-    row count: the causal mask itself)."""
-    rows, k = allowed.shape[-2:]
-    keys, queries = torch.arange(k), torch.arange(start, start + rows).unsqueeze(1)
-    return (keys <= queries) & (keys > queries - max(width, 1))
+def _other(q: int, k: int) -> M.AttentionMask:
+    return M.AttentionMask("other", f"a ({q}, {k}) pattern that is not a band of keys (causal, "
+                                    "full, a sliding window, chunks)")
 
 
 def _row_blocks(mask: fx.Node, order: list[fx.Node], val: torch.Tensor):

@@ -11,12 +11,14 @@ sibling, over (B, H, T, D) tensors:
     batch        S(0)       S(0)       S(0)       S(0), or R for a mask of batch 1 (the CPU
                                                       kernel takes a mask of batch 1 or the
                                                       local batch, nothing else)
-    sequence     S(2)       S(2)       S(2)       (none: no mask)
+    sequence     S(2)       S(2)       S(2)       R  (a band of keys: the ring reads its band)
 
-The sequence strategy exists without a mask on a mesh with a ``cp`` axis that shardfx plans
-on (``planning``): ``codegen.spmd`` runs it as ring attention (``codegen.ring_attention``) on
-that axis, and only there. DTensor's own dispatch (a user's DTensors, PyTorch's
-context_parallel on CPU) never sees it: there the op would attend within each rank's tokens.
+The sequence strategy exists on a mesh with a ``cp`` axis that shardfx plans on
+(``planning``): ``codegen.spmd`` runs it as ring attention (``codegen.ring_attention``) on
+that axis, and only there. A mask there is a band's (``passes.causal_mask`` refused any
+other on such a plan), which the ring computes from its band, never reading the mask.
+DTensor's own dispatch (a user's DTensors, PyTorch's context_parallel on CPU) never sees it:
+there the op would attend within each rank's tokens.
 ``shard_propagate`` asks DTensor's propagator for these two ops past its cache, so an answer
 given to one never reaches the other.
 """
@@ -61,7 +63,7 @@ def _has_cp(mesh) -> bool:
 def _strategies(n_out: int, n_in: int, mask_batch: int | None, ring: bool = False) -> list[list]:
     """Placement lists [outputs..., tensor inputs..., mask?] for the strategies."""
     rows = []
-    for p in (R, Shard(1), Shard(0)) + ((Shard(2),) if ring and mask_batch is None else ()):
+    for p in (R, Shard(1), Shard(0)) + ((Shard(2),) if ring else ()):
         row = [p] * (n_out + n_in)
         if mask_batch is not None:
             row.append(Shard(0) if p == Shard(0) and mask_batch > 1 else R)
