@@ -6,18 +6,21 @@ sweep crosses the families ``transformers`` ships that people train with every m
 never seen by a test: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Phi-3, PhiMoE (Gumbel
 routing through a custom ``autograd.Function``, input jitter), StableLM, Cohere, OLMo, OLMo 2,
 OLMoE, GraniteMoE, GLM-4, GLM-4-MoE, DeepSeek-V3, Gemma, Gemma 2, Gemma 3, GPT-J, GPT-2,
-GPT-NeoX, StarCoder2, BERT (masked LM), Mixtral, and Llama with Hugging Face's gradient
-checkpointing on (reentrant and not). Each is built from a tiny config with seeded random
-weights (no download): hidden 32, ``--layers`` 2, 4 heads (2 KV heads where the family has
-them), vocabulary 64, MoE families 4 experts top-2; dropout as the config has it
-(``compare_training`` replays shardfx's random stream in eager). Batches: ``--steps`` 3 of 4 x 8
-tokens, next-token cross entropy on the logits (BERT's too: a loss over every token), AdamW lr
-1e-3.
+GPT-NeoX, StarCoder2, BERT (masked LM), Mixtral, Llama with Hugging Face's gradient
+checkpointing on (reentrant and not); and since, Falcon, Bloom, OPT, GPT-BigCode, Phi-2,
+Granite, Nemotron, Helium, Exaone 4, SmolLM3, OLMo 3 (sliding windows of 3 beside global
+layers), ERNIE 4.5 and its MoE, Hunyuan dense and MoE, Apertus, Arcee, Seed-OSS, JetMoE, Llama 4
+(chunks of 3, MoE), GPT-OSS, dots.llm1, RoBERTa, T5 and BART (encoder-decoders), ViT and ConvNeXt
+(image classifiers). How each is built, its inputs and its loss: ``bench/heldout_families.py``
+(tiny configs with seeded random weights, no download: hidden 32, ``--layers`` 2, 4 heads,
+vocabulary 64; dropout as the config has it: ``compare_training`` replays shardfx's random
+stream in eager). Batches: ``--steps`` 3 of 4 x 8 tokens (images, source and target tokens for
+the others), AdamW lr 1e-3.
 
 Meshes (``--meshes``; each run a ``shardfx.launch`` of its ranks, one on one device in this
 process): ``one``; ``dp2``; ``tp2`` (``shard="megatron"``); ``ep2`` (MoE families only);
-``dp2-tp2-z3`` (megatron, ``zero=3``: four processes); ``cp2`` (causal LMs only); ``pp2`` (2
-microbatches). Per (family, mesh) the result is one of
+``dp2-tp2-z3`` (megatron, ``zero=3``: four processes); ``cp2`` (token sequences: not the image
+classifiers); ``pp2`` (2 microbatches). Per (family, mesh) the result is one of
 
 - ``pass``, with the worst error-to-bound ratio of any check (below 1 is within the bound);
 - ``FAIL``: ``compare_training``'s assertion, the step and the tensors beyond their bound: a
@@ -26,14 +29,16 @@ microbatches). Per (family, mesh) the result is one of
   with its first line: shardfx says it cannot do this, which is a result, not a failure;
 - ``ERROR``: any other exception (its type, first line and innermost shardfx frames), ``hang``
   or ``crash``: bugs too;
-- ``skipped``: the mesh does not apply (no experts for ep, not causal for cp) or the family
+- ``skipped``: the mesh does not apply (no experts for ep, images for cp) or the family
   does not build or train eagerly in this ``transformers`` (the reason recorded);
 
 and the run's wall time. ``--quick`` is the subset tests/test_heldout.py runs (a dense, a MoE
 and a random-routing family; one device, dp and tp, ep).
 
-    python -m bench.heldout [--families llama,phimoe] [--meshes one,tp2] [--quick]
+    python -m bench.heldout [--families llama,phimoe | --added] [--meshes one,tp2] [--quick]
                             [--layers 2] [--steps 3] [--no-append] [--list]
+
+(``--added``: the families added since the first sweep, ``heldout_families.ADDED``.)
 
 Prints the table (families by meshes) and every result other than a pass, and appends both to
 bench/RESULTS.md with the machine, the load average and the date unless ``--no-append``.
@@ -52,7 +57,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("SHARDFX_DEBUG", "1")  # verify the IR after every pass, as the tests do
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,124 +65,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # bench.common; tests/models.py
 import torch  # noqa: E402
 
 from bench.common import append_results, machine  # noqa: E402
-from models import HIDDEN, SEQ, VOCAB, hf, lm_loss, tiny, token_batches  # noqa: E402
+from bench.heldout_families import ADDED, FAMILIES, Family  # noqa: E402
+from models import HIDDEN, SEQ, VOCAB  # noqa: E402
 
 BATCH = 4  # divides dp=2 x 2 microbatches
 TIMEOUT = 120.0  # seconds a collective may wait: a rank that failed alone ends its peers' wait
 DEADLINE = 600.0  # seconds a whole run may take, start-up included
-
-# --- the families -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Family:
-    """A Hugging Face model family: how to build a tiny one, and what its meshes need."""
-
-    build: Callable[[int], torch.nn.Module]  # layers -> a seeded model, train mode
-    moe: bool = False  # has experts: runs on ep2
-    causal: bool = True  # a causal LM: runs on cp2
-
-
-def _t():
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # tiny configs trip HF's config warnings
-    return transformers
-
-
-def _common(layers: int, kv: bool = True) -> dict[str, Any]:
-    c = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
-             vocab_size=VOCAB, intermediate_size=2 * HIDDEN)
-    return {**c, "num_key_value_heads": 2} if kv else c
-
-
-# Token ids of a config's default special tokens can lie outside a vocabulary of 64.
-_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def _hf(model: str, config: str, **extra) -> Callable[[int], torch.nn.Module]:
-    """A builder of ``transformers.<model>(transformers.<config>(hidden 32, ..., **extra))``."""
-    def build(layers: int) -> torch.nn.Module:
-        t = _t()
-        torch.manual_seed(0)
-        return getattr(t, model)(getattr(t, config)(**_common(layers), **extra)).train()
-    return build
-
-
-def _models(builder, name: str) -> Callable[[int], torch.nn.Module]:
-    """A builder from tests/models.py (``tiny`` or ``hf``)."""
-    def build(layers: int) -> torch.nn.Module:
-        _t()
-        return builder(name, layers).train()
-    return build
-
-
-def _checkpointed(reentrant: bool) -> Callable[[int], torch.nn.Module]:
-    def build(layers: int) -> torch.nn.Module:
-        model = _models(tiny, "llama")(layers)
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        return model
-    return build
-
-
-def _gpt2(layers: int) -> torch.nn.Module:  # the config's dropout (0.1), unlike tests/models.py
-    t = _t()
-    torch.manual_seed(0)
-    return t.GPT2LMHeadModel(t.GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=4,
-                                          n_positions=2 * SEQ, vocab_size=VOCAB, **_IDS)).train()
-
-
-def _gptj(layers: int) -> torch.nn.Module:
-    t = _t()
-    torch.manual_seed(0)
-    return t.GPTJForCausalLM(t.GPTJConfig(n_layer=layers, n_embd=HIDDEN, n_head=4, rotary_dim=4,
-                                          n_positions=2 * SEQ, vocab_size=VOCAB, **_IDS)).train()
-
-
-def _bert(layers: int) -> torch.nn.Module:  # the config's dropout (0.1)
-    t = _t()
-    torch.manual_seed(0)
-    return t.BertForMaskedLM(t.BertConfig(**_common(layers, kv=False),
-                                          max_position_embeddings=2 * SEQ)).train()
-
-
-_EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=HIDDEN)
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(_models(tiny, "llama")),
-    "mistral": Family(_hf("MistralForCausalLM", "MistralConfig")),
-    "qwen2": Family(_models(hf, "qwen2")),
-    "qwen3": Family(_hf("Qwen3ForCausalLM", "Qwen3Config", head_dim=8)),
-    "qwen3_moe": Family(_models(hf, "qwen3_moe"), moe=True),
-    "qwen2_moe": Family(_models(hf, "qwen2_moe"), moe=True),
-    "phi3": Family(_hf("Phi3ForCausalLM", "Phi3Config", **_IDS)),
-    "phimoe": Family(_models(hf, "phimoe"), moe=True),
-    "stablelm": Family(_hf("StableLmForCausalLM", "StableLmConfig", **_IDS)),
-    "cohere": Family(_hf("CohereForCausalLM", "CohereConfig", **_IDS)),
-    "olmo": Family(_hf("OlmoForCausalLM", "OlmoConfig", **_IDS)),
-    "olmo2": Family(_models(hf, "olmo2")),
-    "olmoe": Family(_hf("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2,
-                        **_IDS), moe=True),
-    "granitemoe": Family(_hf("GraniteMoeForCausalLM", "GraniteMoeConfig", num_local_experts=4,
-                             num_experts_per_tok=2, **_IDS), moe=True),
-    "glm4": Family(_hf("Glm4ForCausalLM", "Glm4Config", head_dim=8, **_IDS)),
-    "glm4_moe": Family(_hf("Glm4MoeForCausalLM", "Glm4MoeConfig", head_dim=8, n_routed_experts=4,
-                           n_group=1, topk_group=1, first_k_dense_replace=1, **_EXPERTS, **_IDS),
-                       moe=True),
-    "deepseek_v3": Family(_models(hf, "deepseek_v3"), moe=True),
-    "gemma": Family(_hf("GemmaForCausalLM", "GemmaConfig", head_dim=8, **_IDS)),
-    "gemma2": Family(_hf("Gemma2ForCausalLM", "Gemma2Config", head_dim=8, **_IDS)),
-    "gemma3": Family(_models(hf, "gemma3")),
-    "gptj": Family(_gptj),
-    "gpt2": Family(_gpt2),
-    "gpt_neox": Family(_models(hf, "gpt_neox")),
-    "starcoder2": Family(_hf("Starcoder2ForCausalLM", "Starcoder2Config", **_IDS)),
-    "bert": Family(_bert, causal=False),
-    "mixtral": Family(_models(tiny, "mixtral"), moe=True),
-    "llama+ckpt-reentrant": Family(_checkpointed(True)),
-    "llama+ckpt": Family(_checkpointed(False)),
-}
 
 # --- the meshes ---------------------------------------------------------------------------------
 
@@ -188,7 +80,7 @@ class Mesh:
     """``partition`` keyword arguments, and which families the mesh applies to."""
 
     kwargs: dict = field(default_factory=dict)
-    needs: str = ""  # "moe" | "causal" | "" (every family)
+    needs: str = ""  # "moe" | "sequence" | "" (every family)
 
     @property
     def nprocs(self) -> int:
@@ -200,8 +92,8 @@ class Mesh:
     def skip(self, family: Family) -> str | None:
         if self.needs == "moe" and not family.moe:
             return "no experts"
-        if self.needs == "causal" and not family.causal:
-            return "not a causal LM"
+        if self.needs == "sequence" and not family.sequence:
+            return "images, not a token sequence"
         return None
 
 
@@ -211,7 +103,7 @@ MESHES: dict[str, Mesh] = {
     "tp2": Mesh(dict(mesh={"tp": 2}, shard="megatron")),
     "ep2": Mesh(dict(mesh={"ep": 2}), needs="moe"),
     "dp2-tp2-z3": Mesh(dict(mesh={"dp": 2, "tp": 2}, shard="megatron", zero=3)),
-    "cp2": Mesh(dict(mesh={"cp": 2}), needs="causal"),
+    "cp2": Mesh(dict(mesh={"cp": 2}), needs="sequence"),
     "pp2": Mesh(dict(mesh={"pp": 2}, microbatches=2)),
 }
 
@@ -268,11 +160,10 @@ def check(family: str, mesh: str, layers: int, steps: int) -> Result:
     from shardfx.errors import ShardfxError
     from shardfx.testing import compare_training
 
-    start = time.perf_counter()
-    model = FAMILIES[family].build(layers)
+    start, f = time.perf_counter(), FAMILIES[family]
+    model = f.build(layers)
     try:
-        report = compare_training(model, token_batches(steps, BATCH), lm_loss,
-                                  **MESHES[mesh].kwargs)
+        report = compare_training(model, f.batches(steps, BATCH), f.loss, **MESHES[mesh].kwargs)
     except Exception as e:  # noqa: BLE001 - every way of failing is a result here
         if isinstance(e, AssertionError) and _raised_in_testing(e):
             kind = "FAIL"
@@ -287,13 +178,14 @@ def probe(family: str, layers: int) -> tuple[str | None, str]:
     """Whether ``family`` builds and trains one eager step on a batch: (None, the module of its
     model class), or (why not: the error's first line, "")."""
     try:
-        model = FAMILIES[family].build(layers)
-        (args, targets), = token_batches(1, BATCH)
-        lm_loss(model(*args), *targets).backward()
+        f = FAMILIES[family]
+        model = f.build(layers)
+        (args, targets), = f.batches(1, BATCH)
+        f.loss(model(*args), *targets).backward()
     except Exception as e:  # noqa: BLE001
         return (f"does not build or train eagerly: {type(e).__name__}: "
                 + (str(e).splitlines() or [""])[0][:200]), ""
-    return None, type(model).__module__
+    return None, type(getattr(model, "model", model)).__module__  # Seq2Seq's too
 
 
 def _raised_in_testing(e: BaseException) -> bool:
@@ -415,6 +307,8 @@ def notes(results: list[Result]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help=f"comma-separated, of {', '.join(FAMILIES)}")
+    parser.add_argument("--added", action="store_true",
+                        help=f"the families added since the first sweep: {', '.join(ADDED)}")
     parser.add_argument("--meshes", help=f"comma-separated, of {', '.join(MESHES)}")
     parser.add_argument("--quick", action="store_true",
                         help=f"families {QUICK_FAMILIES} on meshes {QUICK_MESHES}")
@@ -426,7 +320,8 @@ def main() -> None:
     if a.list:
         print("families:", ", ".join(FAMILIES), "\nmeshes:", ", ".join(MESHES))
         return
-    families = (a.families or (QUICK_FAMILIES if a.quick else ",".join(FAMILIES))).split(",")
+    families = (a.families or (QUICK_FAMILIES if a.quick else ",".join(
+        ADDED if a.added else FAMILIES))).split(",")
     meshes = (a.meshes or (QUICK_MESHES if a.quick else ",".join(MESHES))).split(",")
     for what, names, known in (("families", families, FAMILIES), ("meshes", meshes, MESHES)):
         if unknown := [n for n in names if n not in known]:
@@ -439,11 +334,12 @@ def main() -> None:
                                         flush=True))
     elapsed, load = time.perf_counter() - start, (load, os.getloadavg()[0])
     head = (f"heldout: {len(families)} Hugging Face families x {len(meshes)} meshes, hidden "
-            f"{HIDDEN}, {a.layers} layers, 4 heads, vocab {VOCAB}, {BATCH} x {SEQ} tokens, "
+            f"{HIDDEN}, {a.layers} layers, 4 heads, vocab {VOCAB}, {BATCH} x {SEQ} tokens (images, "
+            f"or source and target tokens: bench/heldout_families.py), "
             f"{a.steps} AdamW steps, compare_training against eager; cell: result (pass: the "
             f"worst error / bound ratio) and wall time; {elapsed:.0f} s in all, load average "
             f"(1 min) {load[0]:.2f} at the start, {load[1]:.2f} at the end")
-    only = {"moe": "MoE families only", "causal": "causal LMs only"}
+    only = {"moe": "MoE families only", "sequence": "token sequences, not images"}
     applies = "; ".join(f"{m}: {only[MESHES[m].needs]}" for m in meshes if MESHES[m].needs)
     text = "\n".join([head, "", *table(results, meshes), "", *[applies + "."] * bool(applies),
                       "", *notes(results)])
