@@ -109,6 +109,8 @@ def test_llama4_block_runs_its_router_and_shared_expert_around_the_op():
 FORMS = {
     "gpt-oss": dict(interleaved=True, alpha=1.702, limit=0.5, offset=1.0, transposed=True,
                     biased=True),
+    "gpt-oss with a capacity": dict(interleaved=True, alpha=1.702, limit=0.5, offset=1.0,
+                                    biased=True, capacity=1.0),  # a dropped pair: no bias either
     "llama4 with a capacity": dict(score_before=True, transposed=True, capacity=1.0),
     "scores first, biased, clamped": dict(score_before=True, limit=0.5, biased=True),
 }
