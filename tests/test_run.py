@@ -115,6 +115,56 @@ def test_an_incomplete_checkpoint_is_refused_before_planning(tmp_path):
         run(RunConfig.of(SPEC, "dp=2", steps=4, resume=str(tmp_path / "ck")))
 
 
+TINY = """
+import torch
+def tiny():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    return {"model": model, "args": (x,), "loss_fn": torch.nn.functional.mse_loss, "targets": (x,)}
+"""
+
+
+def test_an_export_refused_after_training_is_written_beside_it_and_named(tmp_path, monkeypatch):
+    """The export directory changes during the run (a file appears in it after the last
+    step): the model goes to DIR.step-N beside it, with the trained weights (the last
+    checkpoint's), and the error names both; resumed from that checkpoint with --export-hf,
+    the run trains nothing and exports the same tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shardfx.run import train
+    from shardfx.runtime.checkpoint import full_state_dict
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    spec = f"{tmp_path / 'tiny.py'}:tiny"
+    out, ck = tmp_path / "hf", tmp_path / "ck"
+    loop = train._loop
+
+    def spoiled(*args):
+        losses = loop(*args)
+        out.mkdir()
+        (out / "notes.txt").write_text("written while the run trained")
+        return losses
+
+    monkeypatch.setattr(train, "_loop", spoiled)
+    with pytest.raises(InputError) as info:
+        run(RunConfig.of(spec, "", steps=2, save=str(ck), export_hf=str(out)))
+    moved, last = tmp_path / "hf.step-000002", ck / "step-000002"
+    message = str(info.value)
+    assert f"{out} exists and is not a Hugging Face checkpoint" in message, message
+    assert f"written as a Hugging Face checkpoint to {moved} instead" in message, message
+    assert f"in the checkpoint {last}" in message and "fix:" in message, message
+    exported, trained = load_file(moved / "model.safetensors"), full_state_dict(last)
+    assert exported and all(torch.equal(v, trained[k]) for k, v in exported.items())
+
+    monkeypatch.setattr(train, "_loop", loop)
+    again = tmp_path / "again"
+    assert run(RunConfig.of(spec, "", steps=2, resume=str(ck), export_hf=str(again))) == []
+    assert load_file(again / "model.safetensors").keys() == exported.keys()
+    assert all(torch.equal(v, exported[k]) for k, v in
+               load_file(again / "model.safetensors").items())
+
+
 def test_version_and_inspect_prints_the_schedule(capsys):
     from shardfx.run.cli import main
 

@@ -47,6 +47,10 @@ def test_the_toml_file_and_flags_over_it(tmp_path):
     bad.write_text("[trainin]\nsteps = 3\n")
     with pytest.raises(InputError, match="unknown section \\[trainin\\]"):
         load_toml(str(bad))
+    bad.write_text("[training]\ninit_from = 'hf'\n")  # a key of another section: said so
+    with pytest.raises(InputError, match=r"in \[training\] \(did you mean \[checkpoint\] "
+                                         r"init_from\?(.|\n)*fix: +move it under \[checkpoint\]"):
+        load_toml(str(bad))
 
 
 def test_command_line_flags_override_the_file(monkeypatch):
@@ -98,6 +102,13 @@ def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
     (["--gpu", "tpu9"], "no peak FLOP/s preset for the GPU 'tpu9'"),
     (["--init-from", "nowhere"], "nowhere is not a directory"),
     (["--init-from", "a", "--resume", "b"], "--init-from and --resume both given"),
+    # every path the run writes, before it trains for hours and then cannot write it
+    (["--export-hf", str(REPO / "examples")], "examples exists and is not a Hugging Face"),
+    (["--export-hf", "out", "--jsonl", "out/m.jsonl"], "--jsonl out/m.jsonl is inside "
+                                                       "--export-hf out"),
+    (["--save", str(REPO / "README.md")], "README.md is a file, not a directory"),
+    (["--jsonl", str(REPO / "examples")], "examples is a directory, not a file"),
+    (["--trace", str(REPO / "README.md" / "t.json")], "README.md is a file, so"),
 ])
 def test_what_can_be_checked_is_checked_before_any_process_starts(flags, message, capsys,
                                                                     monkeypatch):
@@ -110,6 +121,7 @@ def test_what_can_be_checked_is_checked_before_any_process_starts(flags, message
             pytest.skip("tensorboard is installed")
         message = "needs the tensorboard package"
     monkeypatch.setattr(shardfx, "launch", lambda *a, **k: pytest.fail("spawned"))
+    monkeypatch.setattr("shardfx.run.train.train", lambda *a: pytest.fail("trained"))
     assert cli.main(["run", SPEC, *flags]) == 1
     err = capsys.readouterr().err
     assert message in err and "fix:" in err and "Traceback" not in err, err

@@ -7,9 +7,10 @@
 The configuration (``shardfx.run.config``: flags over a TOML file over defaults) is checked
 before any process starts: what can be known without the mesh's processes (the world size
 under torchrun, options that need an axis the mesh lacks, a batch the mesh cannot divide, the
-data file, the checkpoint to resume) is an error naming the fix, printed once. Then every rank
-imports MODULE, seeds torch with ``seed`` and calls FACTORY (so every rank builds the same
-initial weights), plans what it returns with ``shardfx.partition`` and trains it with AdamW:
+data file, the checkpoint to resume, every path the run writes: ``shardfx.run.outputs``) is
+an error naming the fix, printed once. Then every rank imports MODULE, seeds torch with
+``seed`` and calls FACTORY (so every rank builds the same initial weights), plans what it
+returns with ``shardfx.partition`` and trains it with AdamW:
 
 - the learning rate follows ``[lr_schedule]``: linear warmup from ``lr / (warmup + 1)`` to
   ``lr``, then constant, or a cosine or linear decay to ``final_lr * lr`` at the last step
@@ -25,7 +26,9 @@ initial weights), plans what it returns with ``shardfx.partition`` and trains it
   uninterrupted run (on the same mesh, the same bits);
 - ``init_from`` starts from a Hugging Face checkpoint directory (``runner.load_hf``: each rank
   reads its shards' slices; the factory may build the model on meta), and ``export_hf`` writes
-  the trained model as one after the last step (``runner.save_hf``);
+  the trained model as one after the last step (``runner.save_hf``), somewhere the error names
+  if the directory can no longer take it (``shardfx.run.outputs.export``). Resumed from a
+  checkpoint of the last step, a run with ``export_hf`` trains nothing and exports;
 - rank 0 prints the resolved config, the plan, a line per step and a table at the end
   (``shardfx.run.metrics``: loss, lr, gradient norm, step time, tokens/s, TFLOP/s, MFU, each
   rank's peak memory), and writes them to a JSONL file and TensorBoard when asked.
@@ -43,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -51,7 +55,7 @@ import torch.utils._pytree as pytree
 
 import shardfx
 from shardfx.run import checkpoints as run_checkpoints
-from shardfx.run import step_trace
+from shardfx.run import outputs, step_trace
 from shardfx.run.config import RunConfig, check_fields
 from shardfx.run.data import batches as data_batches
 from shardfx.run.data import token_shape
@@ -89,9 +93,10 @@ def preflight(config: RunConfig) -> None:
     check_fields(config)  # again: under torchrun no command line checked it first
     check_tensorboard(config.metrics.tensorboard)
     peak_flops(config.metrics.peak_tflops, config.metrics.gpu, config.precision)
+    start = 0
     if config.resume:
         config.checkpoint.resume = run_checkpoints.resolve(config.resume)
-        _resume_meta(config)  # a checkpoint this run cannot continue is said before spawning
+        start = _resume_meta(config)["step"]  # a checkpoint this run cannot continue: now
     if config.init_from:  # its files and headers, before any process starts
         try:
             hf_load.Checkpoint(config.init_from).close()
@@ -99,6 +104,7 @@ def preflight(config: RunConfig) -> None:
             raise InputError(e.cause, where=f"--init-from {config.init_from}", fix=e.fix) from None
     job = load_job(config.spec)
     _check_batch(job, config, mesh)
+    outputs.check(config, job.model, start)  # not found unwritable after hours of training
     if config.data.tokens:
         rows, length, dtype = token_shape(job)
         TokenFile(config.data.tokens, rows, length, config.seed, dtype)  # exists, long enough
@@ -171,10 +177,13 @@ def train(config: RunConfig) -> list[float]:
             sinks.event("resume", path=config.resume, step=start, data_position=position)
         losses = _loop(config, plan, runner, schedule, data, start, sinks, job.args)
         if config.export_hf:  # every rank writes its share of the files (runtime.hf_save)
-            path = runner.save_hf(config.export_hf)
+            path, refused = outputs.export(config, runner, config.steps)
             if rank() == 0:
                 print(f"Hugging Face checkpoint: {path}/")
-            sinks.event("export_hf", path=str(path), step=config.steps)
+            sinks.event("export_hf", path=str(path), step=config.steps,
+                        **({"asked": config.export_hf} if refused else {}))
+            if refused:  # written, but not where asked: the run says so and fails
+                raise refused
         return losses
     finally:
         sinks.close()
@@ -268,6 +277,8 @@ def _traced_step(runner, plan, config: RunConfig, group) -> tuple[torch.Tensor, 
 
     def report() -> list[step_trace.StepTime]:
         mine = step_trace.step_time(prof)
+        if rank() == 0:  # checked before the run (shardfx.run.outputs): it can be made
+            Path(config.metrics.trace).parent.mkdir(parents=True, exist_ok=True)
         if plan.schedule is not None:
             runner.trace(config.metrics.trace)  # a collective over pp; rank 0 writes
         elif rank() == 0:
@@ -307,10 +318,11 @@ def _resume_meta(config: RunConfig) -> dict[str, Any]:
         raise InputError(f"{config.resume} is a shardfx checkpoint, but not one shardfx run "
                          "wrote (no data position)", where=where,
                          fix="resume from a directory written by shardfx run --save")
-    if meta["step"] >= config.steps:
+    if meta["step"] > config.steps or (meta["step"] == config.steps and not config.export_hf):
         raise InputError(f"the checkpoint is at step {meta['step']}, and --steps is "
                          f"{config.steps} in all", where=where,
-                         fix=f"ask for more steps than {meta['step']}")
+                         fix=f"ask for more steps than {meta['step']} (or --steps "
+                             f"{meta['step']} with --export-hf DIR: export it, no training)")
     if meta.get("run_seed", config.seed) != config.seed:
         log.warning("resuming from %s with --seed %d; it was saved with --seed %d: the batches "
                     "from here on are --seed %d's", config.resume, config.seed,
