@@ -206,11 +206,25 @@ def load_toml(path: str) -> RunConfig:
         known = {f.name for f in fields(SECTIONS[section])}
         for key, value in values.items():
             if key not in known:
-                raise InputError(f"unknown key {key!r} in [{section}]{_close(key, known)}",
-                                 where=f"{path}, [{section}]",
-                                 fix=f"[{section}] takes {', '.join(sorted(known))}")
+                raise _unknown_key(key, section, known, path)
         set_fields(config, values, f"{path}, [{section}]", only=section)
     return config
+
+
+def _unknown_key(key: str, section: str, known: set[str], path: str) -> InputError:
+    """A key [section] does not take: a key of another section (``init_from`` under
+    [training] is [checkpoint]'s) or a near miss of one is said with its section."""
+    where = f"{path}, [{section}]"
+    near = difflib.get_close_matches(key, sorted(known), n=1)
+    elsewhere = [key] if key in SECTION_OF else \
+        [] if near else difflib.get_close_matches(key, list(SECTION_OF), n=1)
+    if elsewhere:
+        name, home = elsewhere[0], SECTION_OF[elsewhere[0]]
+        return InputError(f"unknown key {key!r} in [{section}] (did you mean [{home}] {name}? "
+                          f"{name} is a key of [{home}], not of [{section}])", where=where,
+                          fix=f"move it under [{home}]: [{home}] {name} = ...")
+    return InputError(f"unknown key {key!r} in [{section}]{_close(key, known)}", where=where,
+                      fix=f"[{section}] takes {', '.join(sorted(known))}")
 
 
 def set_fields(config: RunConfig, values: dict[str, Any], where: str,
