@@ -183,7 +183,7 @@ def faulty_compile(fault: str, folder: str) -> None:
 def test_a_rank_that_dies_or_hangs_while_compiling_still_ends_the_run(fault, tmp_path):
     """Held for a compile, a collective still fails: at once when the compiling rank dies,
     after ``compile_timeout`` (not never) when it hangs, naming it with its stack."""
-    compile_timeout = 3 * TIMEOUT
+    compile_timeout = 2 * TIMEOUT
     with pytest.raises(LaunchError) as info:
         launch(faulty_compile, fault, str(tmp_path), nprocs=2, timeout=TIMEOUT,
                compile_timeout=compile_timeout, deadline=300)
