@@ -18,11 +18,11 @@ A run takes its time, and things change meanwhile (a process writes into the exp
 directory, the disk fills), so ``export`` looks again after the last step: rank 0 looks,
 every rank hears its verdict (one broadcast), and every rank writes the model to the first of
 the export directory, a new ``DIR.step-N`` beside it and (when every rank is on this machine)
-a new directory in the system's temporary directory that can take it. Anywhere but the export directory is an ``InputError``
-on every rank that names where the model went. Only when none can take it are the trained
-weights left in the run's last checkpoint alone (``--save``), or lost without one; the error
-says which, and how to export a checkpoint later (``--resume CK --export-hf DIR`` with the
-checkpoint's own step count trains nothing and exports).
+a new directory in the system's temporary directory that can take it. Anywhere but the export
+directory is an ``InputError`` on every rank that names where the model went. Only when none
+can take it are the trained weights left in the run's last checkpoint alone (``--save``), or
+lost without one; the error says which, and how to export a checkpoint later (``--resume CK
+--export-hf DIR`` with the checkpoint's own step count trains nothing and exports).
 """
 
 from __future__ import annotations
@@ -93,17 +93,17 @@ def export(config: RunConfig, runner, step: int) -> tuple[Path, InputError | Non
     if world_size() > 1:
         dist.broadcast_object_list(agreed, src=0)  # every rank writes to the same place
     path, refused = agreed[0]
-    kept = f" The trained weights are in the checkpoint {run_checkpoints.step_dir(config.save, step)}." \
-        if config.save else ""
+    last = run_checkpoints.step_dir(config.save, step) if config.save else None
+    kept = f" The trained weights are in the checkpoint {last}." if last else ""
     if path is None:
         raise InputError(
             f"the trained model could not be exported: {'; '.join(refused)}." +
             (kept or " It was not saved anywhere: the run had no --save."),
             where=_flag("export_hf", asked),
             fix="make room or fix the directory" + (
-                f", then export the checkpoint: the same command with --resume "
-                f"{run_checkpoints.step_dir(config.save, step)} --export-hf {asked} trains "
-                "no further and exports" if kept else ", and give --save DIR next time"))
+                f", then export the checkpoint: the same command with --resume {last} "
+                f"--export-hf {asked} trains no further and exports" if last
+                else ", and give --save DIR next time"))
     try:
         written = runner.save_hf(path)
     except (OSError, InputError) as e:  # the disk changed in the instant since rank 0 looked
