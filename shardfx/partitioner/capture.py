@@ -20,7 +20,8 @@ Two torch steps, then our naming:
 For training the traced callable is ``loss_fn(model(*args), *targets)``; for inference, the model.
 A model on the meta device is traced as on its run device (``fake``). A list of repeated blocks
 is traced cut after two of them and the others are stamped (``repeats``, ``stamp``), which
-gives the full trace's graph at the cost of two blocks; ``Captured.path`` says which ran. Ops
+gives the full trace's graph at the cost of two blocks; ``Captured.path`` says which ran, and
+repeated blocks that cannot be stamped say why there and in a ``NotStampedWarning``. Ops
 are named in program order last (``rename_in_order``), so either way reads the same.
 """
 
@@ -51,8 +52,9 @@ from shardfx.partitioner.fake import on_meta, run_device, traced_as
 from shardfx.partitioner.functions import routed_through_carrier
 from shardfx.partitioner.gradients import check_gradients, no_silent_backward
 from shardfx.partitioner.microbatching import output_of
-from shardfx.partitioner.repeats import (Reads, Repeat, cut_to_traced, differing_reads,
-                                         find_repeats, glue_between)
+from shardfx.partitioner.repeats import (FULL, Reads, Repeat, cut_to_traced, differing_reads,
+                                         find_repeats, glue_between, refusal, refused,
+                                         warn_not_stamped)
 from shardfx.partitioner.stamp import NotRepeatable, NotStampable, rename_in_order, stamp
 from shardfx.partitioner.weighted_mean import weighted_means_as_sums
 
@@ -77,7 +79,8 @@ class Captured:
     leaves: tuple[LeafSpec, ...]  # one per flattened leaf of (args, targets)
     out_spec: pytree.TreeSpec | None  # the model output's structure (inference)
     output: tuple | None = None  # training: the model output as traced (microbatching.output_of)
-    path: str = "full trace"  # how: "full trace", or which repeated blocks were stamped
+    path: str = FULL  # how: "full trace" (with why, for repeated blocks that were not
+    # stamped: repeats.refusal), or which repeated blocks were stamped
     pair: tuple[fx.GraphModule, Repeat] | None = None  # one repeated list's traced pair, unstamped
 
     @property
@@ -130,18 +133,18 @@ def capture(
     example = args if mode is M.Mode.INFER else (args, targets)
     if blocks is None:
         blocks = os.environ.get("SHARDFX_BLOCKS", "1") != "0"
-    repeats, why_not = find_repeats(model) if blocks else ([], [])
+    repeats, refusals, why_not = find_repeats(model) if blocks else ([], [], [])
     for reason in why_not:
         log.info("%s: not stamped, traced in full: %s", type(model).__name__, reason)
-    gm, path, pair = None, "full trace", None
+    gm, path, pair = None, refused(refusals[0]) if refusals else FULL, None
     if repeats and (why := _glue_between(model, args, repeats, mode is M.Mode.TRAIN)):
-        path, repeats = f"full trace ({why})", []
+        path, repeats = refused(why), []
     while repeats:
         try:
             gm, reads, out_spec = _trace(model, traced, example, mode, n_args, repeats, capacity)
         except CaptureError as e:  # the model insists on all its blocks: trace them all
-            gm, path = None, f"full trace (the model cut after {repeats[0].traced} blocks of " \
-                             f"{repeats[0].path} could not be traced: {e.cause})"
+            gm, path = None, refused(f"the model cut after {repeats[0].traced} blocks of "
+                                     f"{repeats[0].path} could not be traced: {e.cause}")
             break
         try:
             for r in repeats:
@@ -154,12 +157,14 @@ def capture(
             path = "stamped " + ", ".join(map(str, repeats))
             break
         except NotStampable as e:
-            gm, path, pair = None, f"full trace ({e})", None
+            gm, path, pair = None, refused(str(e)), None
             # a first block unlike the others (its input needs no gradient): try the next two
             later = [r.later() for r in repeats]
             repeats = later if all(later) and not isinstance(e, NotRepeatable) else []
     if gm is None:
         gm, _, out_spec = _trace(model, traced, example, mode, n_args, [], capacity)
+    for why in filter(None, dict.fromkeys([*refusals, refusal(path)])):  # not only logged:
+        warn_not_stamped(type(model).__name__, why)  # planning a deep model takes far longer
     log.info("%s: %s", type(model).__name__, path)
     rename_in_order(gm.graph)
     name_layers(gm.graph)  # each MoE layer's own name, stamped or traced

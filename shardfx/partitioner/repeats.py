@@ -14,22 +14,28 @@ the second one does, given its own parameters. Two checks before tracing and one
   instance's modules (``self.attention_type``, ``self.sliding_window``, a config object) is
   recorded, from the instance itself or from code around it. ``differing_reads`` then
   compares what the second instance read with what every untraced instance holds under the
-  same names: a layer that behaves differently (Gemma 3's sliding and full attention layers)
-  differs there, and the model is traced whole. Attributes ``forward`` never reads (the
-  ``layer_idx`` a KV cache uses) do not matter.
+  same names, by type and state rather than identity (``alike``: the helpers each block makes
+  for itself, such as transformers' per-module ``_kernel_funcs``, are alike): a layer that
+  behaves differently (Gemma 3's sliding and full attention layers) differs there, and the
+  model is traced whole. Attributes ``forward`` never reads (the ``layer_idx`` a KV cache
+  uses) do not matter.
 - ``glue_between``: the cut model cannot show what the code around the blocks does between
   blocks it never reaches (``if i == 7: x = pipe_split(x)`` in the loop over them). So the
   whole model first runs forward once on the meta device (no memory, no trace; the blocks past
   the pair as stand-ins), its ops recorded with the block they ran in: every block must run
   once, in order, and no op may run between two of them.
 - ``stamp`` checks that the two traced instances are the same graph, wired the same way.
+
+Repeated blocks refused by any of these are traced in full, and say why: in the capture path
+(``refused``) and in a ``NotStampedWarning``, since planning a deep model then takes many times
+longer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -37,12 +43,13 @@ import torch
 import torch.utils._python_dispatch
 from torch._export.utils import _compiling_state_context
 
+from shardfx.partitioner.alike import Alike
+
 log = logging.getLogger("shardfx.capture")
 
 TRACED = 2  # instances of each repeated list that are traced: the first, and the template
 _INTERNALS = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping attributes
 _HOOKS = tuple(a for a in _INTERNALS if "hook" in a)
-_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 _MISSING = object()  # an attribute another block does not have
 
 
@@ -79,12 +86,15 @@ class Repeat:
                f"{self.count - self.traced} stamped"
 
 
-def find_repeats(model: torch.nn.Module) -> tuple[list[Repeat], list[str]]:
+def find_repeats(model: torch.nn.Module) -> tuple[list[Repeat], list[str], list[str]]:
     """The candidate lists (outermost only: a list inside a candidate's block is left to the
     block), each from the first block from which all are interchangeable (a first dense layer
-    before many mixture-of-experts ones is traced as it is), and for each other list of more
-    than TRACED modules why it is not one."""
+    before many mixture-of-experts ones is traced as it is); for each list of more than TRACED
+    blocks alike in their modules and parameters that is refused all the same (hooks, a tensor
+    two blocks share), why; and for each other list of more than TRACED modules why it is not
+    one."""
     repeats: list[Repeat] = []
+    refused: list[str] = []
     why_not: list[str] = []
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) <= TRACED:
@@ -96,13 +106,13 @@ def find_repeats(model: torch.nn.Module) -> tuple[list[Repeat], list[str]]:
         start = len(blocks) - 1
         while start > 0 and signatures[start - 1] == signatures[-1]:
             start -= 1
-        reason = _not_interchangeable(blocks, start) if len(blocks) - start > TRACED else \
-            _unlike(blocks, start - 1)
-        if reason:
-            why_not.append(f"{path}: {reason}")
+        if len(blocks) - start <= TRACED:
+            why_not.append(f"{path}: {_unlike(blocks, start - 1)}")
+        elif reason := _not_interchangeable(blocks, start):
+            refused.append(f"{path}: {reason}")
         else:
             repeats.append(Repeat(path, len(blocks), start))
-    return repeats, why_not
+    return repeats, refused, why_not
 
 
 def _unlike(blocks: list[torch.nn.Module], i: int) -> str:
@@ -129,6 +139,36 @@ def _signature(block: torch.nn.Module) -> tuple:
     return (tuple((name, type(m), m.training) for name, m in block.named_modules()),
             tuple((name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
                   for name, t in [*block.named_parameters(), *block.named_buffers()]))
+
+
+# --- saying why blocks were not stamped ---------------------------------------------------
+
+FULL = "full trace"  # the capture path of a model traced whole
+
+
+class NotStampedWarning(UserWarning):
+    """A model's repeated blocks are traced one by one, not stamped: the plan is the same,
+    planning takes time in proportion to their number."""
+
+
+def refused(why: str) -> str:
+    """The capture path of a model whose repeated blocks are traced in full, and why."""
+    return f"{FULL} ({why})"
+
+
+def refusal(path: str) -> str | None:
+    """Why a capture path's repeated blocks were traced in full (``refused``); None when they
+    were stamped or the model has none."""
+    return path[len(FULL) + 2:-1] if path.startswith(FULL + " (") else None
+
+
+def warn_not_stamped(model: str, why: str) -> None:
+    """A ``NotStampedWarning`` naming the model, and what keeps its blocks from stamping."""
+    warnings.warn(
+        f"{model}: repeated blocks not stamped, every one traced: {why}. The plan is the same, "
+        "but planning takes time in proportion to the number of blocks. Where the blocks do "
+        "compute alike, make them alike in what differs (an attribute: the same value in every "
+        "block, or one object they share)", NotStampedWarning, stacklevel=3)
 
 
 # --- tracing the cut model ---------------------------------------------------------------
@@ -190,33 +230,30 @@ def _recording(cls: type) -> type:
 
 def differing_reads(model: torch.nn.Module, repeat: Repeat, reads: Reads) -> str | None:
     """Why the blocks past the traced ones may compute something else: the first attribute
-    the template block read whose value differs in another block; None when none does."""
+    the template block read whose value another block's does not match (``alike``: by type
+    and state, not identity), named down to the part that differs; None when none does."""
     template = model.get_submodule(repeat.instance(TRACED - 1))
     for i in range(TRACED, repeat.blocks):
         block = model.get_submodule(repeat.instance(i))
+        alike = Alike(template, block)
         for sub, name in sorted(reads[repeat.path]):
             a = getattr(template.get_submodule(sub), name)
             b = getattr(block.get_submodule(sub), name, _MISSING)
-            if not _same(a, b):
-                where = f"{repeat.instance(i)}{'.' + sub if sub else ''}.{name}"
-                return f"{where} is {_short(b)}, {repeat.instance(TRACED - 1)}'s is {_short(a)}"
+            if found := alike.difference(a, b):
+                below, x, y = found
+                where = f"{repeat.instance(i)}{'.' + sub if sub else ''}.{name}{below}"
+                names = {id(m): n for n, m in model.named_modules()}
+                return f"{where} is {_short(y, names)}, {repeat.instance(TRACED - 1)}'s is " \
+                       f"{_short(x, names)}"
     return None
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, (tuple, list)) and type(a) is type(b):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, functools.partial) and type(a) is type(b):  # e.g. a configured activation
-        return a.func is b.func and _same(a.args, b.args) and \
-            _same(tuple(sorted(a.keywords.items())), tuple(sorted(b.keywords.items())))
-    return type(a) is type(b) and isinstance(a, _PLAIN) and a == b
-
-
-def _short(x: Any) -> str:
+def _short(x: Any, modules: dict[int, str]) -> str:
+    """``x`` in a message: a module of the model by its path, a short value as itself."""
     if x is _MISSING:
         return "missing"
+    if id(x) in modules:
+        return f"the module {modules[id(x)] or 'model'}"
     text = repr(x)
     return text if len(text) <= 40 else f"a {type(x).__name__}"
 

@@ -12,6 +12,7 @@ from shardfx.codegen.redistribute import Collective
 from shardfx.ir.text import block_pattern
 from shardfx.estimate.memory import KINDS, DeviceMemory
 from shardfx.ir.units import flops, nbytes
+from shardfx.partitioner.repeats import refusal
 
 
 def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
@@ -69,6 +70,9 @@ def render(summary: Summary, mesh: str, collectives: list[Collective] = (),
     console.print(title)
     if traced:
         console.print(f"Traced: {traced}")
+    if refusal(traced):
+        console.print("Repeated blocks not stamped (why above): every block was traced, so "
+                      "planning takes time in proportion to their number")
     for table in (nodes, state, work, cost, ops):
         console.print(table)
     if memory:
