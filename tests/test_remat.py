@@ -190,3 +190,18 @@ def test_a_pipeline_no_budget_fits_is_searched_at_one_microbatch_in_flight(monke
     plan = shardfx.partition(tiny("llama", 4), *batches[0][:1], lm_loss, batches[0][1],
                              memory_budget=info.value.least.total, **kw)
     assert max(plan.memory_estimate().values()) <= info.value.least.total
+
+
+def test_zero_bubble_under_a_budget_recomputes():
+    """Under a split backward the values W parts read stay kept; the views of them W reads
+    come back for free from their kept bases. (Before, those views could be neither kept nor
+    recomputed, no choice existed and nothing was recomputed: every budget under the plan's
+    own peak was refused.)"""
+    (x,), (y,) = token_batches(1, 16)[0]
+    kw = dict(mesh={"pp": 2}, microbatches=2, schedule="zero-bubble")
+    peak = max(shardfx.partition(tiny("llama", 4), (x,), lm_loss, (y,), **kw)
+               .memory_estimate().values())
+    plan = shardfx.partition(tiny("llama", 4), (x,), lm_loss, (y,), memory_budget=int(0.95 * peak),
+                             **kw)
+    assert plan.remat is not None and plan.remat.recomputed
+    assert max(plan.memory_estimate().values()) <= 0.95 * peak

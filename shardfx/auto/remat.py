@@ -41,7 +41,8 @@ a parameter, an input or a value of another block through a collective, and in a
 ops that read a value from another stage or that another stage reads (it would be sent
 again).
 Under a schedule that splits the backward (zero-bubble), values the W parts read are kept:
-recomputed in B they would wait for W with every block's at once; under the others a stage's
+recomputed in B they would wait for W with every block's at once (a view W reads comes back
+for free from its base, which is kept); under the others a stage's
 backward is one part (``codegen.stages.split_stages(whole_backward=True)``). How the limits
 are searched until the generated program fits the budget: ``auto.remat_search``; how a choice
 is applied to the IR, and undone: ``auto.remat_choice``.
@@ -267,7 +268,9 @@ class Problem:
             if node in base and may and not moves:
                 self.can_keep[i] = False  # a view: recomputed for free (keeping it keeps its base)
             self.must[i] |= needed(node)
-            self.can_recompute[i] &= may and node not in weight_part
+            # a view a W part reads comes back for free from its base, which is kept (below)
+            w_view = node in weight_part and node in base
+            self.can_recompute[i] &= may and (node not in weight_part or w_view)
             group = self.group_of_var.setdefault(i, group_of(node))
             self.compute[group]["d2h"] += model.node_seconds(node)
             # every value sharing the variable may go, or none does
@@ -288,6 +291,8 @@ class Problem:
                         self.needs.add((i, j))  # (a view is recomputed for free, anywhere)
                     else:  # across a block's edge: kept, so a block recomputes on its own
                         self.keeps.add((i, j))
+            if w_view and base[node] in self.var:
+                self.keeps.add((i, self.var[base[node]]))
         for node in op_nodes(gm.graph):
             if node.meta[M.PHASE] is M.Phase.BACKWARD and M.REMAT not in node.meta:
                 self.compute[group_of(node)]["h2d"] += model.node_seconds(node)
