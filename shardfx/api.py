@@ -20,7 +20,7 @@ from shardfx.cost.optimizer import optimizer_model
 from shardfx.mesh import MeshSpec
 from shardfx.partitioner.capture import check_model, microbatch
 from shardfx.partitioner.microbatching import check_slices
-from shardfx.request.options import Options
+from shardfx.request.options import RECOMPUTE, Options
 from shardfx.compiler.driver import deferred_codegen, paused_gc
 from shardfx.plan import Plan
 from shardfx.request.precision import Precision
@@ -71,6 +71,21 @@ def _flag(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{name} must be True or False, got {value!r}",
                          where=f"partition(..., {name}=...)", fix=f"{name}=True or {name}=False")
+    return value
+
+
+def _recompute(value: object, training: bool) -> str:
+    if value not in RECOMPUTE:
+        raise InputError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE))}, got "
+                         f"{value!r}", where="partition(..., recompute=...)",
+                         fix='"selective" (the attention core) or "full" (each block from its '
+                             'input), as Megatron and TorchTitan name them; "auto" fits '
+                             "memory_budget")
+    if value in ("selective", "full") and not training:
+        raise InputError(f"recompute={value!r} without a loss_fn: an inference plan has no "
+                         "backward to recompute anything in",
+                         where="partition(..., recompute=...)",
+                         fix="pass loss_fn (and example_targets) to train, or drop recompute")
     return value
 
 
@@ -207,6 +222,7 @@ def partition(
     *,
     optimizer_in_backward: bool = False,
     offload_optimizer: bool = False,
+    recompute: str = "auto",
     capacity_factor: float | None = None,
     device: str | torch.device | None = None,
     device_model: str | os.PathLike | DeviceModel | None = None,
@@ -240,6 +256,7 @@ def partition(
                       optimizer_in_backward=_flag(optimizer_in_backward,
                                                   "optimizer_in_backward"),
                       offload_optimizer=_flag(offload_optimizer, "offload_optimizer"),
+                      recompute=_recompute(recompute, loss_fn is not None),
                       capacity_factor=_capacity(capacity_factor),
                       device=choose_device(device, model, example_args))
     options = dataclasses.replace(options,

@@ -39,6 +39,7 @@ from shardfx.errors import MemoryBudgetError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import op_nodes
 from shardfx.auto.remat import Choice, recompute_seconds
+from shardfx.auto.recompute import apply_policy
 from shardfx.auto.remat_choice import undo
 from shardfx.auto.remat_search import advice as remat_advice, device_group, fit, held_once
 from shardfx.passes.stage_cut import node_time
@@ -91,6 +92,45 @@ def fit_budget(plan, budget: int) -> None:
         error = MemoryBudgetError(e.cause, where=e.where, fix=fix)
         error.least = least
         raise error from None
+
+
+def apply_recompute(plan):
+    """``recompute="selective"`` or ``"full"``: the policy's recomputation in the IR
+    (``auto.recompute``), the program(s) emitted again; ``plan.remat`` its ``Choice`` (None:
+    the policy found nothing to recompute)."""
+    if plan.stage_program is None:
+        group_of, weight_of, split = device_group, held_once, False
+    else:
+        in_flight = peak_in_flight(plan.schedule)
+
+        def group_of(node) -> int:
+            return plan.schedule.rank_of(node.meta[M.STAGE])
+
+        def weight_of(node) -> int:
+            return max(1, in_flight.get(group_of(node), 1))
+
+        split = plan.schedule.split_backward
+    plan.remat = apply_policy(plan.ir, plan.options.recompute, group_of, weight_of, split)
+    if plan.remat is not None:
+        evaluate(plan, record=True)
+    return plan.remat
+
+
+def check_budget(plan, budget: int) -> None:
+    """Under a recompute policy the user named: every device's predicted peak within
+    ``budget``, or a ``MemoryBudgetError`` saying what would fit."""
+    need = max(plan.memory_estimate().values())
+    if need <= budget:
+        return
+    policy = plan.options.recompute
+    fixes = ['recompute="auto" recomputes or offloads what brings it under the budget']
+    if policy != "full":
+        fixes.append('recompute="full" keeps only each block\'s input')
+    raise MemoryBudgetError(
+        f"with recompute={policy!r} the plan's predicted peak is {need} bytes per device; "
+        f"memory_budget is {budget}", where=f"partition(..., recompute={policy!r}, "
+                                            "memory_budget=...)",
+        fix="; or ".join(fixes + [f"a budget of at least {need} bytes"]))
 
 
 def zero_advice(plan, least, budget: int) -> str:

@@ -27,7 +27,8 @@ import torch.utils._pytree as pytree
 
 from shardfx.auto import zero_stage
 from shardfx.auto.shard import solver
-from shardfx.compiler.budget import evaluate, fit_budget, fit_zero_stage
+from shardfx.compiler.budget import (apply_recompute, check_budget, evaluate, fit_budget,
+                                     fit_zero_stage)
 from shardfx.compiler.compiled import Compiled
 from shardfx.compiler.driver import compile_ir
 from shardfx.compiler.finalists import fall_back, keep_best
@@ -104,6 +105,11 @@ def compile_captured(captured: Captured, options: Options) -> Compiled:
     compiled.zero_chosen = zero_chosen
     if auto_fused and train:
         choose_fused_loss(compiled)
+    if train and options.recompute in ("selective", "full"):
+        before = freeze(compiled.ir)
+        if apply_recompute(compiled) is not None:  # the IR recomputes: its program passes again
+            compiled.history.append(record("recompute", before, freeze(compiled.ir, before)))
+            compiled.history += compiled.program_records
     if options.memory_budget is not None:
         fit_memory_budget(compiled, options.memory_budget)
     return compiled
@@ -143,6 +149,9 @@ def fit_memory_budget(compiled: Compiled, budget: int) -> None:
         return
     if compiled.zero_chosen:
         fit_zero_stage(compiled, budget)  # the stage against the memory model, before remat
+    if compiled.options.recompute != "auto":  # the user's policy: checked, not changed
+        check_budget(compiled, budget)
+        return
     before = freeze(compiled.ir)
     fit_budget(compiled, budget)
     if compiled.remat is not None:  # the IR recomputes: its program passes ran again

@@ -91,8 +91,13 @@ def memory_notes(plan) -> list[str]:
             + (f"(fused_loss=\"auto\" fused it: {plan.fused_loss_reason})"
                if plan.fused_loss_reason else
                "(partition(..., fused_loss=False) keeps the ATen ops)"))
-    budget = plan.options.memory_budget
-    if budget is not None:
+    budget, policy = plan.options.memory_budget, plan.options.recompute
+    if policy in ("selective", "full") and plan.remat is None:
+        notes.append(f"recompute={policy!r}: nothing to recompute (the model has no "
+                     + ("repeated block)" if policy == "full" else "attention)"))
+    if budget is not None or (policy != "auto" and plan.remat is not None):
+        why = f"recompute={policy!r}" if policy != "auto" else \
+            f"Rematerialization under memory_budget {nbytes(budget)}"
         if plan.remat is None:
             notes.append(f"memory_budget {nbytes(budget)}: fits without recomputing")
         else:
@@ -100,7 +105,7 @@ def memory_notes(plan) -> list[str]:
             share = r.flops / max(1, plan.summary.flops_fwd)
             kept = ", ".join(f"{group_name(g)}: {nbytes(r.saved_before[g])} -> "
                              f"{nbytes(r.saved_after.get(g, 0))}" for g in r.saved_before)
-            notes.append(f"Rematerialization under memory_budget {nbytes(budget)}: "
+            notes.append(f"{why}: "
                          f"{len(r.recomputed)} ops recomputed in the backward, "
                          f"{flops(r.flops)} FLOPs ({share:.1%} of the forward's); kept "
                          f"for the backward {kept}; recomputed, by module: "

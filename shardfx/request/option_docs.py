@@ -23,6 +23,12 @@ OPTIONS = {
         activations are recomputed or, where the device model has host memory, offloaded to
         it (``auto.remat``), and in a pipeline fewer microbatches kept in flight, until the
         predicted peak fits, or a ``MemoryBudgetError`` gives the smallest budget that can.""",
+    "recompute": """What the backward recomputes instead of keeping: "auto" (the default)
+        recomputes (or offloads) the least that fits ``memory_budget``, nothing without one;
+        "none" nothing (a budget is checked); "selective" the attention core, the scores and
+        their softmax and dropout, from q, k and v (Megatron's and TorchTitan's selective);
+        "full" each repeated block's activations from its input (their full activation
+        checkpointing) (``auto.recompute``).""",
     "optimizer": """The kind of optimizer ``plan.runner`` will be given (adamw | adam |
         sgd-momentum | sgd | None), for the memory its state takes: the plan is made before the
         optimizer exists, and the runner checks it matches.""",

@@ -13,6 +13,9 @@ from shardfx.mesh import MeshSpec
 from shardfx.request.precision import Precision
 
 
+RECOMPUTE = ("auto", "none", "selective", "full")  # the recompute policies (auto.recompute)
+
+
 @dataclass(frozen=True)
 class Options:
     """What the user asked of ``partition``, as the passes see it."""
@@ -26,6 +29,7 @@ class Options:
 
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules)
     memory_budget: int | None = None  # bytes per device
+    recompute: str = "auto"  # RECOMPUTE: what the backward recomputes (auto.recompute)
     optimizer: str | None = "adamw"  # the optimizer's kind, for its state (shardfx.estimate.memory)
     follow_stages: dict[str, tuple[int, ...]] | None = None  # weight FQN -> stages (stage_cut)
     loss_reduction: str = "mean"  # how a pipeline combines its slices' losses: mean | sum
