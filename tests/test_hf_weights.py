@@ -336,3 +336,33 @@ def test_shardfx_run_starts_from_and_exports_hugging_face_checkpoints(tmp_path):
     assert steps[0]["loss"] == pytest.approx(want, rel=1e-5)
     trained = pretrained(out)
     assert lm_loss(trained(ids), ids).item() < want  # two steps of AdamW on one batch
+
+
+def _save_hf_with_a_full_disk_on_rank_1(root: str) -> str:
+    import safetensors.torch
+
+    runner = meta_plan("llama", mesh={"dp": 2}).runner()
+    runner.load_hf(Path(root) / "llama")
+    if torch.distributed.get_rank() == 1:
+        def full(tensors, filename, metadata=None):
+            raise OSError(28, "No space left on device", filename)
+
+        safetensors.torch.save_file = full
+    try:
+        runner.save_hf(Path(root) / "llama", max_shard_bytes=20_000)  # over its own save
+    except shardfx.CheckpointError as e:
+        return e.cause
+    return "saved"
+
+
+@pytest.mark.multiprocess
+def test_save_hf_that_fails_on_one_rank_is_named_on_every_rank(tmp_path):
+    """Not a peer waiting at a barrier until its timeout: every rank raises the same
+    CheckpointError, and the checkpoint there is as it was."""
+    path = saved("llama", tmp_path)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    said = shardfx.launch(_save_hf_with_a_full_disk_on_rank_1, str(tmp_path), nprocs=2,
+                          timeout=60)
+    assert said[0] == said[1] and "rank 1: OSError: [Errno 28] No space left" in said[0], said
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]

@@ -187,19 +187,24 @@ def save(path: str | os.PathLike, state: dict[str, torch.Tensor],
     except CheckpointException as e:  # a BaseException: each rank's failures, by rank (every
         if rank() == 0:               # rank has them): this save's files are of no use
             shutil.rmtree(staging, ignore_errors=True)
-        raise _unwritten(final, e) from e
+        raise not_written(final, {r: f"{type(exc).__name__}: {exc}"
+                                  for r, (exc, _) in e.failures.items()}) from e
     files = _every_rank(writer.written)  # each rank's data file; rank 0's .metadata
-    if rank() == 0:
-        record.update(save=save_id, files=dict(sorted(files.items())))
+    record.update(save=save_id, files=dict(sorted(files.items())))
+
+    def finish() -> None:  # on rank 0
         with open(staging / RECORD, "w") as f:
             f.write(json.dumps(seal(record), indent=1))
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(staging)
         _install(staging, final)
-    if world_size() > 1:
-        dist.barrier()  # no rank returns before the checkpoint is in place
-    return final
+
+    if failed := failures(attempted(finish) if rank() == 0 else None):  # every rank hears
+        if rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise not_written(final, failed)
+    return final  # no rank returns before the checkpoint is in place (the collective above)
 
 
 def check(path: str | os.PathLike, *, contents: bool = True) -> dict[str, Any]:
@@ -421,14 +426,29 @@ def _unreadable(folder: Path, failed: CheckpointException) -> ShardfxError:
                       fix="resume from an earlier checkpoint")
 
 
-def _unwritten(final: Path, failed: CheckpointException) -> CheckpointError:
-    """One CheckpointError for DCP's ``CheckpointException`` in a save: each rank's cause."""
-    why = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}"
-                    for r, (exc, _) in sorted(failed.failures.items()))
+def not_written(final: Path, failures: dict[int, str]) -> CheckpointError:
+    """One CheckpointError for a save that failed on the ranks of ``failures`` (rank -> what
+    it raised), raised alike on every rank."""
+    why = "; ".join(f"rank {r}: {what}" for r, what in sorted(failures.items()))
     return CheckpointError(
         f"the checkpoint {final} could not be written ({why}); the previous checkpoint there, if "
         "any, is as it was", where=str(final),
         fix=f"make room or make {final.parent} writable on every rank named, then save again")
+
+
+def attempted(work) -> str | None:
+    """``work()``; the OSError it raised, in words, or None."""
+    try:
+        work()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def failures(mine: str | None) -> dict[int, str]:
+    """Every rank's failure (``attempted``), by rank: a collective when the world has several,
+    so an OSError on one rank is heard by all, and none waits for it at a barrier."""
+    return {r: what for r, what in enumerate(_gather(mine)) if what}
 
 
 def _gather(mine: Any) -> list:

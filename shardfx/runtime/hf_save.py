@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from shardfx.errors import InputError, path_arg
 from shardfx.runtime import hf_names
 from shardfx.runtime.hf_load import INDEX, SINGLE
-from shardfx.runtime.checkpoint import _fsync_dir, _install
+from shardfx.runtime.checkpoint import _fsync_dir, _install, attempted, failures, not_written
 from shardfx.runtime.launch import rank, world_size
 
 SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
@@ -88,10 +89,10 @@ def save_hf(runner, path, max_shard_bytes: int = SHARD_BYTES) -> Path:
     if refusal:
         raise InputError(refusal, where=where, fix="save to a new directory, or remove it first")
     staging = final.with_name(f"{final.name}.partial-{save_id}")
-    if rank() == 0:
-        staging.mkdir(parents=True)
-    if world_size() > 1:
-        dist.barrier()
+    first = rank() == 0
+    _settled(final, staging, failures(attempted(lambda: staging.mkdir(parents=True))
+                                      if first else None))
+    error = None  # this rank could not write a file: it writes no more, its peers go on
     for i, (file, name) in enumerate(zip(files, called)):
         mine = i % world_size() == rank()
         tensors: dict[str, torch.Tensor] = {}
@@ -101,19 +102,25 @@ def save_hf(runner, path, max_shard_bytes: int = SHARD_BYTES) -> Path:
                 written = hf_names.checkpoint_tensors(model, fqn, full.detach().cpu())
                 tensors.update({k: v.contiguous() for k, v in written.items()})
             del full
-        if mine:
-            save_file(tensors, str(staging / name), metadata={"format": "pt"})
-            _fsync(staging / name)
-    if world_size() > 1:
-        dist.barrier()  # every file is written and fsynced
-    if rank() == 0:
-        _write_index(staging, files, called, model)
-        _write_config(staging, model)
-        _fsync_dir(staging)
-        _install(staging, final)
-    if world_size() > 1:
-        dist.barrier()  # no rank returns before the checkpoint is in place
-    return final
+        if mine and error is None:
+            error = attempted(lambda: (save_file(tensors, str(staging / name),
+                                                 metadata={"format": "pt"}),
+                                       _fsync(staging / name)))
+    _settled(final, staging, failures(error))  # every file written and fsynced, every rank's
+    _settled(final, staging, failures(attempted(lambda: (
+        _write_index(staging, files, called, model), _write_config(staging, model),
+        _fsync_dir(staging), _install(staging, final))) if first else None))
+    return final  # no rank returns before the checkpoint is in place (the collective above)
+
+
+def _settled(final: Path, staging: Path, failures: dict[int, str]) -> None:
+    """Where any rank failed (``failures``): its files removed, and the same CheckpointError on
+    every rank."""
+    if failures:
+        if rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise not_written(final, failures)
+
 
 
 def _write_index(staging: Path, files: list, called: list[str], model) -> None:
