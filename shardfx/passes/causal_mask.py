@@ -156,26 +156,39 @@ def _classify(mask: fx.Node) -> tuple[M.AttentionMask, Band | None]:
             return M.AttentionMask("other", "an additive bias (values other than 0 and -inf)"), \
                 None
         allowed = allowed.reshape(-1, *allowed.shape[-2:])  # (masks of the batch, rows, keys)
-        full = full and bool(allowed.all())
+        if len(allowed) > 1 and not bool((allowed == allowed[:1]).all()):
+            return _other(q, k), None
+        full = full and bool(allowed[0].all())
         if q != k and not full:
             return _other(q, k), None
-        if q != k:
-            continue
-        if not bool((allowed == allowed[:1]).all()):
+        run = _runs(allowed[0], start) if q == k else None
+        if q == k and run is None:
             return _other(q, k), None
-        row, keys = allowed[0], torch.arange(k)
-        lo = torch.where(row, keys, k).min(-1).values  # each row's first and last key
-        hi = torch.where(row, keys, -1).max(-1).values
-        if not bool((row.sum(-1) == hi - lo + 1).all()):  # not one run of keys
-            return _other(q, k), None
-        first.append(lo)
-        last.append(hi)
+        if run is not None:
+            first.append(run[0])
+            last.append(run[1])
     band = Band() if full else Band.fit(torch.cat(first), torch.cat(last))
     if band is None:
         return _other(q, k), None
     if band.full or band.causal:
         return M.AttentionMask(str(band).split()[0], str(band)), band
     return M.AttentionMask("band", str(band)), band
+
+
+def _runs(allowed: torch.Tensor, start: int):
+    """(first, last) key each of query rows ``start ..`` of a square mask allows (``allowed``:
+    (rows, keys) bool), when each allows one run of keys; else None. Causal rows, the common
+    case, are checked by one comparison."""
+    rows, k = allowed.shape
+    keys, queries = torch.arange(k), torch.arange(start, start + rows)
+    if bool((allowed == (keys <= queries.unsqueeze(1))).all()):
+        return torch.zeros_like(queries), queries
+    lo = allowed.view(torch.uint8).argmax(-1)  # the first allowed key (0 if none)
+    hi = lo + allowed.sum(-1) - 1  # the last, if they are one run
+    run = (keys >= lo.unsqueeze(1)) & (keys <= hi.unsqueeze(1))
+    if not bool((hi >= lo).all() and (allowed == run).all()):
+        return None
+    return lo, hi
 
 
 def _other(q: int, k: int) -> M.AttentionMask:
