@@ -84,6 +84,29 @@ def test_shard_is_a_flag_and_a_key_and_reaches_partition(monkeypatch, tmp_path):
     assert planned[0]["shard"] == "megatron"
 
 
+def test_recompute_and_allow_nonfinite_are_keys_and_reach_the_runner(monkeypatch, tmp_path):
+    """``[parallel] recompute`` goes to partition; ``[checkpoint] allow_nonfinite`` to the
+    loads of --init-from and --resume."""
+    from shardfx.run import cli
+    from shardfx.run import train
+
+    seen = []
+    monkeypatch.setattr("shardfx.run.train.run", seen.append)
+    toml = tmp_path / "r.toml"
+    toml.write_text(f'[run]\nspec = "{SPEC}"\n[parallel]\nrecompute = "full"\n'
+                    '[checkpoint]\nallow_nonfinite = true\n')
+    assert cli.main(["run", "--config", str(toml)]) == 0
+    assert (seen[0].parallel.recompute, seen[0].checkpoint.allow_nonfinite) == ("full", True)
+    assert cli.main(["run", "--config", str(toml), "--recompute", "selective"]) == 0
+    assert seen[1].parallel.recompute == "selective"
+    planned = []
+    monkeypatch.setattr(shardfx, "partition", lambda *a, **k: planned.append(k) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train.train(seen[1])
+    assert planned[0]["recompute"] == "selective"
+    assert cli.main(["run", "--config", str(toml), "--recompute", "most"]) == 2  # argparse's
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "dp=2", "--schedule", "gpipe"], "--schedule given, but the mesh dp=2 has no pp"),
     (["--microbatches", "2"], "--microbatches given, but the mesh 1 device has no pp"),

@@ -9,12 +9,12 @@ over the file, the file over the default. The tree, section by section:
 
     [run]         spec (MODULE:FACTORY), seed
     [parallel]    mesh, shard, zero, precision, kernels, microbatches, schedule,
-                  virtual_stages, capacity_factor, offload_optimizer
+                  virtual_stages, capacity_factor, offload_optimizer, recompute
     [optimizer]   lr, weight_decay, beta1, beta2, eps            (AdamW)
     [lr_schedule] warmup, decay (constant | cosine | linear), final_lr   (a fraction of lr)
     [training]    steps, accumulate, clip_grad_norm
     [data]        tokens (a .bin of uint16 token ids or a .npy)
-    [checkpoint]  save, every, keep, resume, init_from, export_hf
+    [checkpoint]  save, every, keep, resume, init_from, export_hf, allow_nonfinite
     [metrics]     jsonl, tensorboard, peak_tflops, gpu, trace
 
 Nothing here imports torch: ``shardfx --help`` reads this module alone.
@@ -74,6 +74,8 @@ class Parallel:  # partition()'s options: their help is theirs (request/option_d
     virtual_stages: int | None = _f(None, summary("virtual_stages"), int)
     capacity_factor: float | None = _f(None, summary("capacity_factor"), float)
     offload_optimizer: bool = _f(False, summary("offload_optimizer"), bool, parse=boolean)
+    recompute: str = _f("auto", summary("recompute"),
+                        choices=("auto", "none", "selective", "full"))
 
 
 @dataclass
@@ -118,6 +120,9 @@ class Checkpoint:
                                      "directory (save_pretrained's safetensors)", str)
     export_hf: str | None = _f(None, "after the last step, write the model here as a Hugging "
                                      "Face checkpoint (from_pretrained loads it)", str)
+    allow_nonfinite: bool = _f(False, "load weights holding NaN or Inf (resume, init_from) on "
+                                      "purpose, to look at a run that diverged", bool,
+                               parse=boolean)
 
 
 @dataclass

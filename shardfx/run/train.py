@@ -149,7 +149,8 @@ def train(config: RunConfig) -> list[float]:
                              shard=config.shard, precision=config.precision, zero=config.zero,
                              kernels=config.kernels,
                              capacity_factor=config.capacity_factor,
-                             offload_optimizer=config.offload_optimizer, **pipeline)
+                             offload_optimizer=config.offload_optimizer,
+                             recompute=config.parallel.recompute, **pipeline)
     if rank() == 0:
         print(f"shardfx run, resolved config:\n{config.to_toml()}")
         print(str(plan).rstrip("\n"))  # what it decided, before it runs
@@ -161,9 +162,10 @@ def train(config: RunConfig) -> list[float]:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         runner.optimizer, lambda i: lr_factor(config, start + i)) \
         if runner.optimizer is not None else None
-    position = int(runner.load(config.resume)["data_position"]) if meta else 0
+    allow = config.checkpoint.allow_nonfinite
+    position = int(runner.load(config.resume, allow)["data_position"]) if meta else 0
     if config.init_from:  # each rank reads its shards' slices (runtime.hf_load)
-        runner.load_hf(config.init_from)
+        runner.load_hf(config.init_from, allow)
         if rank() == 0:
             print(f"weights from the Hugging Face checkpoint {config.init_from}")
     data = data_batches(job, config.data.tokens, config.seed, position)
