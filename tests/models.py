@@ -139,8 +139,9 @@ LONG_SEQ = 16  # a sequence a band of keys of 3 crosses the cp chunks of (cp=2: 
 def banded(name: str, layers: int = 2) -> torch.nn.Module:
     """A seeded tiny Hugging Face model whose attention is a band of keys narrower than
     ``LONG_SEQ``: ``mistral`` (a sliding window of 3 keys), ``gemma3`` (a local layer, window 3,
-    then a global one), ``olmo3`` (likewise), ``llama4`` (dense: chunks of 3 positions, then a
-    NoPE layer attending causally)."""
+    then a global one), ``gemma2`` and ``olmo3`` (likewise; Gemma 2's scores soft-capped, so
+    attention as matmuls), ``llama4`` (dense: chunks of 3 positions, then a NoPE layer
+    attending causally)."""
     import transformers as T
 
     T.logging.set_verbosity_error()  # tiny configs trip HF's config warnings
@@ -154,6 +155,9 @@ def banded(name: str, layers: int = 2) -> torch.nn.Module:
     if name == "gemma3":
         return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, head_dim=8, sliding_window=3,
                                                       layer_types=alternating))
+    if name == "gemma2":
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=8, sliding_window=3,
+                                                  layer_types=alternating, pad_token_id=0))
     if name == "olmo3":
         return T.Olmo3ForCausalLM(T.Olmo3Config(**common, sliding_window=3,
                                                 layer_types=alternating, pad_token_id=0))

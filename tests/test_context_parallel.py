@@ -86,15 +86,17 @@ def _check(results: list[list[tuple]]) -> None:
     for rows in results:
         for label, train, infer, ring, _ in rows:
             assert train < 1e-5 and infer < 1e-5, (label, train, infer)
-            assert ring >= 2, (label, ring)  # each layer's attention, forward and backward
+            # each layer's attention, forward and backward; Gemma 2's soft-capped scores are
+            # not the flash op's: matmuls, the keys gathered over cp
+            assert ring >= 2 or label.startswith("gemma2") and ring == 0, (label, ring)
     assert len({tuple(h for *_, h in rows) for rows in results}) == 1  # one program for all
 
 
 def test_two_ranks_train_like_one_device():
     """Causal (Llama's and GPT-2's masks, traced dense, found causal) and full attention; bands
     that cross the ranks' chunks: Mistral's sliding window of 3 keys, Gemma 3's local layer
-    beside a global one, Llama 4's chunks of 3 positions beside a causal NoPE layer, and a
-    window either side of each query."""
+    beside a global one (Gemma 2's too, soft-capped: not a ring), Llama 4's chunks of 3
+    positions beside a causal NoPE layer, and a window either side of each query."""
     _check(shardfx.launch(_train_and_infer, [
         ("llama", {"cp": 2}, 2),  # two sequences: flattened tokens, each one's chunks
         ("gpt2", {"cp": 2}, 1),
@@ -102,6 +104,7 @@ def test_two_ranks_train_like_one_device():
         ("encoder-window", {"cp": 2}, 1),
         ("mistral-window", {"cp": 2}, 2),
         ("gemma3-window", {"cp": 2}, 1),
+        ("gemma2-window", {"cp": 2}, 1),
         ("llama4-chunks", {"cp": 2}, 1),
     ], nprocs=2, timeout=120, deadline=900))
 
