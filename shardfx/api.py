@@ -188,12 +188,6 @@ def _check_pipeline_request(spec: MeshSpec, microbatches, schedule, virtual_stag
             where=f"partition(..., mesh=...) on mesh {spec}",
             fix=f"fold the replicas into dp (dp={spec.axis('dp_replicate') * spec.axis('dp')}, "
                 "with zero=1 or zero=2), or drop pp")
-    if microbatches > 1 and spec.axis("pp") == 1:
-        raise PipelineError(
-            f"microbatches={microbatches} without a pp axis: only a pipeline runs the batch in "
-            "microbatches; this plan would run each step on the whole batch",
-            where=f"partition(..., microbatches={microbatches}) on mesh {spec}",
-            fix="add a pp axis to the mesh, or drop microbatches")
     if isinstance(schedule, Schedule) or (isinstance(schedule, str) and (
             schedule in GENERATORS or _SCHEDULE_TEXT.match(schedule))):
         return
@@ -233,9 +227,8 @@ def partition(
     With ``loss_fn(model_output, *targets) -> scalar`` the plan trains (forward, loss, backward);
     without, it runs inference. ``SHARDFX_DUMP=dir`` writes ``plan.dump(dir)``, or when planning
     fails, the IR so far and the error. Every setting is checked whatever the mesh: one the plan
-    would ignore or misread (microbatches without a pp axis, an unknown schedule name,
-    ``"megatron-sp"`` without a tp axis, ``zero=1-3`` or ``optimizer_in_backward`` without a
-    loss_fn) is an error.
+    would ignore or misread (an unknown schedule name, ``"megatron-sp"`` without a tp axis,
+    ``zero=1-3`` or ``optimizer_in_backward`` without a loss_fn) is an error.
 
     Options (``request/option_docs.py``, the one text of each):
     """

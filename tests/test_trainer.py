@@ -109,7 +109,7 @@ def test_recompute_and_allow_nonfinite_are_keys_and_reach_the_runner(monkeypatch
 
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "dp=2", "--schedule", "gpipe"], "--schedule given, but the mesh dp=2 has no pp"),
-    (["--microbatches", "2"], "--microbatches given, but the mesh 1 device has no pp"),
+    (["--virtual-stages", "2"], "--virtual-stages given, but the mesh 1 device has no pp"),
     (["--mesh", "tp=2", "--zero", "2"], "--zero 2 shards the training state over dp"),
     (["--mesh", "dp=3"], "batch has 8 rows, which dp=3 cannot divide"),
     (["--mesh", "dp=2,pp=2", "--microbatches", "3"], "dp=2 x 3 microbatches cannot divide"),

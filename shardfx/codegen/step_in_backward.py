@@ -231,6 +231,12 @@ def check(options) -> None:
                          "its last microbatch's backward", where=where,
                          fix="drop optimizer_in_backward, or the pp axis (zero=2 over dp "
                          "divides the gradients a pipeline holds)")
+    if options.microbatches > 1:
+        raise InputError(f"optimizer_in_backward with microbatches={options.microbatches}: the "
+                         "gradients are summed over the microbatches, final only in the last "
+                         "one's backward, after the steps would have run", where=where,
+                         fix="drop optimizer_in_backward, or microbatches (a batch of fewer "
+                             "rows per step)")
     if options.precision.scales_loss:
         raise InputError("optimizer_in_backward cannot run with fp16's loss scaling: an "
                          "overflow is found only once every gradient exists, after the steps",

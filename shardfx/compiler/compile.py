@@ -99,7 +99,7 @@ def compile_captured(captured: Captured, options: Options) -> Compiled:
     zero_chosen = options.zero == "auto"
     options = zero_stage.resolve(ir, options)
     train = ir.meta[M.GRAPH].mode is M.Mode.TRAIN
-    if options.stages > 1 and train and options.slices > 1:
+    if train and options.slices > 1:
         check_rows_independent(ir, options.slices)  # each slice's forward sees its rows only
     compiled = Compiled(captured, options, ir, program, history, collectives)
     compiled.zero_chosen = zero_chosen

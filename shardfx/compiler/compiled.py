@@ -18,9 +18,10 @@ import torch
 import torch.fx as fx
 
 from shardfx.codegen import zero as zero_codegen
+from shardfx.codegen.accumulate_into import summable
 from shardfx.codegen.program import Program
 from shardfx.codegen.redistribute import Collective
-from shardfx.codegen.steps import StageProgram
+from shardfx.codegen.steps import Output, StageProgram
 from shardfx.cost.device_model import DeviceModel, default_model
 from shardfx.cost.optimizer import optimizer_model
 from shardfx.errors import PipelineError
@@ -152,13 +153,24 @@ class Compiled:
         train = self.mode is M.Mode.TRAIN
         if self.program is not None:
             one = spmd_memory(self.program, self.options, train, self.zero_layouts,
-                              self.zero_gather_programs)
+                              self.zero_gather_programs, self._summed())
             return {rank: one for rank in range(self.mesh.size)}
         program, opt = self.compiled_stages(), optimizer_model(self.options.optimizer)
         per_pp = {r: pipeline_memory(program, r, train, opt, self.mesh.axis("dp"), self.device,
                                      self.options.zero, self.options.offload_optimizer)
                   for r in range(self.mesh.axis("pp"))}
         return {rank: per_pp[coord] for rank, coord in self.pp_coordinates().items()}
+
+    def _summed(self) -> frozenset:
+        """Under accumulation, the gradients the program's later runs add into their
+        accumulators instead of making (``codegen.accumulate_into``; the runner's
+        ``_accumulators``: none under ZeRO or optimizer offload)."""
+        if self.options.microbatches == 1 or self.options.zero or \
+                self.options.offload_optimizer:
+            return frozenset()
+        grads = [Output(i, (r,), False, []) for i, r in enumerate(self.program.outputs)
+                 if r.kind is M.OutputKind.GRAD]
+        return frozenset(node for _, node in summable(self.program.module, grads).values())
 
     def pp_coordinates(self) -> dict[int, int]:
         """Each global rank's pp coordinate (ranks are row-major over the mesh's axes)."""

@@ -91,34 +91,44 @@ class DeviceMemory:
 
 # --- one program -------------------------------------------------------------------------------
 
-def spmd_memory(program, options, train: bool, layouts: dict, gathers: list) -> DeviceMemory:
+def spmd_memory(program, options, train: bool, layouts: dict, gathers: list,
+                summed: frozenset | None = None) -> DeviceMemory:
     """The peak of a generated program run by ``runtime.runner`` (one device, or the SPMD
     program every device of a dp/tp mesh runs: its values have this device's local shapes),
-    the fullest of ``spmd_moments``, with the host's own peak over them."""
-    moments = spmd_moments(program, options, train, None, layouts, gathers)
+    the fullest of ``spmd_moments``, with the host's own peak over them. ``summed``: under
+    accumulation, the gradients a later microbatch's run adds into their accumulators rather
+    than makes (``codegen.accumulate_into.summable``)."""
+    moments = spmd_moments(program, options, train, None, layouts, gathers, summed)
     peak = max(moments.values(), key=lambda m: m.total)  # the first of equals
     return dataclasses.replace(peak, host=max(m.host for m in moments.values()))
 
 
-def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: list
-                 ) -> dict[object, DeviceMemory]:
+def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: list,
+                 summed: frozenset | None = None) -> dict[object, DeviceMemory]:
     """``program_moments`` of the ``program`` (``codegen.program.Program``) a plan with
     ``options`` runs. Under ZeRO the optimizer's state and, at its step, the gradients are this
     rank's rows (``layouts``: FQN -> ``ZeroShard``, ``passes.zero.zero_layouts``); stages 1 and
     2 then run ``gathers`` (the gather programs, a bucket at a time: ``runtime.zero``), as the
-    compiler emitted them."""
+    compiler emitted them. With ``microbatches`` (no pp) the program runs once per microbatch,
+    the gradients of the earlier ones held throughout the later ones (``summed``:
+    ``spmd_memory``)."""
+    later = (summed or frozenset()) if train and options.microbatches > 1 else None
     return program_moments(program.module, train, optimizer_model(options.optimizer),
                            options.device, layouts, options.zero, gathers, moment,
-                           options.offload_optimizer)
+                           options.offload_optimizer, later)
 
 
 def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
                     device: torch.device = torch.device("cpu"), zero: dict | None = None,
                     stage: int = 0, gather: list | None = None, moment=None,
-                    offload: bool = False) -> dict[object, DeviceMemory]:
+                    offload: bool = False, later: frozenset | None = None
+                    ) -> dict[object, DeviceMemory]:
     """A program's peak in each part of a step: the program's own ops (one part, or
     one per ``moment(op)``, as ``walk_moments``), "optimizer step" and "ZeRO gather".
-    ``offload``: the optimizer's state, step and gradients on the host (module docstring)."""
+    ``offload``: the optimizer's state, step and gradients on the host (module docstring).
+    ``later``: the program also runs again within the step (accumulation), holding every
+    gradient the optimizer steps from the start, and making none of ``later`` (the gradients
+    it adds into their accumulators): its peak is the moment "a later microbatch"."""
     params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):
         role, val = node.meta[M.ROLE], node.meta[M.VAL]
@@ -141,6 +151,14 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
         at: DeviceMemory(**state, optimizer=opt_state, **(peak | {"host": host + peak["host"]}),
                          when=when)
         for at, (peak, _, when) in walked.items()}
+    if later is not None:  # a later microbatch: the earlier ones' gradients held throughout
+        held = 0 if offload else sum(map(tensor_bytes, stepped))
+        peak, _, when = walk(program.graph, kind, lambda n: 0 if n in later else value_bytes(n),
+                             sent)
+        moments["a later microbatch"] = DeviceMemory(
+            **state, optimizer=opt_state, **(peak | {"gradients": peak["gradients"] + held,
+                                                    "host": host + peak["host"]}),
+            when=f"a later microbatch: {when}")
     in_backward = bool(_steps_in_backward(program.graph))  # no step after the program
     if offload:  # the step on the host: every gradient there, the step's temporaries
         moments["optimizer step"] = DeviceMemory(

@@ -21,6 +21,9 @@ What is counted, per device (one rank; in a pipeline, its busiest one):
 - **a pipeline** is simulated over its schedule (``schedule.simulate``) with each action's
   parts' ops and collectives, plus the activations and gradients it sends to another rank
   (one send each, on the pp link).
+- **accumulation** (``microbatches`` without a pp axis): the program runs once per microbatch,
+  its collectives too (each pass reduces its gradients, as it runs), and the optimizer once:
+  one step prices the whole global batch.
 
 Nothing overlaps: communication is added to compute, as if each collective waited for the
 one before it and compute waited for it. Real runs overlap some (dp buckets are issued during
@@ -83,8 +86,10 @@ def predict_step(plan) -> PredictedStep:
     """The step of ``plan`` (a ``shardfx.Plan``) on its device model (module docstring)."""
     model = default_model(plan.options)
     optimizer = _optimizer_seconds(plan, model)
-    if plan.stage_program is None:
+    if plan.stage_program is None:  # the program once per microbatch (accumulated)
         compute, comm = program_seconds(plan.program.module.graph, model, plan.mesh.axes)
+        passes = plan.options.microbatches
+        compute, comm = passes * compute, passes * comm
         for gather in plan.zero_gather_programs:  # after the optimizer step (ZeRO-1/2)
             c, m = program_seconds(gather.module.graph, model, plan.mesh.axes)
             compute, comm = compute + c, comm + m

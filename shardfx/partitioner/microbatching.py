@@ -57,7 +57,7 @@ def check_rows_independent(gm: fx.GraphModule, slices: int) -> None:
         module = next(reversed(stack.values()), ("", ""))[0] if stack else "?"
         raise PipelineError(
             f"{module or 'the model'} normalizes by statistics over the batch ({name} in "
-            f"training mode); a pipeline runs the batch in {slices} slices, each normalized by "
+            f"training mode); the plan runs the batch in {slices} slices, each normalized by "
             "its own rows, which differs from one device", where=f"{node.name} ({module})",
             fix="use microbatches=1 without dp, put the norm in eval mode, or use a per-row "
                 "norm (LayerNorm, RMSNorm, GroupNorm)")

@@ -13,8 +13,10 @@ OPTIONS = {
         device model), ``"megatron"``, ``"megatron-sp"`` (Megatron with sequence parallelism:
         the tokens split over tp between the parallel matmuls), ``"replicate"`` (tp ranks as
         data parallel) or ``{parameter glob: [placement per mesh axis]}``.""",
-    "microbatches": """With a pp axis: the slices of the batch the pipeline runs (each dp
-        replica's rows in as many).""",
+    "microbatches": """Slices of the batch a step runs one after the other: with a pp axis,
+        the pipeline's microbatches (each dp replica's rows in as many); without one, gradient
+        accumulation, each slice's forward and backward in turn, their gradients summed, one
+        optimizer step over the whole batch (``runtime.accumulate``).""",
     "schedule": """With a pp axis: the pipeline schedule, gpipe | 1f1b | interleaved-1f1b |
         zero-bubble, or a ``Schedule`` or its text form.""",
     "virtual_stages": """With a pp axis: stages per rank, for interleaved-1f1b (default

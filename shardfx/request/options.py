@@ -23,7 +23,7 @@ class Options:
     mesh: MeshSpec = MeshSpec()
     shard: Any = "auto"  # "auto" | "megatron" | "megatron-sp" | "replicate" | {glob: placements}
     module_types: dict[str, str] = field(default_factory=dict)  # module FQN -> class name
-    microbatches: int = 1  # slices of the batch a pipeline runs one at a time
+    microbatches: int = 1  # slices of the batch run one at a time (a pipeline's, or accumulated)
     schedule: str = "1f1b"  # gpipe | 1f1b | zero-bubble (pipeline schedule)
     debug: bool = field(default_factory=lambda: os.environ.get("SHARDFX_DEBUG", "") == "1")
 

@@ -292,7 +292,7 @@ def check_fields(config: "RunConfig") -> None:
     need(config.clip_grad_norm is None or config.clip_grad_norm > 0,
          f"clip_grad_norm is {config.clip_grad_norm}", "--clip-grad-norm",
          "a positive norm, or leave it out")
-    given = [n for n in ("microbatches", "schedule", "virtual_stages")
+    given = [n for n in ("schedule", "virtual_stages")  # (microbatches: accumulation there)
              if getattr(config.parallel, n) is not None]
     check_axes(given, config.zero, mesh, config.mesh)
     need(config.shard != "megatron-sp" or mesh.axis("tp") > 1, f"--shard megatron-sp splits "
@@ -308,12 +308,13 @@ def check_fields(config: "RunConfig") -> None:
 
 def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> None:
     """Options the mesh has no axis for: ``pipeline`` options given (field names) without a
-    pp axis, a ZeRO stage without dp; ZeRO-3 with pp."""
+    pp axis (microbatches is not one: without pp it accumulates), a ZeRO stage without dp;
+    ZeRO-3 with pp."""
     where = f"--mesh {mesh_text or '(one device)'}"
     flags = " and ".join(f"--{n.replace('_', '-')}" for n in pipeline)
     if pipeline and mesh.axis("pp") <= 1:
         raise InputError(f"{flags} given, but the mesh {mesh} has no pp axis: only a pipeline "
-                         "runs a schedule over microbatches", where=where,
+                         "runs a schedule over stages", where=where,
                          fix=f"add a pp axis (--mesh pp=2,...) or drop {flags}")
     if zero and zero != "auto" and mesh.axis("dp") <= 1:
         raise InputError(f"--zero {zero} shards the training state over dp, and the mesh {mesh} "

@@ -9,6 +9,13 @@ mean of the batches' losses, and the step returns that mean. ``runner.step(args,
 ``step_batches`` of one batch. Each batch draws its own dropout masks (the RNG input's third
 entry is the batch's index in the step). On dp, each batch's gradients are reduced as the
 program reduces them; the sum of the reductions is the reduction of the sum.
+
+A plan made with ``microbatches=m`` and no pp axis traces one slice of the batch (``m`` of
+them make ``example_args``) and accumulates the same way inside every step: each batch runs as
+``m`` slices of its rows (``slices``), whose losses make the batch's as the loss makes them
+(their mean, or their sum: ``Options.loss_reduction``), each slice drawing the random values
+of its rows' places in the batch (the RNG input's third entry: batch index x m + slice), so
+the step is one device's on the whole batch.
 """
 
 from __future__ import annotations
@@ -43,3 +50,16 @@ def accumulated(batches: Any) -> list[tuple[tuple, tuple]]:
 def mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
     """The step's loss: one batch's as the program gave it, or the mean of several."""
     return losses[0].detach() if len(losses) == 1 else torch.stack([v.detach() for v in losses]).mean()
+
+
+def sum_loss(losses: list[torch.Tensor]) -> torch.Tensor:
+    """A batch's loss from its slices' where the loss sums over rows."""
+    return losses[0].detach() if len(losses) == 1 else torch.stack([v.detach() for v in losses]).sum()
+
+
+def slices(flat: list[torch.Tensor], m: int) -> list[list[torch.Tensor]]:
+    """A batch's flat inputs as ``m`` slices of its rows (dim 0), in order."""
+    if m == 1:
+        return [flat]
+    parts = [t.chunk(m) for t in flat]
+    return [[p[k] for p in parts] for k in range(m)]

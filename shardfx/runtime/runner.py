@@ -30,7 +30,7 @@ from shardfx.runtime.measure import mark
 from shardfx.runtime.offload import Offload, stepping_on_host
 from shardfx.kernels import expert_load as load
 from shardfx.kernels.expert_load import BATCH_SPLIT
-from shardfx.runtime.accumulate import accumulated, mean_loss
+from shardfx.runtime.accumulate import accumulated, mean_loss, slices, sum_loss
 from shardfx.runtime.loss_scale import loss_scaler, seed
 from shardfx.runtime.optimizer_step import (Grad, check_kept, clip_limit, counted, finish_step,
                                             release)
@@ -127,7 +127,9 @@ class Runner:
     def step_batches(self, batches) -> torch.Tensor:
         """One training step over several global batches (gradient accumulation): each
         batch's forward and backward, their gradients averaged, then one optimizer step;
-        returns the mean of their losses (module ``runtime.accumulate``)."""
+        returns the mean of their losses (module ``runtime.accumulate``). A plan of
+        ``microbatches=m`` runs each batch as m slices of its rows, one after the other,
+        accumulated the same way (their losses' mean, or sum: ``Options.loss_reduction``)."""
         batches = accumulated(batches)
         with self._compiling("train" if len(batches) == 1 else "accumulate", batches[0]):
             return self._step(batches)
@@ -145,18 +147,24 @@ class Runner:
         for p in trained.values():  # the last step's gradients go before this one's come
             p.grad = None
         load.start()
-        self._tangent = 1.0 / len(batches)  # d(mean of the batches' losses)/d(one of them)
+        m = self.plan.options.microbatches  # slices of each batch, one after the other
+        mean = self.plan.options.loss_reduction == "mean"  # else the slices' losses add up
+        # d(mean of the batches' losses)/d(one slice's loss)
+        self._tangent = (1.0 / m if mean else 1.0) / len(batches)
         losses = []
         for index, (args, targets) in enumerate(batches):
             flat = check_step_inputs(self.plan, args, targets)
             self._same_batch(flat)
-            self._batch = index  # its random draws are its own
-            into = self._accumulators(trained) if index else {}
-            outs = self._run(self.plan.program, flat, into)
-            losses.append(next(v for r, v in outs if r.kind is M.OutputKind.LOSS))
-            self._set_grads(trained, {r.name: v for r, v in outs
-                                      if r.kind is M.OutputKind.GRAD and r.name not in into})
-            del outs  # ZeRO-1: the whole gradients (views of their buckets) go before the step
+            pieces = []
+            for k, piece in enumerate(slices(flat, m)):
+                self._batch = index * m + k  # its random draws: its rows' in the batch
+                into = self._accumulators(trained) if self._batch else {}
+                outs = self._run(self.plan.program, piece, into)
+                pieces.append(next(v for r, v in outs if r.kind is M.OutputKind.LOSS))
+                self._set_grads(trained, {r.name: v for r, v in outs
+                                          if r.kind is M.OutputKind.GRAD and r.name not in into})
+                del outs  # ZeRO-1: the whole gradients (views of their buckets) go before
+            losses.append(mean_loss(pieces) if mean else sum_loss(pieces))  # the step
         self.step_count += 1
         self.routed = load.stepped(self.plan)
         mark("fwd+bwd")  # the peak so far, under shardfx.runtime.measure.measured_peak
