@@ -51,6 +51,7 @@ import sys
 import time
 import traceback
 import warnings
+from importlib.metadata import version
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +225,7 @@ def main() -> None:
     title = (f"planning: Llama, hidden {a.hidden}, intermediate {a.inter}, {a.heads} heads, "
              f"{a.kv} KV heads, vocab {a.vocab} (meta device), global batch {a.batch} x "
              f"{a.seq}, F.cross_entropy, shard=megatron, {a.microbatches} microbatches under pp; "
+             f"transformers {version('transformers')}; "
              f"one warm-up (first) then {a.repeats} runs, interleaved; CPU seconds (the process's "
              f"and its children's), wall for reference; load average {load_start} at the "
              f"start, {load()} at the end")
