@@ -82,7 +82,8 @@ STOCK = {  # each as its users make it: the stock class and config, shrunk to 4 
 def test_stock_hugging_face_models_stamp(name):
     """A release of transformers that keeps its stock models from stamping (each block
     holding something that differs, such as 5.25's per-module ``_kernel_funcs``) makes every
-    deep plan trace all its blocks: 3.95x torch.export at 80 layers instead of 0.4x."""
+    deep plan trace all its blocks: 3.3-3.5x torch.export at 80 layers instead of 0.4-0.5x
+    (bench/RESULTS.md, plan, 2026-12-07)."""
     import transformers as T
 
     with torch.device("meta"):
