@@ -27,6 +27,7 @@ _WHERE = {
     "launch": "shardfx.runtime.launch", "LaunchError": "shardfx.runtime.launch",
     "LossScaling": "shardfx.runtime.loss_scale", "Runner": "shardfx.runtime.runner",
     "compiled_regions": "shardfx.runtime.lowered", "materialize": "shardfx.runtime.materialize",
+    "NotStampedWarning": "shardfx.partitioner.repeats",
     **{name: "shardfx.errors" for name in (
         "ShardfxError", "CaptureError", "InputError", "LossError", "MeshError", "ShardingError",
         "PassError", "VerifyError", "MemoryBudgetError", "CheckpointError")},
