@@ -27,8 +27,9 @@ classifiers); ``pp2`` (2 microbatches). Per (family, mesh) the result is one of
   bug in shardfx (this script loosens nothing);
 - ``refused``: a named shardfx error (``ShardfxError``: ``InputError``, ``CaptureError``, ...)
   with its first line: shardfx says it cannot do this, which is a result, not a failure;
-- ``ERROR``: any other exception (its type, first line and innermost shardfx frames), ``hang``
-  or ``crash``: bugs too;
+- ``ERROR``: any other exception (its type, first line and innermost shardfx frames), or a
+  ``PassError`` / ``VerifyError`` (shardfx's own words for a bug of its own: a pass that
+  raised or broke the IR), ``hang`` or ``crash``: bugs too;
 - ``skipped``: the mesh does not apply (no experts for ep, images for cp) or the family
   does not build or train eagerly in this ``transformers`` (the reason recorded);
 
@@ -157,7 +158,7 @@ class Result:
 def check(family: str, mesh: str, layers: int, steps: int) -> Result:
     """Train ``family`` on ``mesh`` through ``compare_training`` (this process must be one of the
     mesh's ranks) and say how it went."""
-    from shardfx.errors import ShardfxError
+    from shardfx.errors import PassError, ShardfxError, VerifyError
     from shardfx.testing import compare_training
 
     start, f = time.perf_counter(), FAMILIES[family]
@@ -168,7 +169,8 @@ def check(family: str, mesh: str, layers: int, steps: int) -> Result:
         if isinstance(e, AssertionError) and _raised_in_testing(e):
             kind = "FAIL"
         else:
-            kind = "refused" if isinstance(e, ShardfxError) else "ERROR"
+            named = isinstance(e, ShardfxError) and not isinstance(e, (PassError, VerifyError))
+            kind = "refused" if named else "ERROR"
         return _failure(family, mesh, kind, e, time.perf_counter() - start)
     worst = max((c.shardfx / c.bound for c in report.checks), default=0.0)
     return Result(family, mesh, "pass", worst=worst, seconds=time.perf_counter() - start)

@@ -302,6 +302,25 @@ def test_a_long_mask_is_checked_a_few_rows_at_a_time(monkeypatch, name):
         _partition(_Encoder(every_other=True), mesh={"cp": 2})
 
 
+class _Cached(_Encoder):
+    """Keys and values appended to a cache of none yet, an empty 1-D tensor (Hugging Face's
+    legacy caches; T5's and BART's decoders train with one unless told not to)."""
+
+    def forward(self, ids):
+        b, t = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        k, v = (torch.cat([x.new_zeros(0), x], dim=-2) for x in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(self.out(y.transpose(1, 2).reshape(b, t, 32)))
+
+
+def test_a_cache_of_no_keys_yet_is_planned():
+    """DTensor's rule for the concatenation asks the empty operand to be split on a dim it has
+    not; shardfx takes another placement (was: KeyError in shard_propagate)."""
+    plan = _partition(_Cached(), mesh={"cp": 2})
+    assert [n for n in plan.program.module.graph.nodes if isinstance(n.target, RingAttention)]
+
+
 @pytest.mark.parametrize("kw,words", [
     (dict(seq=SEQ - 4, mesh={"cp": 4}), "sequence length 4, not divisible by 2*cp=8"),
     (dict(seq=SEQ - 4, mesh={"cp": 2, "tp": 4}, shard="megatron-sp"),

@@ -452,6 +452,8 @@ def _supported(node: fx.Node, out_specs, target_specs: list[DTensorSpec]) -> boo
     for s, shape in pairs:
         size = dict(enumerate(shape))
         for p, n, axis in zip(s.placements, s.mesh.shape, s.mesh.mesh_dim_names):
+            if isinstance(p, Shard) and p.dim not in size:  # a dim the value lacks: cat's
+                return False  # empty 1-D operand (a cache of no keys yet) asked to split
             if type(p) is _StridedShard and axis == cp_layout.AXIS:  # sequences flattened
                 if size[p.dim] % (2 * n * p.split_factor):
                     return False
