@@ -43,8 +43,6 @@ def plan(model=None, **kwargs) -> shardfx.Plan:
     ({"virtual_stages": 0}, "virtual_stages", "virtual_stages"),
     ({"mesh": {"pp": 2}, "microbatches": 0}, "microbatches", "microbatches"),
     ({"mesh": {"pp": 2, "dp": 2}, "microbatches": -2}, ("microbatches", "-2"), "microbatches"),
-    # only a pipeline slices the batch; without one the plan would run it whole
-    ({"microbatches": 2}, ("microbatches=2", "pp axis"), "microbatches=2"),
 ])
 def test_pipeline_settings_are_checked(kwargs, cause, where):
     with pytest.raises(PipelineError) as info:
