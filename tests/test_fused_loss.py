@@ -166,7 +166,8 @@ def test_chunks_are_sized_so_the_weight_traffic_hides_behind_the_flops():
     memory-bound below 591 rows (``ridge_rows``): Liger's rule's 256-row chunks of a
     128k-vocabulary head would be, so the plan's device model raises them to 1024. The device
     model prices what chunking costs: at 256 rows the head's time is its weight traffic, at
-    the rows chosen its FLOPs. On the CPU preset the ridge is 27 rows: 256, as before."""
+    the rows chosen its FLOPs, at the rate such a matmul reaches. On the CPU preset the ridge
+    is 27 rows: 256, as before."""
     from shardfx.kernels.linear_ce import LinearCrossEntropy, ridge_rows
 
     h100, cpu = PRESETS["h100"], PRESETS["cpu"]
@@ -179,7 +180,8 @@ def test_chunks_are_sized_so_the_weight_traffic_hides_behind_the_flops():
     h, w, t = (graph.placeholder(n) for n in "hwt")
     h.meta["val"] = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")
     w.meta["val"] = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
-    flops = 6 * 8192 * 4096 * 128256 / h100.peak(torch.bfloat16)
+    rate = h100.peak(torch.bfloat16) * h100.throughput.matmul_efficiency(1, 1024, 128256, 4096)
+    flops = 6 * 8192 * 4096 * 128256 / rate  # at what the matmul of 1024-row chunks reaches
     seconds = {}
     for rows in (256, 1024):
         node = graph.call_function(LinearCrossEntropy(1, -100, rows, grads=True), (h, w, t))

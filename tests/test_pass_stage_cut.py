@@ -84,13 +84,14 @@ def test_each_backward_op_runs_in_its_forward_ops_stage():
     assert cut(paired(text_to_ir(unstaged(JOINT)), SEQ_NR), pp=2) == JOINT
 
 
-def test_an_unpaired_backward_op_goes_last_unless_it_reads_an_earlier_gradient():
-    """Without a seq_nr, ``t_2`` (it reads an input alone) runs in the last stage; ``mm_4``
-    reads the gradient ``threshold_backward`` made in stage 0, so runs there: in the backward
-    values flow from later stages to earlier ones only."""
+def test_an_unpaired_backward_op_goes_where_what_it_reads_is_made_or_read():
+    """Without a seq_nr, ``mm_4`` reads the gradient ``threshold_backward`` made in stage 0, so
+    runs there: in the backward values flow from later stages to earlier ones only. ``t_2``
+    reads an input alone (w1's transpose): it runs where its reader ``mm_4`` runs, beside the
+    weight, not in the last stage with its result sent back."""
     seq_nr = {k: v for k, v in SEQ_NR.items() if k not in ("t_2", "mm_4")}
     got = stages(cut(paired(text_to_ir(unstaged(JOINT)), seq_nr), pp=2))
-    assert (got["threshold_backward"], got["t_2"], got["mm_4"]) == (0, 1, 0)
+    assert (got["threshold_backward"], got["t_2"], got["mm_4"]) == (0, 0, 0)
     assert got["args_0"] == 0  # read by stage 0's mm: the first stage reading it
 
 

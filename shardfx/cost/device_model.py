@@ -1,23 +1,32 @@
 """How fast a device computes, reads memory and talks to its peers: the time model behind
 every decision that trades time (``stage_cut``'s balance, ``remat``'s recompute cost, the
-budget's schedule search) and behind ``plan.predicted_step``.
+budget's schedule search, the ILP of ``auto_shard``) and behind ``plan.predicted_step``.
 
 A ``DeviceModel`` holds a peak FLOP/s per dtype, a memory bandwidth, and two links: ``intra``
-between devices of one node (NVLink), ``inter`` between nodes (InfiniBand); a mesh axis uses
-the intra link when its ranks fit in a node (``link_of``). Beside the device's memory it holds
-the host's, a second tier (``Host``): how much of it a rank may fill and the link a tensor
-crosses each way (PCIe, or NVLink-C2C on a Grace Hopper), for what offloading costs. An op
-takes
+between devices of one node (NVLink), ``inter`` one device's port between nodes (InfiniBand).
+Beside the device's memory it holds the host's, a second tier (``Host``): how much of it a
+rank may fill and the link a tensor crosses each way (PCIe, or NVLink-C2C on a Grace Hopper),
+for what offloading costs. An op takes
 
-    max(flops / peak[dtype], bytes read and written / memory bandwidth)
+    max(flops / rate, bytes read and written / memory bandwidth)
 
-(the roofline: a matmul is compute-bound, a pointwise op memory-bound), and a collective of
-``n`` ranks the ring algorithm's time on its link (``collective_seconds``).
+(the roofline: a matmul is compute-bound, a pointwise op memory-bound). ``rate`` is the
+dtype's peak, unless the model says what its kernels reach (``Throughput``, the GPU presets):
+then a matmul runs at the fraction of peak the vendor library sustains on large shapes, less
+what its shape wastes (partial tiles, a last partial wave of tiles over the SMs, a short K),
+and a fused attention kernel at its published speed for the sequence, forward and backward.
+
+A collective of ``n`` ranks takes NCCL's ring time on its axis's link (``collective_seconds``:
+a fixed latency, one per step, and 2(n-1)/n or (n-1)/n of the buffer at the link's bus
+bandwidth). Which link (``link_of``, the span rule): an axis whose ranks all sit in one node
+uses NVLink; one that spans nodes crosses InfiniBand, each node's share of the group through
+as many ports as the group has ranks in that node (NCCL's rings run one channel per port).
+The figures of each preset and their sources: docs/device-models.md.
 
 Which model a plan uses (``device_model``): ``partition(..., device_model=)`` names a preset
 (``PRESETS``), a JSON file, or a ``DeviceModel``; by default, the calibrated file of this
 machine's device if ``shardfx calibrate`` wrote one (``cache_path``), else on CUDA the preset
-of the GPU (H100, H200), else the ``cpu`` preset.
+of the GPU (H100, H200, A100), else the ``cpu`` preset.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import torch.utils._pytree as pytree
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values
-from shardfx.cost.node import is_view, node_flops
+from shardfx.cost.node import attention_work, is_view, matmul_shape, node_flops
 from shardfx.kernels.triton import FusedKernel
 from shardfx.kernels.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
                                        chunk_weight_bytes)
@@ -103,6 +112,60 @@ class Host:
 
 
 @dataclass(frozen=True)
+class Attention:
+    """A fused (flash) attention kernel's speed: FLOP/s at long sequences, forward and backward
+    (FLOPs counted as the FlashAttention papers count them: 4·b·h·d per query-key pair
+    computed forward, 2.5 times that backward), reaching half of it at ``half_seq`` keys."""
+
+    forward: float
+    backward: float
+    half_seq: int
+    kernel: str = ""  # which kernel the figures are of, for describe()
+
+    def rate(self, keys: int, backward: bool) -> float:
+        top = self.backward if backward else self.forward
+        return top * keys / (keys + self.half_seq)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What a device's kernels sustain, below its data sheet's peaks.
+
+    A GEMM of ``batch`` x (m, n, k) computes output tiles, one per SM at a time: ``matmul``
+    is the fraction of peak the vendor library reaches on its best large shape (whose K is
+    ``matmul_k``); a shape loses what it wastes of the tiles it computes (partial tiles at
+    its edges and a last wave that leaves SMs idle, the best of ``tiles``), and a K shorter
+    than ``matmul_k`` pays each tile's fixed prologue and epilogue, ``k_overhead`` columns'
+    worth, more often. ``attention``: the fused attention kernel the program runs;
+    ``vendor_attention``: the vendor's, which other frameworks call."""
+
+    matmul: float  # of peak_flops, on the best large shape (measured, vendor library)
+    matmul_k: int  # the K of that shape
+    sms: int  # streaming multiprocessors: tiles computed at once
+    tiles: tuple[tuple[int, int], ...]  # the output tile shapes the library picks among
+    k_overhead: int  # a tile's fixed cost, in columns of K
+    attention: Attention | None = None
+    vendor_attention: Attention | None = None  # cuDNN's, where published: what TE calls
+
+    def matmul_efficiency(self, batch: int, m: int, n: int, k: int) -> float:
+        """Fraction of peak a GEMM of ``batch`` x (m, n) outputs and depth ``k`` reaches."""
+        if min(batch, m, n, k) <= 0:
+            return self.matmul
+        waves = max(_wave_efficiency(batch, m, n, tm, tn, self.sms) for tm, tn in self.tiles)
+        depth = min(1.0, (k / (k + self.k_overhead))
+                    / (self.matmul_k / (self.matmul_k + self.k_overhead)))
+        return self.matmul * waves * depth
+
+
+def _wave_efficiency(batch: int, m: int, n: int, tm: int, tn: int, sms: int) -> float:
+    """Useful over computed tile area: tiles = batch·⌈m/tm⌉·⌈n/tn⌉ run ⌈tiles/sms⌉ waves
+    of ``sms`` tiles each."""
+    tiles = batch * -(-m // tm) * -(-n // tn)
+    waves = -(-tiles // sms)
+    return batch * m * n / (waves * sms * tm * tn)
+
+
+@dataclass(frozen=True)
 class DeviceModel:
     """One device's speeds (see the module docstring)."""
 
@@ -114,6 +177,8 @@ class DeviceModel:
     memory: float = 0.0  # bytes of device memory (0: unknown): when memory matters to a choice
     measured: tuple[str, ...] = field(default=(), compare=False)  # by ``shardfx calibrate``
     host: Host | None = None  # the host tier (None: no offloading can be priced)
+    throughput: Throughput | None = None  # what its kernels reach (None: the peaks, a roofline)
+    collective_latency: float = 0.0  # seconds each collective pays once, beside its steps'
 
     # --- ops --------------------------------------------------------------------------------
 
@@ -129,9 +194,35 @@ class DeviceModel:
 
     def node_seconds(self, node: fx.Node) -> float:
         """Seconds of one op of the IR or of a program (see ``node_work``); 0 for a view, a
-        collective (``collective_seconds``) and anything not a call."""
+        collective (``collective_seconds``) and anything not a call. With ``throughput``, a
+        matmul at its shape's achievable rate and a fused attention at its kernel's."""
         flops, moved, dtype = node_work(node)
-        return self.op_seconds(flops, moved, dtype) if flops or moved else 0.0
+        if not (flops or moved):
+            return 0.0
+        if self.throughput is not None:
+            rate = self._rate(node, flops, dtype)
+            if rate is not None:
+                return max(flops / rate if flops else 0.0, moved / self.memory_bandwidth)
+        return self.op_seconds(flops, moved, dtype)
+
+    def _rate(self, node: fx.Node, flops: int, dtype: torch.dtype) -> float | None:
+        """FLOP/s of a matmul or an attention ``node`` computing ``flops`` (None: neither)."""
+        shape = matmul_shape(node)
+        if shape is not None:
+            return self.peak(dtype) * self.throughput.matmul_efficiency(*shape)
+        work = attention_work(node)
+        if work is None or self.throughput.attention is None:
+            return None
+        pairs_flops, keys, backward = work  # the kernel's FLOPs, as the papers count them
+        kernel = self.throughput.attention.rate(keys, backward)
+        return kernel * flops / pairs_flops if pairs_flops else None
+
+    def matmul_seconds(self, batch: int, m: int, n: int, k: int,
+                       dtype: torch.dtype | str = "bfloat16") -> float:
+        """Compute seconds of ``batch`` GEMMs (m, k) @ (k, n) (no memory term)."""
+        flops = 2 * batch * m * n * k
+        eff = self.throughput.matmul_efficiency(batch, m, n, k) if self.throughput else 1.0
+        return flops / (self.peak(dtype) * eff)
 
     # --- communication ----------------------------------------------------------------------
 
@@ -155,15 +246,40 @@ class DeviceModel:
                         "reduce_scatter": ((n - 1) / n, n - 1),
                         "all_to_all": ((n - 1) / n, n - 1),
                         "send": (1.0, 1)}[kind]
-        return steps * link.latency + share * nbytes / link.bandwidth
+        return self.collective_latency + steps * link.latency + share * nbytes / link.bandwidth
 
-    def link_of(self, axes: tuple[tuple[str, int], ...], axis: str) -> str:
-        """"intra" or "inter": ranks are laid out row-major over ``axes`` (the last fastest,
-        ``runtime.mesh``), so ``axis`` spans its size times the sizes after it; within
-        ``devices_per_node`` ranks that is one node."""
+    def link_of(self, axes: tuple[tuple[str, int], ...], axis: str,
+                p2p: bool = False) -> Link:
+        """The link a collective over mesh axis ``axis`` runs at (the span rule). Ranks are
+        laid out row-major over ``axes`` (the last fastest, ``runtime.mesh``): ``axis`` spans
+        its size times the sizes after it, its ranks ``stride`` (the product of those after
+        it) apart. Within ``devices_per_node`` ranks that is one node: ``intra``. Across
+        nodes, each node's ranks of the group, ``per_node`` of them, send through a port
+        each (``inter`` is one port), at most the intra link's speed; a send between two
+        ranks (``p2p``) goes through one port."""
         names = [a for a, _ in axes]
-        span = math.prod(n for _, n in axes[names.index(axis):]) if axis in names else 1
-        return "intra" if span <= self.devices_per_node else "inter"
+        if axis not in names:
+            return self.links["intra"]
+        at = names.index(axis)
+        stride = math.prod(n for _, n in axes[at + 1:])
+        span = axes[at][1] * stride
+        if span <= self.devices_per_node:
+            return self.links["intra"]
+        per_node = 1 if p2p or stride >= self.devices_per_node else \
+            max(1, min(axes[at][1], self.devices_per_node // stride))
+        inter, intra = self.links["inter"], self.links["intra"]
+        if per_node == 1:
+            return inter
+        return Link(min(intra.bandwidth, per_node * inter.bandwidth), inter.latency)
+
+    def span(self, axes: tuple[tuple[str, int], ...], axis: str) -> str:
+        """"intra" or "inter": whether ``axis``'s ranks sit in one node (``link_of``)."""
+        names = [a for a, _ in axes]
+        if axis not in names:
+            return "intra"
+        at = names.index(axis)
+        return "intra" if math.prod(n for _, n in axes[at:]) <= self.devices_per_node \
+            else "inter"
 
     # --- files ------------------------------------------------------------------------------
 
@@ -189,7 +305,9 @@ class DeviceModel:
                        _positive(data["memory_bandwidth"], "memory_bandwidth"), links,
                        int(data.get("devices_per_node", 8)),
                        _nonnegative(data.get("memory", 0.0), "memory"),
-                       tuple(data.get("measured", ())), _host_of(data.get("host")))
+                       tuple(data.get("measured", ())), _host_of(data.get("host")),
+                       _throughput_of(data.get("throughput")),
+                       _nonnegative(data.get("collective_latency", 0.0), "collective_latency"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise InputError(f"cannot read the device model: {what}", where=where,
@@ -210,6 +328,19 @@ class DeviceModel:
         for kind, link in self.links.items():
             lines.append(f"  link {kind:<11} {link.bandwidth / 1e9:12.2f} GB/s, "
                          f"{link.latency * 1e6:.1f} us latency" + _mark(self, f"links.{kind}"))
+        if self.collective_latency:
+            lines.append(f"  collective       {self.collective_latency * 1e6:12.1f} us latency, "
+                         "once each")
+        if self.throughput is not None:
+            t = self.throughput
+            lines.append(f"  matmul reaches   {t.matmul:12.0%} of peak on large shapes "
+                         f"(K >= {t.matmul_k}; {t.sms} SMs, tiles "
+                         + ", ".join(f"{m}x{n}" for m, n in t.tiles) + ")")
+            if t.attention is not None:
+                a = t.attention
+                lines.append(f"  attention        {a.forward / 1e12:12.0f} / {a.backward / 1e12:.0f} "
+                             f"TFLOP/s forward / backward, half at {a.half_seq} keys"
+                             + (f" ({a.kernel})" if a.kernel else ""))
         if self.host is not None:
             if self.host.memory:
                 lines.append(f"  host memory      {self.host.memory / 2**30:12.1f} GiB"
@@ -229,6 +360,28 @@ def _host_of(data: Any) -> Host | None:
                 *(Link(_positive(data[way]["bandwidth"], f"host.{way}.bandwidth"),
                        _nonnegative(data[way]["latency"], f"host.{way}.latency"))
                   for way in ("d2h", "h2d")))
+
+
+def _throughput_of(data: Any) -> Throughput | None:
+    """``to_json``'s ``throughput`` back (None where the file has none)."""
+    if data is None:
+        return None
+    return Throughput(_positive(data["matmul"], "throughput.matmul"),
+                      int(_positive(data["matmul_k"], "throughput.matmul_k")),
+                      int(_positive(data["sms"], "throughput.sms")),
+                      tuple((int(m), int(n)) for m, n in data["tiles"]),
+                      int(_nonnegative(data["k_overhead"], "throughput.k_overhead")),
+                      _attention_of(data.get("attention"), "attention"),
+                      _attention_of(data.get("vendor_attention"), "vendor_attention"))
+
+
+def _attention_of(att: Any, name: str) -> Attention | None:
+    if att is None:
+        return None
+    return Attention(_positive(att["forward"], f"throughput.{name}.forward"),
+                     _positive(att["backward"], f"throughput.{name}.backward"),
+                     int(_nonnegative(att["half_seq"], f"throughput.{name}.half_seq")),
+                     str(att.get("kernel", "")))
 
 
 def _mark(model: DeviceModel, key: str) -> str:
@@ -251,31 +404,73 @@ def _nonnegative(value: Any, name: str) -> float:
     return v
 
 
-# --- presets ----------------------------------------------------------------------------------
+# --- presets ---------------------------------------------------------------------------------
+# Every figure's source: docs/device-models.md.
 
-NVLINK = Link(450e9, 3e-6)  # NVLink 4: 900 GB/s both directions, ~3 us per message
-NDR_IB = Link(50e9, 10e-6)  # one 400 Gb/s NDR InfiniBand port per GPU
+# NCCL's own cost model (src/graph/tuning.cc): a ring collective of the Simple protocol (the
+# one large messages take) pays 8.4 us once and 3.4 us per step over NVLink, 9.6 us per step
+# over the network.
+NCCL_LATENCY = 8.4e-6
+# NVLink 4: 450 GB/s a direction; NCCL's rings reach ~80% of a link (8 x A100: 230-250 of 300
+# GB/s), 360 GB/s. One 400 Gb/s NDR port per GPU: 50 GB/s, ~90% of it reached.
+NVLINK = Link(360e9, 3.4e-6)
+NDR_IB = Link(45e9, 9.6e-6)
+# NVLink 3: 300 GB/s a direction; NCCL caps an A100's bus bandwidth at 235 GB/s. One 200 Gb/s
+# HDR port per GPU: 25 GB/s, ~90% of it.
+NVLINK3 = Link(235e9, 3.4e-6)
+HDR_IB = Link(22.5e9, 9.6e-6)
 # PCIe Gen5 x16 between an HGX GPU and its host: 64 GB/s a direction on paper, about 53 GB/s
 # to and from pinned memory; an HGX node's 2 TB of host memory shared by its 8 GPUs.
 PCIE5 = Host(250e9, Link(53e9, 10e-6), Link(53e9, 10e-6))
+# PCIe Gen4 x16 beside an A100: 32 GB/s a direction on paper, about 25 GB/s reached; a DGX
+# A100's 2 TB of host memory over 8 GPUs.
+PCIE4 = Host(250e9, Link(25e9, 10e-6), Link(25e9, 10e-6))
 # Grace Hopper: NVLink-C2C to the Grace CPU's LPDDR5X, 450 GB/s a direction (900 both), 480 GB.
 C2C = Host(480e9, Link(450e9, 2e-6), Link(450e9, 2e-6))
 
+# The fused attention PyTorch's flash backend runs (FlashAttention-2), head dim 128, as the
+# FlashAttention-3 paper measured it on an H100 SXM5 (causal forward, backward) and the
+# FlashAttention-2 paper on an A100 (73% and 63% of peak at best); half speed at ~400 keys.
+FA2_H100 = Attention(335e12, 322e12, 400, "FlashAttention-2")
+FA2_A100 = Attention(0.73 * 312e12, 0.63 * 312e12, 400, "FlashAttention-2")
+# cuDNN's fused attention in the same figures (causal forward, backward at 16k keys).
+CUDNN_H100 = Attention(539e12, 516e12, 400, "cuDNN")
+# Hopper GEMM tiles (CUTLASS/cuBLAS warp-specialized kernels), the best large bf16 matmul
+# measured: 792.1 of 989 TFLOP/s at 6144x17920x2816 (ml-engineering's MAMF table). A
+# tile's prologue and epilogue: two 64-deep stages of its main loop.
+H100_KERNELS = Throughput(792.1 / 989, 2816, 132, ((128, 256), (256, 128), (128, 128)), 128,
+                          FA2_H100, CUDNN_H100)
+# GH200: 821.0 of 989 at 11264x19712x1536 (the same table); the H100's tiles and attention.
+GH200_KERNELS = replace(H100_KERNELS, matmul=821.0 / 989, matmul_k=1536)
+# A100: 267.9 of 312 TFLOP/s at 6912x16384x2048 (the same table), 108 SMs.
+A100_KERNELS = Throughput(267.9 / 312, 2048, 108, ((256, 128), (128, 256), (128, 128)), 128,
+                          FA2_A100)
+
+_HOPPER = {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12, "float16": 989e12}
+
 PRESETS: dict[str, DeviceModel] = {
-    # H100 SXM, dense (no sparsity). fp32 is the CUDA cores' 67 TFLOP/s: torch runs fp32
-    # matmuls in full fp32 by default (torch.backends.cuda.matmul.allow_tf32 is False), not
-    # in TF32 on the tensor cores. fp64 on the tensor cores, 67 TFLOP/s too.
-    "h100": DeviceModel("h100", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
-                                 "float16": 989e12}, 3.35e12, {"intra": NVLINK, "inter": NDR_IB},
-                        memory=80e9, host=PCIE5),
+    # H100 SXM in a DGX H100 (8 per node, NVLink 4 through NVSwitch, 8 x 400 Gb/s NDR), dense
+    # (no sparsity). fp32 is the CUDA cores' 67 TFLOP/s: torch runs fp32 matmuls in full fp32
+    # by default (torch.backends.cuda.matmul.allow_tf32 is False), not in TF32 on the tensor
+    # cores. fp64 on the tensor cores, 67 TFLOP/s too.
+    "h100": DeviceModel("h100", _HOPPER, 3.35e12, {"intra": NVLINK, "inter": NDR_IB},
+                        memory=80e9, host=PCIE5, throughput=H100_KERNELS,
+                        collective_latency=NCCL_LATENCY),
     # H200: the H100's compute with faster, larger HBM3e.
-    "h200": DeviceModel("h200", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
-                                 "float16": 989e12}, 4.8e12, {"intra": NVLINK, "inter": NDR_IB},
-                        memory=141e9, host=PCIE5),
+    "h200": DeviceModel("h200", _HOPPER, 4.8e12, {"intra": NVLINK, "inter": NDR_IB},
+                        memory=141e9, host=PCIE5, throughput=H100_KERNELS,
+                        collective_latency=NCCL_LATENCY),
     # GH200 (96 GB HBM3): the H100's compute, 4 TB/s, and the Grace CPU's memory over C2C.
-    "gh200": DeviceModel("gh200", {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12,
-                                   "float16": 989e12}, 4.0e12,
-                         {"intra": NVLINK, "inter": NDR_IB}, memory=96e9, host=C2C),
+    "gh200": DeviceModel("gh200", _HOPPER, 4.0e12, {"intra": NVLINK, "inter": NDR_IB},
+                         memory=96e9, host=C2C, throughput=GH200_KERNELS,
+                         collective_latency=NCCL_LATENCY),
+    # A100 SXM 80GB in a DGX A100 (8 per node, NVLink 3 through NVSwitch, 8 x 200 Gb/s HDR):
+    # 312 TFLOP/s bf16/fp16 dense, fp32 on the CUDA cores 19.5 (no TF32, as above), fp64 on
+    # the tensor cores 19.5; 2.039 TB/s HBM2e.
+    "a100": DeviceModel("a100", {"float64": 19.5e12, "float32": 19.5e12, "bfloat16": 312e12,
+                                 "float16": 312e12}, 2.039e12,
+                        {"intra": NVLINK3, "inter": HDR_IB}, memory=80e9, host=PCIE4,
+                        throughput=A100_KERNELS, collective_latency=NCCL_LATENCY),
     # Any CPU, when nothing is calibrated: a few cores' worth of AVX2 (bf16/fp16 matmuls are
     # slower than fp32 on CPUs without AMX), dual-channel DRAM, gloo over loopback inside a
     # machine and 10 Gb Ethernet between machines. Ranks of a CPU mesh are usually processes
@@ -359,8 +554,9 @@ def _default(device: torch.device) -> DeviceModel:
 
 def gpu_preset(gpu: str) -> DeviceModel | None:
     """The preset of a GPU named ``gpu`` (``torch.cuda.get_device_name``), or None: a GH200
-    before an H200 (its name holds "h200" too), then an H100."""
-    for key in ("gh200", "h200", "h100"):
+    before an H200 (its name holds "h200" too), then an H100, then an A100 (the 80 GB one's
+    figures)."""
+    for key in ("gh200", "h200", "h100", "a100"):
         if key in gpu.lower():
             return PRESETS[key]
     return None

@@ -1,7 +1,9 @@
 """What one op costs: its FLOPs (torch's own per-op formulas, ``torch.utils.flop_counter``,
 and ``CPU_ATTENTION_FLOPS`` for CPU flash attention, which torch has no formula for), the bytes
-it writes, and whether it is a view (writing none). ``passes/estimate_cost`` records them on
-every op; ``DeviceModel.node_seconds`` turns them into time."""
+it writes, and whether it is a view (writing none); for the ops whose speed depends on their
+shape, the shape: a matmul's (``matmul_shape``), a fused attention's work as its kernel counts
+it (``attention_work``). ``passes/estimate_cost`` records the FLOPs on every op;
+``DeviceModel.node_seconds`` turns them into time."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardfx.ir import meta as M
+from shardfx.ir.band import Band
+from shardfx.kernels.attention import BAND_MASK, band_of
 
 
 def _cpu_attention(query, key, value, *args, **kwargs) -> int:
@@ -79,3 +83,70 @@ def _viewable(shape: tuple, stride: tuple, into: tuple) -> bool:
         return True
     except RuntimeError:
         return False
+
+
+aten = torch.ops.aten
+# matmul op -> the positions of its two operands
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+            aten.baddbmm.default: (1, 2)}
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_RING = ("ring_attention", "ring_attention_backward")  # codegen.ring_attention's op names
+
+
+def matmul_shape(node: fx.Node) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of a GEMM node (mm, addmm, bmm, baddbmm; the chunked LM head of
+    ``kernels.linear_ce``: its chunks' shape), else None."""
+    if node.op != "call_function":
+        return None
+    where = _MATMULS.get(node.target)
+    if where is not None:
+        a, b = (node.args[i].meta.get(M.VAL) for i in where)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return None
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return batch, a.shape[-2], b.shape[-1], a.shape[-1]
+    kind = type(node.target).__name__
+    if kind in ("LinearCrossEntropy", "LinearCrossEntropyBackward"):  # (h, w, ...) after grad
+        args = node.args if kind == "LinearCrossEntropy" else node.args[1:]
+        h, w = (a.meta.get(M.VAL) if isinstance(a, fx.Node) else None for a in args[:2])
+        if not (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor)):
+            return None
+        return 1, min(node.target.rows, h.shape[0]), w.numel() // h.shape[-1], h.shape[-1]
+    return None
+
+
+def attention_work(node: fx.Node) -> tuple[int, int, bool] | None:
+    """(FLOPs as the FlashAttention papers count them, keys per query block, backward) of a
+    fused attention node, else None: 4·b·h·d per query-key pair computed forward (the pairs
+    its band allows: about half under the causal mask), 2.5 times that backward (the scores
+    computed again, five matmuls). Ring attention's ops count their own pairs."""
+    if node.op != "call_function":
+        return None
+    if getattr(node.target, "name", None) in _RING and hasattr(node.target, "flops"):
+        from shardfx.ir.graph import arg_values  # ir is below cost; the values of its args
+
+        backward = node.target.name == _RING[1]
+        q = arg_values(node)[1 if backward else 0]
+        return int(node.target.flops(*arg_values(node))), q.shape[2], backward
+    if node.target not in (_FLASH, _FLASH_BACKWARD):
+        return None
+    backward = node.target is _FLASH_BACKWARD
+    q, k = (node.args[i].meta.get(M.VAL) for i in ((1, 2) if backward else (0, 1)))
+    causal = node.args[7 if backward else 4] if len(node.args) > (7 if backward else 4) \
+        else node.kwargs.get("is_causal", False)
+    mask = node.kwargs.get("attn_mask")
+    band = band_of(mask) if isinstance(mask, fx.Node) and mask.target is BAND_MASK else \
+        Band.of(bool(causal))
+    b, h, sq, d = q.shape
+    pairs = band_pairs(band, sq, k.shape[2])
+    return int(4 * b * h * d * pairs * (2.5 if backward else 1)), k.shape[2], backward
+
+
+@functools.lru_cache(maxsize=256)
+def band_pairs(band: Band, queries: int, keys: int) -> int:
+    """Query-key pairs ``band`` allows, the queries the last ``queries`` of ``keys``."""
+    if band.full:
+        return queries * keys
+    i = torch.arange(keys - queries, keys)
+    return int((band.last(i, keys) - band.first(i) + 1).clamp(min=0).sum())

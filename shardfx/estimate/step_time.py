@@ -2,14 +2,15 @@
 
 Requires: a Plan with its program(s) emitted (``plan.program``, or ``plan.stage_program`` and
           ``plan.schedule``) and ``plan.options.device_model`` (None: the ``cpu`` preset).
-Ensures:  a ``PredictedStep``: compute, communication and total seconds, on the model named.
+Ensures:  a ``PredictedStep``: compute, communication (and the part of it not hidden behind
+          compute) and total seconds, on the model named.
 
 What is counted, per device (one rank; in a pipeline, its busiest one):
 
 - **ops**: each op of the generated program(s), on their local shapes,
-  ``DeviceModel.node_seconds``: the roofline of its FLOPs and the bytes it reads and writes. A
-  fused Triton kernel counts as one op (what the kernel moves, not its parts); views move
-  nothing.
+  ``DeviceModel.node_seconds``: the roofline of its FLOPs (a matmul at its shape's achievable
+  rate, an attention at its kernel's) and the bytes it reads and writes. A fused Triton kernel
+  counts as one op (what the kernel moves, not its parts); views move nothing.
 - **collectives**: each one in the program (tp's redistributions, dp's gradient buckets,
   ZeRO's reduce-scatters and gathers, and ZeRO-1/2's gather after the optimizer step),
   ``DeviceModel.collective_seconds`` on the link of its mesh axis (``DeviceModel.link_of``).
@@ -19,25 +20,38 @@ What is counted, per device (one rank; in a pipeline, its busiest one):
 - **the optimizer's step**: memory-bound: each parameter (the rows this rank steps) read and
   written, its gradient read, each state tensor read and written.
 - **a pipeline** is simulated over its schedule (``schedule.simulate``) with each action's
-  parts' ops and collectives, plus the activations and gradients it sends to another rank
-  (one send each, on the pp link).
+  parts' ops and collectives; the activations and gradients it sends another rank leave as
+  isends while the sender goes on, and arrive a send's time later (``transfer``).
 - **accumulation** (``microbatches`` without a pp axis): the program runs once per microbatch,
   its collectives too (each pass reduces its gradients, as it runs), and the optimizer once:
   one step prices the whole global batch.
 
-Nothing overlaps: communication is added to compute, as if each collective waited for the
-one before it and compute waited for it. Real runs overlap some (dp buckets are issued during
-the backward), so the prediction is an upper bound in that respect.
+What overlaps is what the program overlaps (``program_time``): ops run in program order on
+one stream; a collective starts when the program issues it (and its axis's previous
+collective is done: one NCCL stream per process group) and runs beside the ops after it until
+the program waits for it (``wait_tensor``). tp's collectives are waited for at once, so they
+add to the step; dp's gradient buckets are issued during the backward and waited for at its
+end, so the backward hides them. Ring attention posts each step's exchange before it
+computes the step before. In a pipeline, a stage's buckets start once its last microbatch's
+backward is done (``runtime.buckets``) and run beside the rank's remaining actions. ZeRO's
+gather of the updated rows runs after the optimizer's step, on its own.
+
+``assume`` prices techniques the program lacks, as a published system used them, so a
+measured step can be compared with the program and with what the technique would give
+(``TECHNIQUES``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from shardfx.cost.device_model import DeviceModel, default_model
+from shardfx.errors import InputError
+from shardfx.cost.node import matmul_shape
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values
 from shardfx.cost.optimizer import optimizer_model
@@ -47,6 +61,28 @@ c10d = torch.ops._c10d_functional
 _COLLECTIVES = {c10d.all_reduce.default: "all_reduce",
                 c10d.all_gather_into_tensor.default: "all_gather",
                 c10d.reduce_scatter_tensor.default: "reduce_scatter"}
+_WAIT = c10d.wait_tensor.default
+
+# Techniques a published system used that shardfx's program does not have, priced as if it
+# had them (``predict_step(plan, assume=...)``).
+TECHNIQUES = {
+    "tp-overlap": "tensor-parallel collectives split into chunks and overlapped with the "
+                  "matmul beside them (Transformer Engine's userbuffers): each is hidden but "
+                  "for one chunk, or what the matmul cannot cover",
+    "grad-reduce-once": "gradient accumulation reduces the gradients over dp (and cp) once, "
+                        "in the last pass (Megatron, DDP's no_sync), not in every pass",
+    "param-gather-overlap": "ZeRO's all-gather of the updated parameters runs beside the next "
+                            "step's forward (Megatron's overlap_param_gather)",
+    "low-precision-weights": "the weights kept in bf16/fp16 (the fp32 master copy in the "
+                             "optimizer, Megatron's mixed precision): no cast of each weight in "
+                             "every microbatch's forward",
+    "vendor-attention": "the vendor's fused attention (cuDNN, through Transformer Engine) in the "
+                        "place of PyTorch's flash kernel, at its measured speed",
+    "vocab-parallel": "the embedding and LM head split over tp by vocabulary rows (Megatron's "
+                      "VocabParallelEmbedding and parallel cross-entropy): each rank computes "
+                      "1/tp of every op on a vocabulary-sized dimension, and no vocabulary-sized "
+                      "gradient is all-reduced over tp",
+}
 
 
 @dataclass(frozen=True)
@@ -56,9 +92,16 @@ class PredictedStep:
     model: str  # the DeviceModel's name
     compute: float  # ops and the optimizer's step
     communication: float  # collectives, a pipeline's sends and dp reductions
-    total: float  # the step: compute + communication (+ a pipeline's idle time)
+    total: float  # the step: compute + exposed communication (+ a pipeline's idle time)
     optimizer: float = 0.0  # of compute: the optimizer's step
     idle: float = 0.0  # of total: the busiest pipeline rank waiting for others (the bubble)
+    exposed: float | None = None  # of communication: what compute does not hide (None: all)
+    assumed: tuple[str, ...] = ()  # techniques priced as if the program had them (TECHNIQUES)
+
+    @property
+    def waiting(self) -> float:
+        """Seconds of the total spent waiting for communication."""
+        return self.communication if self.exposed is None else self.exposed
 
     @property
     def duration(self) -> str:
@@ -68,11 +111,16 @@ class PredictedStep:
 
     def __str__(self) -> str:
         unit, scale = _unit(self.total)
+        comm = f"communication {self.communication * scale:.3g}"
+        if self.exposed is not None and self.exposed < 0.995 * self.communication:
+            comm += f" ({self.exposed * scale:.3g} not overlapped)"
         parts = [f"compute {self.compute * scale:.3g}"
                  + (f" incl. optimizer {self.optimizer * scale:.3g}" if self.optimizer else ""),
-                 f"communication {self.communication * scale:.3g}"]
+                 comm]
         if self.idle > 0:
             parts.append(f"pipeline bubble {self.idle * scale:.3g}")
+        if self.assumed:
+            parts.append("assuming " + ", ".join(self.assumed))
         return f"predicted step {self.duration} on {self.model} ({', '.join(parts)})"
 
 
@@ -82,46 +130,166 @@ def _unit(seconds: float) -> tuple[str, float]:
     return ("ms", 1e3) if seconds >= 1e-3 else ("us", 1e6)
 
 
-def predict_step(plan) -> PredictedStep:
-    """The step of ``plan`` (a ``shardfx.Plan``) on its device model (module docstring)."""
-    model = default_model(plan.options)
+@dataclass(frozen=True)
+class ProgramTime:
+    """One run of a program's graph on one device."""
+
+    compute: float  # its ops, one after another
+    communication: float  # its collectives' own times, hidden or not
+    total: float  # until its last op and collective are done
+
+    @property
+    def exposed(self) -> float:
+        return self.total - self.compute
+
+
+def predict_step(plan, assume=(), model: DeviceModel | None = None) -> PredictedStep:
+    """The step of ``plan`` (a ``shardfx.Plan``) on its device model, or on ``model``
+    (module docstring); ``assume``: names of ``TECHNIQUES`` to price as if the program had
+    them."""
+    assume = tuple(assume)
+    for name in assume:
+        if name not in TECHNIQUES:
+            raise InputError(f"unknown technique {name!r}", where="predict_step(assume=...)",
+                             fix=f"one of {', '.join(TECHNIQUES)}")
+    model = model or default_model(plan.options)
+    if "vendor-attention" in assume and model.throughput is not None and \
+            model.throughput.vendor_attention is not None:
+        kernels = model.throughput
+        model = dataclasses.replace(model, throughput=dataclasses.replace(
+            kernels, attention=kernels.vendor_attention))
     optimizer = _optimizer_seconds(plan, model)
     if plan.stage_program is None:  # the program once per microbatch (accumulated)
-        compute, comm = program_seconds(plan.program.module.graph, model, plan.mesh.axes)
+        graph, axes = plan.program.module.graph, plan.mesh.axes
         passes = plan.options.microbatches
-        compute, comm = passes * compute, passes * comm
+        runs = [program_time(graph, model, axes, assume)] * passes
+        if passes > 1 and "grad-reduce-once" in assume:  # the earlier passes reduce nothing
+            runs[:-1] = [program_time(graph, model, axes, assume,
+                                      skip=("dp", "dp_replicate", "cp"))] * (passes - 1)
+        compute = sum(r.compute for r in runs)
+        comm = sum(r.communication for r in runs)
+        total = sum(r.total for r in runs)
         for gather in plan.zero_gather_programs:  # after the optimizer step (ZeRO-1/2)
-            c, m = program_seconds(gather.module.graph, model, plan.mesh.axes)
-            compute, comm = compute + c, comm + m
+            g = program_time(gather.module.graph, model, axes, assume)
+            compute, comm = compute + g.compute, comm + g.communication
+            total += g.compute if "param-gather-overlap" in assume else g.total
         opt = max(optimizer.values(), default=0.0)
-        return PredictedStep(model.name, compute + opt, comm, compute + opt + comm, opt)
-    return _pipeline(plan, model, optimizer)
+        return PredictedStep(model.name, compute + opt, comm, total + opt, opt,
+                             exposed=total - compute, assumed=assume)
+    return _pipeline(plan, model, optimizer, assume)
 
 
 def program_seconds(graph: fx.Graph, model: DeviceModel, axes) -> tuple[float, float]:
     """(compute, communication) seconds of one run of a program's graph on one device; ``axes``:
     the whole mesh's (axis, size) pairs, for each collective's group size and link."""
-    compute = comm = 0.0
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
+    run = program_time(graph, model, axes)
+    return run.compute, run.communication
+
+
+def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
+                 skip=()) -> ProgramTime:
+    """One run of ``graph`` on one device, overlapped as the program overlaps (module
+    docstring). ``skip``: axes whose collectives are left out (an accumulation's earlier
+    passes under ``grad-reduce-once``)."""
+    axes = tuple(axes)
+    sizes = dict(axes)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    own = {n: model.node_seconds(n) for n in nodes if n.target not in _COLLECTIVES}
+    vocab = _vocab(graph) if "vocab-parallel" in assume and sizes.get("tp", 1) > 1 else None
+    if vocab:  # each rank's rows of the vocabulary
+        own = {n: t / sizes["tp"] if _on_vocab(n, vocab) else t for n, t in own.items()}
+    if "low-precision-weights" in assume:  # the weights are already in the compute dtype
+        own = {n: 0.0 if _weight_cast(n) else t for n, t in own.items()}
+    clock = compute = comm = 0.0
+    free: dict[str, float] = {}  # axis -> when its stream is free
+    done: dict[fx.Node, float] = {}  # collective -> when it ends
+    last_mm = 0.0
+    for i, node in enumerate(nodes):
         kind = _COLLECTIVES.get(node.target)
-        if kind is None:
-            compute += model.node_seconds(node)
-            if hasattr(node.target, "sends"):  # ring attention's p2p, not overlapped here
-                link = model.link_of(tuple(axes), "cp")
-                comm += sum(model.collective_seconds("send", b, 2, link)
-                            for b in node.target.sends(*arg_values(node)))
-            for e in getattr(node.target, "exchanges", lambda *_: [])(*arg_values(node)):
-                comm += model.collective_seconds(e.kind, e.nbytes, dict(axes).get(e.axis, 1),
-                                                 model.link_of(tuple(axes), e.axis))
+        if kind is not None:
+            axis = _axis(node)
+            if axis in skip or vocab and axis == "tp" and _on_vocab(node, vocab):
+                done[node] = clock
+                continue
+            n = sizes.get(axis, 1)
+            val = node.args[0].meta[M.VAL]
+            nbytes = val.numel() * val.element_size() * (n if kind == "all_gather" else 1)
+            seconds = model.collective_seconds(kind, nbytes, n, model.link_of(axes, axis))
+            comm += seconds
+            if axis == "tp" and "tp-overlap" in assume:  # hidden behind the matmul beside it
+                beside = _next_matmul(nodes, i, own) if kind == "all_gather" else last_mm
+                seconds = max(seconds / n, seconds - beside)
+            start = max(clock, free.get(axis, 0.0))
+            free[axis] = done[node] = start + seconds
             continue
-        axis = _axis(node)
-        n = dict(axes).get(axis, 1)
-        val = node.args[0].meta[M.VAL]
-        nbytes = val.numel() * val.element_size() * (n if kind == "all_gather" else 1)
-        comm += model.collective_seconds(kind, nbytes, n, model.link_of(tuple(axes), axis))
-    return compute, comm
+        if node.target is _WAIT:
+            clock = max(clock, done.get(node.args[0], clock))
+            continue
+        seconds = own[node]
+        compute += seconds
+        if matmul_shape(node) is not None:
+            last_mm = seconds
+        if hasattr(node.target, "sends"):  # ring attention: each step's exchange beside it
+            messages = node.target.sends(*arg_values(node))
+            link = model.link_of(axes, "cp", p2p=True)
+            sent = [model.collective_seconds("send", b, 2, link) for b in messages]
+            comm += sum(sent)
+            clock += _ring_seconds(seconds, sent, getattr(node.target, "name", ""))
+            continue
+        for e in getattr(node.target, "exchanges", lambda *_: [])(*arg_values(node)):
+            if e.axis in skip:
+                continue
+            t = model.collective_seconds(e.kind, e.nbytes, sizes.get(e.axis, 1),
+                                         model.link_of(axes, e.axis))
+            comm += t
+            clock += t  # an expert exchange waits for its data
+        clock += seconds
+    end = max([clock, *free.values()])
+    return ProgramTime(compute, comm, end)
+
+
+def _ring_seconds(compute: float, sent: list[float], name: str) -> float:
+    """A ring attention op's time: its blocks computed one after another, each step's
+    exchange beside the block before it (the backward sends keys and values, then their
+    gradients back: two messages a step)."""
+    per_step = 2 if name.endswith("backward") else 1
+    steps = max(1, len(sent) // per_step)
+    block = compute / (steps + 1)
+    moved = [sum(sent[k::steps]) for k in range(steps)]  # what moves during step k
+    return block + sum(max(block, m) for m in moved)
+
+
+def _vocab(graph: fx.Graph) -> int | None:
+    """The vocabulary: rows of the weight an embedding op looks up in (None: no embedding)."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default):
+        weight = node.args[0].meta.get(M.VAL)
+        if isinstance(weight, torch.Tensor):
+            return weight.shape[0]
+    return None
+
+
+def _on_vocab(node: fx.Node, vocab: int) -> bool:
+    """Whether ``node`` reads or writes a tensor with a dimension of ``vocab``: the embedding,
+    the LM head, the logits and the loss on them, and their gradients."""
+    vals = [node.meta.get(M.VAL), *(a.meta.get(M.VAL) for a in node.all_input_nodes)]
+    return any(isinstance(v, torch.Tensor) and vocab in v.shape for v in vals) or \
+        type(node.target).__name__.startswith("LinearCrossEntropy")
+
+
+def _weight_cast(node: fx.Node) -> bool:
+    """A parameter cast to another dtype (mixed precision's per-microbatch copy)."""
+    if node.target is not torch.ops.aten._to_copy.default:
+        return False
+    src = node.args[0]
+    role = src.meta.get(M.ROLE) if isinstance(src, fx.Node) and src.op == "placeholder" else None
+    return getattr(role, "kind", None) is M.InputKind.PARAM
+
+
+def _next_matmul(nodes: list[fx.Node], i: int, own: dict) -> float:
+    for node in nodes[i + 1:]:
+        if matmul_shape(node) is not None:
+            return own[node]
+    return 0.0
 
 
 def _axis(node: fx.Node) -> str:
@@ -141,53 +309,72 @@ def _optimizer_seconds(plan, model: DeviceModel) -> dict[str, float]:
             for label, (_, trained, state) in plan.state_rows().items()}
 
 
-def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float]) -> PredictedStep:
+def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float], assume) -> PredictedStep:
     program = plan.compiled_stages()
     axes = plan.mesh.axes
-    pp_link = model.link_of(axes, "pp")
-    parts = {name: program_seconds(getattr(plan.stage_program, name).graph, model, axes)
+    pp_link = model.link_of(axes, "pp", p2p=True)
+    parts = {name: program_time(getattr(plan.stage_program, name).graph, model, axes, assume)
              for name in program.parts}
 
-    def cost(action) -> tuple[float, float]:
-        compute = sum(parts[p][0] for p in program.parts_of(action))
-        comm = sum(parts[p][1] for p in program.parts_of(action))
-        for (part, out, _), _dst in program.messages(action)[0]:
-            val = program.out_val(part, out)
-            comm += model.collective_seconds("send", val.numel() * val.element_size(), 2,
-                                             pp_link)
-        return compute, comm
+    def sent(action) -> float:
+        """Seconds the values ``action`` sends other ranks take to arrive."""
+        out = 0.0
+        for (part, index, _), _dst in program.messages(action)[0]:
+            val = program.out_val(part, index)
+            out += model.collective_seconds("send", val.numel() * val.element_size(), 2, pp_link)
+        return out
 
-    costs = {}
+    costs, transfers = {}, {}
     for actions in plan.schedule.actions:
         for action in actions:
-            costs[action] = cost(action)
-    timeline = simulate(plan.schedule, lambda a: sum(costs[a]))
-    after = _dp_reduce(plan, model)  # per pp rank, once every microbatch is done
+            runs = [parts[p] for p in program.parts_of(action)]
+            costs[action] = (sum(r.total for r in runs), sum(r.compute for r in runs),
+                             sum(r.communication for r in runs))
+            transfers[action] = sent(action)
+    timeline = simulate(plan.schedule, lambda a: costs[a][0], transfer=transfers.get)
+    ends: dict[int, float] = {}  # stage -> when its last action ends
+    finish: dict[int, float] = {}  # rank -> when its last action ends
+    for span in timeline.spans:
+        ends[span.action.stage] = max(ends.get(span.action.stage, 0.0), span.end)
+        finish[span.rank] = max(finish.get(span.rank, 0.0), span.end)
+    reduce, gather = _dp_reduce(plan, model)
     ranks = []
     for rank, actions in enumerate(plan.schedule.actions):
         opt = optimizer.get(f"pp rank {rank}", 0.0)
-        compute = sum(costs[a][0] for a in actions) + opt
-        comm = sum(costs[a][1] for a in actions) + after.get(rank, 0.0)
-        ranks.append((compute + comm, compute, comm, opt, after.get(rank, 0.0) + opt))
-    total = timeline.makespan + max(r[4] for r in ranks)
-    _, compute, comm, opt, _ = max(ranks)
-    return PredictedStep(model.name, compute, comm, total, opt, max(0.0, total - compute - comm))
+        free = 0.0  # each stage's buckets start as its last action ends, one after another
+        for stage in sorted(reduce.get(rank, {}), key=lambda st: ends.get(st, 0.0)):
+            free = max(free, ends.get(stage, 0.0)) + reduce[rank][stage]
+        done = finish.get(rank, 0.0)
+        tail = max(0.0, free - done) + \
+            (0.0 if "param-gather-overlap" in assume else gather.get(rank, 0.0))
+        busy = sum(costs[a][0] for a in actions) + opt  # computing, or waiting on its own
+        compute = sum(costs[a][1] for a in actions) + opt
+        comm = sum(costs[a][2] + transfers[a] for a in actions) + \
+            sum(reduce.get(rank, {}).values()) + gather.get(rank, 0.0)
+        ranks.append((busy, done + opt + tail, compute, comm, opt, tail))
+    total = max(r[1] for r in ranks)
+    busy, _, compute, comm, opt, tail = max(ranks)
+    exposed = busy - compute + tail
+    return PredictedStep(model.name, compute, comm, total, opt, max(0.0, total - compute - exposed),
+                         exposed=exposed, assumed=assume)
 
 
-def _dp_reduce(plan, model: DeviceModel) -> dict[int, float]:
-    """Per pp rank, its stages' gradient reductions over dp (each bucket's collective, as the
-    compiler emitted them: ``codegen.replicas``), then under ZeRO the gather of the updated
-    rows."""
+def _dp_reduce(plan, model: DeviceModel) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+    """Per pp rank: its stages' gradient reductions over dp, per stage (each bucket's
+    collective, as the compiler emitted them: ``codegen.replicas``), and under ZeRO the
+    gather of the updated rows."""
     dp = plan.mesh.axis("dp")
     if dp == 1 or plan.mode is not M.Mode.TRAIN:
-        return {}
+        return {}, {}
     link = model.link_of(plan.mesh.axes, "dp")
-    out = {rank: 0.0 for rank in range(plan.mesh.axis("pp"))}
+    reduce: dict[int, dict[int, float]] = {}
     for stage, reduction in plan.stage_program.meta[M.REPLICAS].items():
-        out[plan.schedule.rank_of(stage)] += sum(
+        rank = plan.schedule.rank_of(stage)
+        reduce.setdefault(rank, {})[stage] = sum(
             model.collective_seconds(c.kind, c.nbytes, dp, link) for c in reduction.collectives)
+    gather: dict[int, float] = {}
     if plan.options.zero:  # the updated rows back to every replica
         for label, (params, _, _) in plan.state_rows().items():
-            out[int(label.removeprefix("pp rank "))] += \
+            gather[int(label.removeprefix("pp rank "))] = \
                 model.collective_seconds("all_gather", params, dp, link)
-    return out
+    return reduce, gather

@@ -141,13 +141,24 @@ def _backward_stages(gm: fx.GraphModule, forward: list[fx.Node]) -> None:
         if "seq_nr" in node.meta:
             of_seq.setdefault(node.meta["seq_nr"], node.meta[M.STAGE])
     last = max((n.meta[M.STAGE] for n in forward), default=0)
+    weights_only = []  # backward ops of no forward op that read only inputs (t(W), a cast)
     for node in op_nodes(gm.graph):
         if node.meta[M.PHASE] is not M.Phase.BACKWARD:
             continue
-        stage = of_seq.get(node.meta.get("seq_nr"), last)
+        stage = of_seq.get(node.meta.get("seq_nr"))
         from_bwd = [a.meta[M.STAGE] for a in node.all_input_nodes
                     if a.meta.get(M.PHASE) is M.Phase.BACKWARD and M.STAGE in a.meta]
+        if stage is None:  # not paired with a forward op: where what it reads is made
+            made = [a.meta[M.STAGE] for a in node.all_input_nodes
+                    if a.meta.get(M.PHASE) is M.Phase.FORWARD and M.STAGE in a.meta]
+            if not made and not from_bwd:
+                weights_only.append(node)
+                continue
+            stage = max(made, default=last)
         node.meta[M.STAGE] = min([stage, *from_bwd])
+    for node in reversed(weights_only):  # where its first reader runs
+        used = [u.meta[M.STAGE] for u in node.users if M.STAGE in u.meta]
+        node.meta[M.STAGE] = min(used, default=last)
 
 
 def node_time(node: fx.Node, model: DeviceModel) -> float:

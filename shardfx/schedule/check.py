@@ -81,12 +81,15 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: Costs | Callable[[Action], float] | None = None, *,
-             send_early: bool = False) -> Timeline:
+             send_early: bool = False,
+             transfer: Callable[[Action], float | None] | None = None) -> Timeline:
     """Start and end of every action; ``ScheduleError`` if the schedule deadlocks.
 
     ``send_early``: in a schedule without W actions, a B's input gradient leaves once its own
     part (``costs.backward - costs.weight``) is done, before the weight gradient, as shardfx's
-    runner sends it; the published formulas wait for the whole backward."""
+    runner sends it; the published formulas wait for the whole backward.
+    ``transfer``: how long what an action makes takes to reach another rank; an action that
+    needs it there starts that much later (the sender goes on at once: an isend)."""
     early = None
     if send_early and not schedule.split_backward:
         if not isinstance(costs, Costs | None):
@@ -95,7 +98,7 @@ def simulate(schedule: Schedule, costs: Costs | Callable[[Action], float] | None
                                 fix="pass Costs(forward, backward, weight)")
         c = costs or Costs()
         early = c.backward - c.weight
-    spans, stuck = _run(schedule, _durations(schedule, costs), early)
+    spans, stuck = _run(schedule, _durations(schedule, costs), early, transfer)
     if stuck:
         raise _deadlock(schedule, stuck)
     return Timeline(schedule, tuple(spans))
@@ -203,9 +206,11 @@ def _needs(schedule: Schedule, a: Action) -> list[Action]:
     return [Action(s + 1, Kind.SEND_B, i)]  # RECV_B
 
 
-def _run(schedule: Schedule, duration: Callable[[Action], float], early: float | None = None):
+def _run(schedule: Schedule, duration: Callable[[Action], float], early: float | None = None,
+         transfer: Callable[[Action], float | None] | None = None):
     """Play the lists; returns the spans that ran and, per stuck rank, (rank, index, action,
-    unmet needs). ``early``: a B's input gradient is ready this long after it starts."""
+    unmet needs). ``early``: a B's input gradient is ready this long after it starts;
+    ``transfer``: what an action makes reaches another rank this long after it is ready."""
     position, clock = [0] * schedule.ranks, [0.0] * schedule.ranks
     end: dict[Action, float] = {}
     sent: dict[Action, float] = {}  # when a B's input gradient is ready, if before its end
@@ -219,8 +224,9 @@ def _run(schedule: Schedule, duration: Callable[[Action], float], early: float |
                 needs = _needs(schedule, a)
                 if any(n not in end for n in needs):
                     break
-                start = max([clock[rank], *(sent.get(n, end[n]) if n.stage != a.stage or
-                                            a.kind is Kind.SEND_B else end[n] for n in needs)])
+                start = max([clock[rank], *((sent.get(n, end[n]) if n.stage != a.stage or
+                                             a.kind is Kind.SEND_B else end[n])
+                                            + _away(schedule, transfer, n, a) for n in needs)])
                 clock[rank] = end[a] = start + duration(a)
                 if early is not None and a.kind is Kind.B:
                     sent[a] = start + early
@@ -232,6 +238,13 @@ def _run(schedule: Schedule, duration: Callable[[Action], float], early: float |
               [n for n in _needs(schedule, acts[position[rank]]) if n not in end])
              for rank, acts in enumerate(schedule.actions) if position[rank] < len(acts)]
     return spans, stuck
+
+
+def _away(schedule: Schedule, transfer, need: Action, a: Action) -> float:
+    """The time ``need``'s output takes to reach ``a``'s rank (0 on the same rank)."""
+    if transfer is None or schedule.rank_of(need.stage) == schedule.rank_of(a.stage):
+        return 0.0
+    return transfer(need) or 0.0
 
 
 def _durations(schedule: Schedule, costs) -> Callable[[Action], float]:
