@@ -25,12 +25,18 @@ demo: $(STAMP)
 	$(BIN)/python examples/nanogpt.py
 	$(BIN)/python examples/parallel.py
 
+# The suite runs on as many workers as there are cores, up to 4 (pytest-xdist): most tests
+# are one Python thread, and a test whose ranks wait on each other leaves a core idle. The
+# lines of one README sh block share a worker (xdist_group), run in order.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := -n $(JOBS) --dist loadgroup
+
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q $(XDIST) --durations=25
 
 # The inner loop: the tests that start no process (the rest are marked multiprocess).
 check: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not multiprocess"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not multiprocess"
 
 # tests/test_html.py opens plan.html in headless Chromium: Debian's package, installed when
 # missing and this is root on a machine with apt-get (CI); elsewhere that one test skips.
