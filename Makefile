@@ -26,10 +26,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/parallel.py
 
 # The suite runs on as many workers as there are cores, up to 4 (pytest-xdist): most tests
-# are one Python thread, and a test whose ranks wait on each other leaves a core idle. The
-# lines of one README sh block share a worker (xdist_group), run in order.
+# are one Python thread, and a test whose ranks wait on each other leaves a core idle. A file
+# runs whole on one worker, in order (--dist loadfile): the lines of a README sh block build
+# on each other (--save, then --resume), and a module's fixtures are made once.
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
-XDIST := -n $(JOBS) --dist loadgroup
+XDIST := -n $(JOBS) --dist loadfile
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(XDIST) --durations=25

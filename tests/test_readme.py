@@ -84,8 +84,6 @@ def sh_lines():
         argv = shlex.split(line, comments=True)
         marks = [pytest.mark.skip(reason="make builds .venv and runs the demo or this suite: "
                                          "the set-up CI itself runs")] if argv[0] == "make" else []
-        # one block's lines on one worker, in order, when the suite runs on several (xdist)
-        marks.append(pytest.mark.xdist_group(f"readme-sh-block-{block}"))
         params.append(pytest.param(argv, block, id=f"{name}: {shlex.join(argv)}", marks=marks))
     return params
 
