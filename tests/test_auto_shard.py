@@ -74,6 +74,7 @@ def test_solver_plans_train_like_one_device():
     assert rows[0][3][3]["args[0]"][0] == Shard(0)  # by bytes: the batch split over tp
 
 
+@pytest.mark.slow  # bench/autoshard trains auto beside megatron on dp=2 x tp=2 and tp=4
 def test_four_ranks_dp_by_tp_and_tp4():
     """dp=2 x tp=2, Qwen2 on tp=4 (its 2 key/value heads cannot split over 4 ranks), and GPT-2
     on tp=4 (its fused q, k, v split by heads: test_strided). Where compute is slow and links

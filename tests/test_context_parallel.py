@@ -111,12 +111,10 @@ def test_four_ranks_train_like_one_device():
     neighbours only (a step skipped); on dp=2 x cp=2, Llama 4's chunks of 3 positions cross the
     chunks of 4 unaligned, beside a causal NoPE layer."""
     _check(shardfx.launch(_train_and_infer, [
-        ("llama", {"cp": 4}, 1),
         ("gpt2", {"cp": 4}, 1),
         ("mistral-window", {"cp": 4}, 1),
         ("llama4-chunks", {"dp": 2, "cp": 2}, 2),
         ("llama", {"dp": 2, "cp": 2}, 4),
-        ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron")),
         ("llama", {"cp": 2, "tp": 2}, 1, dict(shard="megatron-sp")),
         ("llama", {"pp": 2, "cp": 2}, 2, dict(microbatches=2)),
     ], nprocs=4, timeout=120, deadline=1200))

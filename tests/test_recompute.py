@@ -116,20 +116,20 @@ def test_each_policy_trains_equal_to_one_device(policy, name):
 
 
 def _on_meshes() -> None:
-    for mesh, kw in (({"dp": 2, "tp": 2}, {"shard": "megatron", "zero": 1}),
-                     ({"pp": 2, "dp": 2}, {"microbatches": 2, "schedule": "1f1b"}),
-                     ({"pp": 2, "tp": 2}, {"microbatches": 2, "schedule": "zero-bubble",
-                                           "shard": "megatron"})):
-        for policy in ("selective", "full"):
-            report = compare_training(tiny("llama", LAYERS), token_batches(2, ROWS), lm_loss,
-                                      mesh=mesh, recompute=policy, **kw)
-            assert report.plan.remat is not None, (mesh, policy)
+    for mesh, policy, kw in (
+            ({"dp": 2, "tp": 2}, "full", {"shard": "megatron", "zero": 1}),
+            ({"pp": 2, "dp": 2}, "selective", {"microbatches": 2, "schedule": "1f1b"}),
+            ({"pp": 2, "tp": 2}, "selective", {"microbatches": 2, "schedule": "zero-bubble",
+                                               "shard": "megatron"})):
+        report = compare_training(tiny("llama", LAYERS), token_batches(2, ROWS), lm_loss,
+                                  mesh=mesh, recompute=policy, **kw)
+        assert report.plan.remat is not None, (mesh, policy)
 
 
 @pytest.mark.multiprocess
 def test_each_policy_trains_equal_to_one_device_on_meshes():
-    """tp (a block's recomputation runs its all-reduce again), pp with 1F1B and zero bubble
-    (what a W part reads stays kept), dp with ZeRO-1."""
+    """tp (a block's recomputation, full, runs its all-reduce again), pp with 1F1B and zero
+    bubble (selective: what a W part reads stays kept), dp with ZeRO-1."""
     shardfx.launch(_on_meshes, nprocs=4, timeout=300, deadline=1500)
 
 

@@ -87,6 +87,7 @@ def test_shallow_copies_predict_a_zero3_plan_within_a_bucket():
         assert abs(predicted - whole.total) <= BUCKET_BYTES, (predicted, whole)
 
 
+@pytest.mark.slow  # bench/plan_budget compares the two at 4, 16 and 80 layers
 def test_the_plan_and_the_stated_minimum_are_the_whole_programs(monkeypatch):
     top = plan_of().memory_estimate()[0]
     chosen = {}
