@@ -20,11 +20,11 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardfx.codegen.bucketing import BUCKET_BYTES
-from shardfx.cost.device_model import DeviceModel, node_work
+from shardfx.cost.device_model import DeviceModel
 from shardfx.ir import meta as M
 from shardfx.ir.graph import operands
 from shardfx.mesh import DATA_AXES
-from shardfx.cost.node import is_view
+from shardfx.cost.node import is_view, node_work
 
 
 def is_split(p) -> bool:

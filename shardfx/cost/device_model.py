@@ -42,15 +42,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from shardfx.errors import InputError
-from shardfx.ir import meta as M
-from shardfx.ir.graph import arg_values
-from shardfx.cost.node import attention_work, is_view, matmul_shape, node_flops
-from shardfx.kernels.triton import FusedKernel
-from shardfx.kernels.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
-                                       chunk_weight_bytes)
+from shardfx.cost.node import attention_work, matmul_shape, node_work
 
 log = logging.getLogger("shardfx.cost.device_model")
 
@@ -592,75 +586,3 @@ def cache_path(device: torch.device | str | None = None) -> Path:
     device = torch.device(device or "cpu")
     slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") or "unknown"
     return cache_dir() / f"device-{device.type}-{slug}.json"
-
-
-# --- what an op does --------------------------------------------------------------------------
-
-def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
-    """(FLOPs, bytes read and written, dtype) of one op. FLOPs: ``COST`` where
-    ``estimate_cost`` wrote it (the IR), else torch's formula on the node's values (a
-    program's local shapes). Bytes: each tensor input read once and each output written once;
-    a view (and a tuple's element) moves nothing; a fused Triton kernel moves what the kernel
-    reads and writes, not what its ops would one by one; the chunked LM head and loss
-    (``kernels.linear_ce``) moves its inputs and outputs and writes and reads its logits once.
-    Collectives and waits are 0 here: their time is ``DeviceModel.collective_seconds``."""
-    if node.op != "call_function" or _is_collective(node) or is_view(node):
-        return 0, 0, torch.float32
-    ins = [_vals(a) for a in node.all_input_nodes]
-    outs = _vals(node)
-    dtype = next((v.dtype for vs in (*ins, outs) for v in vs if v.dtype.is_floating_point),
-                 torch.float32)
-    fused = _fused_bytes(node)
-    moved = fused if fused is not None else \
-        sum(_nbytes(v) for vs in ins for v in vs) + sum(_nbytes(v) for v in outs)
-    head = _lm_head(node)
-    cost = node.meta.get(M.COST)
-    if head is not None:
-        flops, logits, weight = head
-        moved += 2 * logits + weight
-    elif cost is not None:
-        flops = cost.flops
-    elif hasattr(node.target, "flops"):  # a program op that says (codegen.ring_attention)
-        flops = node.target.flops(*arg_values(node))
-    else:
-        flops = node_flops(node)
-    return flops, moved, dtype
-
-
-def _vals(node: fx.Node) -> list[torch.Tensor]:
-    return [v for v in pytree.tree_leaves(node.meta.get(M.VAL)) if isinstance(v, torch.Tensor)]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _is_collective(node: fx.Node) -> bool:
-    ns = getattr(node.target, "namespace", None) or getattr(
-        getattr(node.target, "_schema", None), "name", "").split("::")[0]
-    return ns in ("_c10d_functional", "c10d_functional", "c10d")
-
-
-def _fused_bytes(node: fx.Node) -> int | None:
-    return node.target.group.fused_bytes if isinstance(node.target, FusedKernel) else None
-
-
-def _lm_head(node: fx.Node) -> tuple[int, int, int] | None:
-    """(FLOPs, bytes of fp32 logits, weight bytes beyond one read) of a chunked LM head and
-    loss: 2·tokens·hidden·vocab forward, three times that with its gradients (``grads``); a
-    backward that computes the logits again and both gradients, three times that too. Each
-    chunk reads the weight and adds into its gradient again (``chunk_weight_bytes``): with
-    few rows per chunk the head waits on memory (``chunk_rows``)."""
-    target = node.target
-    if not isinstance(target, (LinearCrossEntropy, LinearCrossEntropyBackward)):
-        return None
-    args = node.args if isinstance(target, LinearCrossEntropy) else node.args[1:]
-    h, w = (a.meta[M.VAL] for a in args[:2])
-    tokens, hidden = h.shape[0], h.shape[-1]
-    vocab = w.numel() // hidden
-    grads = not isinstance(target, LinearCrossEntropy) or target.grads
-    chunks = -(-tokens // target.rows)
-    per_chunk = chunk_weight_bytes(vocab, hidden, w.dtype, grads)
-    once = vocab * hidden * (w.element_size() + (4 if grads else 0))  # its inputs and outputs
-    return (2 * tokens * hidden * vocab * (3 if grads else 1), tokens * vocab * 4,
-            max(0, chunks * per_chunk - once))

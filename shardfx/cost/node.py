@@ -2,8 +2,9 @@
 and ``CPU_ATTENTION_FLOPS`` for CPU flash attention, which torch has no formula for), the bytes
 it writes, and whether it is a view (writing none); for the ops whose speed depends on their
 shape, the shape: a matmul's (``matmul_shape``), a fused attention's work as its kernel counts
-it (``attention_work``). ``passes/estimate_cost`` records the FLOPs on every op;
-``DeviceModel.node_seconds`` turns them into time."""
+it (``attention_work``); and ``node_work``, an op's FLOPs and bytes moved together (a fused
+kernel's, the chunked LM head's). ``passes/estimate_cost`` records the FLOPs on every op;
+``DeviceModel.node_seconds`` turns ``node_work`` into time."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from shardfx.ir import meta as M
 from shardfx.ir.band import Band
+from shardfx.ir.graph import arg_values
 from shardfx.kernels.attention import BAND_MASK, band_of
+from shardfx.kernels.linear_ce import (LinearCrossEntropy, LinearCrossEntropyBackward,
+                                       chunk_weight_bytes)
+from shardfx.kernels.triton import FusedKernel
 
 
 def _cpu_attention(query, key, value, *args, **kwargs) -> int:
@@ -150,3 +155,75 @@ def band_pairs(band: Band, queries: int, keys: int) -> int:
         return queries * keys
     i = torch.arange(keys - queries, keys)
     return int((band.last(i, keys) - band.first(i) + 1).clamp(min=0).sum())
+
+
+# --- what an op does --------------------------------------------------------------------------
+
+def node_work(node: fx.Node) -> tuple[int, int, torch.dtype]:
+    """(FLOPs, bytes read and written, dtype) of one op. FLOPs: ``COST`` where
+    ``estimate_cost`` wrote it (the IR), else torch's formula on the node's values (a
+    program's local shapes). Bytes: each tensor input read once and each output written once;
+    a view (and a tuple's element) moves nothing; a fused Triton kernel moves what the kernel
+    reads and writes, not what its ops would one by one; the chunked LM head and loss
+    (``kernels.linear_ce``) moves its inputs and outputs and writes and reads its logits once.
+    Collectives and waits are 0 here: their time is ``DeviceModel.collective_seconds``."""
+    if node.op != "call_function" or _is_collective(node) or is_view(node):
+        return 0, 0, torch.float32
+    ins = [_vals(a) for a in node.all_input_nodes]
+    outs = _vals(node)
+    dtype = next((v.dtype for vs in (*ins, outs) for v in vs if v.dtype.is_floating_point),
+                 torch.float32)
+    fused = _fused_bytes(node)
+    moved = fused if fused is not None else \
+        sum(_nbytes(v) for vs in ins for v in vs) + sum(_nbytes(v) for v in outs)
+    head = _lm_head(node)
+    cost = node.meta.get(M.COST)
+    if head is not None:
+        flops, logits, weight = head
+        moved += 2 * logits + weight
+    elif cost is not None:
+        flops = cost.flops
+    elif hasattr(node.target, "flops"):  # a program op that says (codegen.ring_attention)
+        flops = node.target.flops(*arg_values(node))
+    else:
+        flops = node_flops(node)
+    return flops, moved, dtype
+
+
+def _vals(node: fx.Node) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(node.meta.get(M.VAL)) if isinstance(v, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_collective(node: fx.Node) -> bool:
+    ns = getattr(node.target, "namespace", None) or getattr(
+        getattr(node.target, "_schema", None), "name", "").split("::")[0]
+    return ns in ("_c10d_functional", "c10d_functional", "c10d")
+
+
+def _fused_bytes(node: fx.Node) -> int | None:
+    return node.target.group.fused_bytes if isinstance(node.target, FusedKernel) else None
+
+
+def _lm_head(node: fx.Node) -> tuple[int, int, int] | None:
+    """(FLOPs, bytes of fp32 logits, weight bytes beyond one read) of a chunked LM head and
+    loss: 2·tokens·hidden·vocab forward, three times that with its gradients (``grads``); a
+    backward that computes the logits again and both gradients, three times that too. Each
+    chunk reads the weight and adds into its gradient again (``chunk_weight_bytes``): with
+    few rows per chunk the head waits on memory (``chunk_rows``)."""
+    target = node.target
+    if not isinstance(target, (LinearCrossEntropy, LinearCrossEntropyBackward)):
+        return None
+    args = node.args if isinstance(target, LinearCrossEntropy) else node.args[1:]
+    h, w = (a.meta[M.VAL] for a in args[:2])
+    tokens, hidden = h.shape[0], h.shape[-1]
+    vocab = w.numel() // hidden
+    grads = not isinstance(target, LinearCrossEntropy) or target.grads
+    chunks = -(-tokens // target.rows)
+    per_chunk = chunk_weight_bytes(vocab, hidden, w.dtype, grads)
+    once = vocab * hidden * (w.element_size() + (4 if grads else 0))  # its inputs and outputs
+    return (2 * tokens * hidden * vocab * (3 if grads else 1), tokens * vocab * 4,
+            max(0, chunks * per_chunk - once))
