@@ -211,13 +211,6 @@ class DeviceModel:
         kernel = self.throughput.attention.rate(keys, backward)
         return kernel * flops / pairs_flops if pairs_flops else None
 
-    def matmul_seconds(self, batch: int, m: int, n: int, k: int,
-                       dtype: torch.dtype | str = "bfloat16") -> float:
-        """Compute seconds of ``batch`` GEMMs (m, k) @ (k, n) (no memory term)."""
-        flops = 2 * batch * m * n * k
-        eff = self.throughput.matmul_efficiency(batch, m, n, k) if self.throughput else 1.0
-        return flops / (self.peak(dtype) * eff)
-
     # --- communication ----------------------------------------------------------------------
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int,
@@ -265,15 +258,6 @@ class DeviceModel:
         if per_node == 1:
             return inter
         return Link(min(intra.bandwidth, per_node * inter.bandwidth), inter.latency)
-
-    def span(self, axes: tuple[tuple[str, int], ...], axis: str) -> str:
-        """"intra" or "inter": whether ``axis``'s ranks sit in one node (``link_of``)."""
-        names = [a for a, _ in axes]
-        if axis not in names:
-            return "intra"
-        at = names.index(axis)
-        return "intra" if math.prod(n for _, n in axes[at:]) <= self.devices_per_node \
-            else "inter"
 
     # --- files ------------------------------------------------------------------------------
 
