@@ -62,7 +62,6 @@ graph train Tiny
   loss: f32[] = aten.sum.default(pow_1)  # fwd
   mul: f32[2, 3] = aten.mul.Tensor(sub, 2.0)  # bwd
   grad_mm: f32[2, 3] = aten.mul.Tensor(mul, tangent_loss)  # bwd
-  t: f32[4, 2] = aten.t.default(x)  # bwd
   t_default: bf16[4, 2] = aten.t.default(_to_copy_default)  # bwd
   _to_copy_default_2: bf16[2, 3] = aten._to_copy.default(grad_mm, dtype=torch.bfloat16)  # bwd
   grad_w: bf16[4, 3] = aten.mm.default(t_default, _to_copy_default_2)  # bwd

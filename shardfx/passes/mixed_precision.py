@@ -163,6 +163,7 @@ def mixed_precision(gm: fx.GraphModule, options) -> fx.GraphModule:
     for node in op_nodes(gm.graph):
         edit.visit(node)
     edit.outputs()
+    edit.prune()
     gm.graph.lint()
     gm.recompile()
     assign_phase(gm, options)  # the casts: forward where a forward op reads them
@@ -285,6 +286,16 @@ class _Edit:
         out.args = (fx.node.map_arg(out.args[0], lambda a: self.cast(
             a, _dtype(self.traced.get(a)), a.next, like=a)
             if _dtype(a) != _dtype(self.traced.get(a)) else a),)
+
+    def prune(self) -> None:
+        """Erase the views ``cast`` left without readers (each reader reads the view of a
+        cast now). Left in the graph, such a view, phased backward for want of a forward
+        reader, would be a backward reader of a forward value: remat would recompute the value
+        where the view stands, in the forward, and keep it to its backward."""
+        views = {v for v, _ in self.casts if v.op == "call_function" and v.target in _VIEWS}
+        for node in reversed(list(self.graph.nodes)):  # a chain of views: its last first
+            if node in views and not node.users:
+                self.graph.erase_node(node)
 
     def report(self, compute: str) -> PrecisionReport:
         return PrecisionReport(compute, self.counts["low"], self.counts["full"],
