@@ -340,6 +340,17 @@ def test_the_span_rule_counts_each_nodes_ports():
     assert four < 0.3 * one
 
 
+def test_the_span_rule_for_a_group_of_axes():
+    """Megatron's dp x cp gradient group: with cp's ranks in one node beside tp, each node
+    holds two ranks of the group, two ports; with tp filling the node, one."""
+    port = H100.links["inter"]
+    axes = (("dp", 2), ("pp", 4), ("cp", 2), ("tp", 4))
+    assert H100.link_of(axes, ("dp", "cp")) == Link(2 * port.bandwidth, port.latency)
+    assert H100.link_of(axes, ("cp",)) == H100.link_of(axes, "cp") == H100.links["intra"]
+    assert H100.link_of((("dp", 4), ("pp", 8), ("cp", 2), ("tp", 8)), ("dp", "cp")) == port
+    assert H100.link_of(axes, ("ep",)) == H100.links["intra"]  # no such axis: one rank
+
+
 def test_a_model_with_throughput_round_trips_through_json(tmp_path):
     path = tmp_path / "a100.json"
     path.write_text(json.dumps(PRESETS["a100"].to_json()))

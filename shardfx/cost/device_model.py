@@ -151,6 +151,17 @@ class Throughput:
         return self.matmul * waves * depth
 
 
+def _group_offsets(axes: tuple[tuple[str, int], ...], group: tuple[str, ...]) -> list[int]:
+    """The ranks of the group of mesh axes ``group`` that holds rank 0, as offsets from it,
+    ranks row-major over ``axes`` (axes not in the mesh: left out)."""
+    offsets = [0]
+    for at, (name, size) in enumerate(axes):
+        if name in group:
+            stride = math.prod(n for _, n in axes[at + 1:])
+            offsets = [o + c * stride for o in offsets for c in range(size)]
+    return offsets
+
+
 def _wave_efficiency(batch: int, m: int, n: int, tm: int, tn: int, sms: int) -> float:
     """Useful over computed tile area: tiles = batch·⌈m/tm⌉·⌈n/tn⌉ run ⌈tiles/sms⌉ waves
     of ``sms`` tiles each."""
@@ -235,25 +246,20 @@ class DeviceModel:
                         "send": (1.0, 1)}[kind]
         return self.collective_latency + steps * link.latency + share * nbytes / link.bandwidth
 
-    def link_of(self, axes: tuple[tuple[str, int], ...], axis: str,
+    def link_of(self, axes: tuple[tuple[str, int], ...], axis: str | tuple[str, ...],
                 p2p: bool = False) -> Link:
-        """The link a collective over mesh axis ``axis`` runs at (the span rule). Ranks are
-        laid out row-major over ``axes`` (the last fastest, ``runtime.mesh``): ``axis`` spans
-        its size times the sizes after it, its ranks ``stride`` (the product of those after
-        it) apart. Within ``devices_per_node`` ranks that is one node: ``intra``. Across
-        nodes, each node's ranks of the group, ``per_node`` of them, send through a port
-        each (``inter`` is one port), at most the intra link's speed; a send between two
-        ranks (``p2p``) goes through one port."""
-        names = [a for a, _ in axes]
-        if axis not in names:
+        """The link a collective over mesh axis ``axis`` (or over the group of several axes'
+        ranks, a tuple: Megatron's dp x cp) runs at (the span rule). Ranks are laid out
+        row-major over ``axes`` (the last fastest, ``runtime.mesh``): an axis's ranks lie
+        ``stride`` apart (the product of the sizes after it). A group whose ranks all lie
+        within ``devices_per_node`` ranks is one node: ``intra``. Across nodes, each node's
+        ranks of the group, ``per_node`` of them, send through a port each (``inter`` is one
+        port), at most the intra link's speed; a send between two ranks (``p2p``) goes
+        through one port."""
+        offsets = _group_offsets(axes, (axis,) if isinstance(axis, str) else tuple(axis))
+        if max(offsets) < self.devices_per_node:
             return self.links["intra"]
-        at = names.index(axis)
-        stride = math.prod(n for _, n in axes[at + 1:])
-        span = axes[at][1] * stride
-        if span <= self.devices_per_node:
-            return self.links["intra"]
-        per_node = 1 if p2p or stride >= self.devices_per_node else \
-            max(1, min(axes[at][1], self.devices_per_node // stride))
+        per_node = 1 if p2p else sum(1 for o in offsets if o < self.devices_per_node)
         inter, intra = self.links["inter"], self.links["intra"]
         if per_node == 1:
             return inter

@@ -44,6 +44,7 @@ measured step can be compared with the program and with what the technique would
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,9 @@ TECHNIQUES = {
                   "matmul beside them (Transformer Engine's userbuffers): each is hidden but "
                   "for one chunk, or what the matmul cannot cover",
     "grad-reduce-once": "gradient accumulation reduces the gradients over dp (and cp) once, "
-                        "in the last pass (Megatron, DDP's no_sync), not in every pass",
+                        "in the last pass (Megatron, DDP's no_sync), not in every pass; in a "
+                        "pipeline, cp's reduction joins dp's buckets as one dp x cp group "
+                        "(Megatron's), not one in each microbatch's weight gradients",
     "param-gather-overlap": "ZeRO's all-gather of the updated parameters runs beside the next "
                             "step's forward (Megatron's overlap_param_gather)",
     "low-precision-weights": "the weights kept in bf16/fp16 (the fp32 master copy in the "
@@ -313,7 +316,9 @@ def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float], assume) -> 
     program = plan.compiled_stages()
     axes = plan.mesh.axes
     pp_link = model.link_of(axes, "pp", p2p=True)
-    parts = {name: program_time(getattr(plan.stage_program, name).graph, model, axes, assume)
+    once = _reduced_once(plan, assume)
+    parts = {name: program_time(getattr(plan.stage_program, name).graph, model, axes, assume,
+                                skip=once[1:] if name.endswith("_W") else ())
              for name in program.parts}
 
     def sent(action) -> float:
@@ -337,7 +342,7 @@ def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float], assume) -> 
     for span in timeline.spans:
         ends[span.action.stage] = max(ends.get(span.action.stage, 0.0), span.end)
         finish[span.rank] = max(finish.get(span.rank, 0.0), span.end)
-    reduce, gather = _dp_reduce(plan, model)
+    reduce, gather = _dp_reduce(plan, model, once)
     ranks = []
     for rank, actions in enumerate(plan.schedule.actions):
         opt = optimizer.get(f"pp rank {rank}", 0.0)
@@ -359,21 +364,35 @@ def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float], assume) -> 
                          exposed=exposed, assumed=assume)
 
 
-def _dp_reduce(plan, model: DeviceModel) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
-    """Per pp rank: its stages' gradient reductions over dp, per stage (each bucket's
-    collective, as the compiler emitted them: ``codegen.replicas``), and under ZeRO the
-    gather of the updated rows."""
+def _reduced_once(plan, assume) -> tuple[str, ...]:
+    """The axes a pipeline's gradients are reduced over once a step, as one group: dp, and
+    under ``grad-reduce-once`` cp beside it (Megatron's dp x cp group: its W parts then
+    reduce nothing over cp in each microbatch). cp's reduction joins dp's buckets, so it is
+    deferred only where there are some (dp > 1)."""
+    if "grad-reduce-once" in assume and plan.mesh.axis("dp") > 1 and plan.mesh.axis("cp") > 1:
+        return ("dp", "cp")
+    return ("dp",)
+
+
+def _dp_reduce(plan, model: DeviceModel, group: tuple[str, ...] = ("dp",)
+               ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+    """Per pp rank: its stages' gradient reductions over ``group`` (dp, or dp x cp:
+    ``_reduced_once``), per stage (each bucket's collective, as the compiler emitted them:
+    ``codegen.replicas``), and under ZeRO the gather of the updated rows over dp."""
     dp = plan.mesh.axis("dp")
     if dp == 1 or plan.mode is not M.Mode.TRAIN:
         return {}, {}
-    link = model.link_of(plan.mesh.axes, "dp")
+    ranks = math.prod(plan.mesh.axis(a) for a in group)
+    link = model.link_of(plan.mesh.axes, group)
     reduce: dict[int, dict[int, float]] = {}
     for stage, reduction in plan.stage_program.meta[M.REPLICAS].items():
         rank = plan.schedule.rank_of(stage)
         reduce.setdefault(rank, {})[stage] = sum(
-            model.collective_seconds(c.kind, c.nbytes, dp, link) for c in reduction.collectives)
+            model.collective_seconds(c.kind, c.nbytes, ranks, link)
+            for c in reduction.collectives)
     gather: dict[int, float] = {}
     if plan.options.zero:  # the updated rows back to every replica
+        link = model.link_of(plan.mesh.axes, "dp")
         for label, (params, _, _) in plan.state_rows().items():
             gather[int(label.removeprefix("pp rank "))] = \
                 model.collective_seconds("all_gather", params, dp, link)
