@@ -144,12 +144,19 @@ class Row:
 
 
 def read_rows(path: Path = DATA) -> list[Row]:
-    """The rows of ``path`` (``#`` lines are its header notes), with ``FILLED``'s values."""
+    """The rows of ``path`` (``#`` lines are its header notes), with ``FILLED``'s values. A
+    row whose source is "same as ID" ran ID's recipe at another scale: it takes ID's source
+    and notes (the techniques its system used), then its own notes."""
     text = "\n".join(line for line in path.read_text().splitlines()
                      if not line.startswith("#"))
-    out = []
+    out, seen = [], {}
     for raw in csv.DictReader(io.StringIO(text)):
         raw = {**raw, **{k: str(v) for k, v in FILLED.get(raw["id"], {}).items()}}
+        base = seen.get(raw["source"].removeprefix("same as ").strip())
+        if raw["source"].startswith("same as ") and base is not None:
+            notes = [n for n in (base["notes"], raw["notes"]) if n.strip() not in ("", "-")]
+            raw = {**raw, "source": base["source"], "notes": "; ".join(dict.fromkeys(notes))}
+        seen[raw["id"]] = raw
 
         def num(key: str, default: int = 1) -> int:
             word = raw[key].split()[0] if raw[key].strip() else "-"
@@ -213,8 +220,8 @@ def translate(row: Row) -> Config:
         techniques.append("vocab-parallel")
     if row.tp > 1 and ("tp_comm_overlap" in row.notes or "tp comm" in row.notes):
         techniques.append("tp-overlap")
-    if row.pp == 1 and per_step > 1:
-        techniques.append("grad-reduce-once")
+    if (row.pp == 1 and per_step > 1) or (row.pp > 1 and row.cp > 1 and row.dp > 1):
+        techniques.append("grad-reduce-once")  # a pipeline's cp: reduced with dp, once
     if row.sharding == "distopt" and nemo:
         techniques.append(NEMO_DDP)
     if "deferred embedding wgrad" in row.notes:

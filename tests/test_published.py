@@ -7,7 +7,10 @@ import dataclasses
 
 import pytest
 
-from bench.published import read_rows, price, summary, translate, weak_pairs
+import shardfx
+
+from bench.published import build, read_rows, price, summary, translate, weak_pairs
+from shardfx.estimate.step_time import predict_step
 
 ROWS = {row.id: row for row in read_rows()}
 
@@ -36,7 +39,7 @@ def test_a_nemo_row_with_interleaving_cp_and_its_techniques():
                              "shard": "megatron-sp", "zero": 1, "recompute": "none",
                              "schedule": "interleaved-1f1b", "virtual_stages": 5}
     assert config.techniques == ("low-precision-weights", "vendor-attention", "vocab-parallel",
-                                 "tp-overlap", "param-gather-overlap")
+                                 "tp-overlap", "grad-reduce-once", "param-gather-overlap")
     assert translate(ROWS["llama31-405b-512"]).unpriced == ("deferred embedding wgrad",)
 
 
@@ -67,3 +70,27 @@ def test_a_shrunk_row_plans_and_prices_both_ways():
     assert result.with_.total < result.as_is.total and result.memory > 0
     text, figures = summary([result])
     assert figures["rows"] == 1 and "median" in text
+
+
+def test_a_row_of_another_rows_recipe_takes_its_techniques():
+    """llama31-70b-2048 is llama31-70b-64's recipe on 2048 GPUs ("same as"): tp's
+    userbuffers overlap is on in both."""
+    row = ROWS["llama31-70b-2048"]
+    assert row.source == ROWS["llama31-70b-64"].source
+    assert translate(row).techniques == translate(ROWS["llama31-70b-64"]).techniques
+    assert "weak scaling of llama31-70b-64" in row.notes
+
+
+def test_a_pipeline_reduces_cp_with_dp_once_a_step():
+    """Megatron reduces a pipeline's gradients over dp x cp once a step; shardfx's program
+    reduces them over cp in every microbatch's W part. grad-reduce-once prices Megatron's."""
+    row = dataclasses.replace(ROWS["llama31-70b-64"], layers=2, hidden=256, ffn=512, heads=4,
+                              kv_heads=2, vocab=512, seq=64, gbs=16, tp=1, pp=2, vp=1, dp=2,
+                              gpus=8, sp=False)
+    config = translate(row)
+    assert "grad-reduce-once" in config.techniques
+    model, args, loss, targets = build(row)
+    plan = shardfx.partition(model, args, loss, targets, mesh=config.mesh,
+                             device_model="h100", **config.kwargs)
+    as_is, once = plan.predicted_step, predict_step(plan, assume=("grad-reduce-once",))
+    assert once.communication < as_is.communication and once.total < as_is.total
