@@ -94,6 +94,9 @@ FILLED = {
 # Techniques the row's system used that shardfx's program lacks: (priced, not priced). The
 # priced ones are ``step_time.TECHNIQUES``; the others are named only.
 NEMO_DDP = "param-gather-overlap"  # NeMo 2 recipes' distributed optimizer overlaps it
+# Sources whose runs predate FlashAttention in Megatron-LM (its --use-flash-attn came in
+# 2023): their attention is Megatron's unfused core attention, with dropout.
+BEFORE_FLASH = ("Narayanan et al. SC21", "Korthikanti et al. 2022")
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,8 @@ def translate(row: Row) -> Config:
         techniques.append("vocab-parallel")
     if row.tp > 1 and ("tp_comm_overlap" in row.notes or "tp comm" in row.notes):
         techniques.append("tp-overlap")
+    if row.source.startswith(BEFORE_FLASH):
+        techniques.append("unfused-attention")
     if (row.pp == 1 and per_step > 1) or (row.pp > 1 and row.cp > 1 and row.dp > 1):
         techniques.append("grad-reduce-once")  # a pipeline's cp: reduced with dp, once
     if row.sharding == "distopt" and nemo:

@@ -311,6 +311,25 @@ graph train Tiny
     assert seconds[2] == pytest.approx(2.5 * pairs / attention.rate(8192, True))
 
 
+def test_core_attention_unfused_moves_its_scores():
+    """Megatron's attention before FlashAttention: every score element computed (causal or
+    not), written and read by its softmax and dropout: 13 bytes an element forward, 19
+    backward, beside two and four batched matmuls."""
+    a100 = PRESETS["a100"]
+    heads, s, d = 4 * 8, 2048, 96  # kort-22b-sel's: micro-batch 4, 64 heads over tp = 8
+    forward = a100.core_attention_seconds(heads, s, s, d, False)
+    backward = a100.core_attention_seconds(heads, s, s, d, True)
+    memory = heads * s * s / a100.memory_bandwidth
+    assert forward > 13 * memory and backward > 19 * memory
+    gemms = forward - 13 * memory  # QK^T and PV: 2 * 2 * heads * s * s * d FLOPs
+    assert 4 * heads * s * s * d / a100.peak("float16") < gemms
+    # twice the FLOPs, two of the four at a long K (the keys, not the head dim): faster
+    assert gemms < backward - 19 * memory < 2 * gemms
+    flash = a100.throughput.attention.rate(s, False)
+    assert forward > 3 * (4 * heads * d * s * s / 2) / flash  # the fused kernel: far less
+    assert a100.core_attention_seconds(heads, s, 2 * s, d, False) > 1.9 * forward
+
+
 @pytest.mark.parametrize("preset", ["h100", "a100"])
 def test_collective_bandwidth_grows_with_the_message_to_the_links(preset):
     """Bus bandwidth (nccl-tests' busbw) of an 8-rank all-reduce by message size: latency-bound

@@ -54,20 +54,26 @@ def test_a_megatron_row_filled_from_its_scripts_and_measured_in_eq3():
     step = row.eq3_flops() / (148e12 * 1536)
     assert row.measured_tokens() == pytest.approx(2304 * 2048 / (step * 1536))
     assert translate(ROWS["sc21-18.4b"]).techniques == \
-        ("low-precision-weights", "vocab-parallel", "grad-reduce-once")
+        ("low-precision-weights", "vocab-parallel", "unfused-attention", "grad-reduce-once")
 
 
 def test_a_shrunk_row_plans_and_prices_both_ways():
     """kort-22b-sel's configuration (tp=8, sequence parallel, selective recompute, fp16 on
-    the a100 model) on a 1-layer, 256-wide GPT: planned, priced as is and with the LM head
-    split by vocabulary, which only makes it faster."""
+    the a100 model) on a 1-layer, 256-wide GPT: planned, priced as is and with its system's
+    techniques: the LM head split by vocabulary, which only makes it faster, and Megatron's
+    attention of 2022, unfused, which only makes it slower."""
     row = dataclasses.replace(ROWS["kort-22b-sel"], layers=1, hidden=256, ffn=1024, heads=8,
                               kv_heads=8, vocab=1024, seq=128)
     result = price(row)
     assert not result.refused, result.refused
     assert result.as_is.model == "a100"
-    assert result.with_.assumed == ("low-precision-weights", "vocab-parallel")
-    assert result.with_.total < result.as_is.total and result.memory > 0
+    assert result.with_.assumed == ("low-precision-weights", "vocab-parallel",
+                                    "unfused-attention")
+    plan = shardfx.partition(*build(row), mesh=result.config.mesh, device_model="a100",
+                             **result.config.kwargs)
+    faster = predict_step(plan, assume=("low-precision-weights", "vocab-parallel"))
+    slower = predict_step(plan, assume=("unfused-attention",))
+    assert faster.total < result.as_is.total < slower.total and result.memory > 0
     text, figures = summary([result])
     assert figures["rows"] == 1 and "median" in text
 

@@ -222,6 +222,27 @@ class DeviceModel:
         kernel = self.throughput.attention.rate(keys, backward)
         return kernel * flops / pairs_flops if pairs_flops else None
 
+    def core_attention_seconds(self, heads: int, queries: int, keys: int, dim: int,
+                               backward: bool, dtype: torch.dtype | str = "float16") -> float:
+        """Seconds of an attention computed unfused, as Megatron's core attention was before
+        FlashAttention (``CORE_ATTENTION_BYTES``): ``heads`` (batch x heads) score matrices of
+        queries x keys, all of them (a causal mask hides half, computes none less), made and
+        used by batched matmuls at their shapes' rate (forward S = QK^T and O = PV; backward
+        dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q), and read and written in memory by
+        the softmax and dropout kernels between them."""
+        if backward:
+            gemms = [(heads, queries, keys, dim), (heads, keys, dim, queries),
+                     (heads, queries, dim, keys), (heads, keys, dim, queries)]
+        else:
+            gemms = [(heads, queries, keys, dim), (heads, queries, dim, keys)]
+        rate = self.peak(dtype)
+        seconds = sum(2 * b * m * n * k / (rate * (self.throughput.matmul_efficiency(b, m, n, k)
+                                                   if self.throughput else 1.0))
+                      for b, m, n, k in gemms)
+        moved = heads * queries * keys * CORE_ATTENTION_BYTES["backward" if backward else
+                                                              "forward"]
+        return seconds + moved / self.memory_bandwidth
+
     # --- communication ----------------------------------------------------------------------
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int,
@@ -390,6 +411,17 @@ def _nonnegative(value: Any, name: str) -> float:
 
 # --- presets ---------------------------------------------------------------------------------
 # Every figure's source: docs/device-models.md.
+
+# Megatron's core attention before FlashAttention (megatron/model/transformer.py, 2021-22:
+# baddbmm, FusedScaleMaskSoftmax, attention dropout, bmm), fp16/bf16 scores (2 bytes) and a
+# 1-byte dropout mask: bytes read and written per score element. Forward: the scores written
+# (2), the fused scale-mask-softmax reading them and writing the probabilities (4), dropout
+# reading them and writing its output and mask (5), the PV matmul reading that (2). Backward:
+# dP written (2), dropout's backward reading it and the mask and writing its gradient (5),
+# softmax's backward reading that and the probabilities and writing dS (6), dV's matmul
+# reading the dropped-out probabilities (2), dQ's and dK's reading dS (4). Korthikanti et al.
+# 2022 (sec. 4.1) count the same tensors kept for the backward: 5 bytes a score element.
+CORE_ATTENTION_BYTES = {"forward": 13, "backward": 19}
 
 # NCCL's own cost model (src/graph/tuning.cc): a ring collective of the Simple protocol (the
 # one large messages take) pays 8.4 us once and 3.4 us per step over NVLink, 9.6 us per step

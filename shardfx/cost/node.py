@@ -134,18 +134,28 @@ def attention_work(node: fx.Node) -> tuple[int, int, bool] | None:
         backward = node.target.name == _RING[1]
         q = arg_values(node)[1 if backward else 0]
         return int(node.target.flops(*arg_values(node))), q.shape[2], backward
-    if node.target not in (_FLASH, _FLASH_BACKWARD):
+    shape = attention_shape(node)
+    if shape is None:
         return None
-    backward = node.target is _FLASH_BACKWARD
-    q, k = (node.args[i].meta.get(M.VAL) for i in ((1, 2) if backward else (0, 1)))
+    heads, sq, keys, d, backward = shape
     causal = node.args[7 if backward else 4] if len(node.args) > (7 if backward else 4) \
         else node.kwargs.get("is_causal", False)
     mask = node.kwargs.get("attn_mask")
     band = band_of(mask) if isinstance(mask, fx.Node) and mask.target is BAND_MASK else \
         Band.of(bool(causal))
+    pairs = band_pairs(band, sq, keys)
+    return int(4 * heads * d * pairs * (2.5 if backward else 1)), keys, backward
+
+
+def attention_shape(node: fx.Node) -> tuple[int, int, int, int, bool] | None:
+    """(batch x heads, queries, keys, head dim, backward) of a fused (flash) attention node,
+    else None (ring attention's ops: ``attention_work``)."""
+    if node.op != "call_function" or node.target not in (_FLASH, _FLASH_BACKWARD):
+        return None
+    backward = node.target is _FLASH_BACKWARD
+    q, k = (node.args[i].meta.get(M.VAL) for i in ((1, 2) if backward else (0, 1)))
     b, h, sq, d = q.shape
-    pairs = band_pairs(band, sq, k.shape[2])
-    return int(4 * b * h * d * pairs * (2.5 if backward else 1)), k.shape[2], backward
+    return b * h, sq, k.shape[2], d, backward
 
 
 @functools.lru_cache(maxsize=256)

@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from shardfx.cost.device_model import DeviceModel, default_model
 from shardfx.errors import InputError
-from shardfx.cost.node import matmul_shape
+from shardfx.cost.node import attention_shape, matmul_shape
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values
 from shardfx.cost.optimizer import optimizer_model
@@ -64,8 +64,9 @@ _COLLECTIVES = {c10d.all_reduce.default: "all_reduce",
                 c10d.reduce_scatter_tensor.default: "reduce_scatter"}
 _WAIT = c10d.wait_tensor.default
 
-# Techniques a published system used that shardfx's program does not have, priced as if it
-# had them (``predict_step(plan, assume=...)``).
+# How a published system ran differently from shardfx's program, priced as if the program
+# did the same (``predict_step(plan, assume=...)``): techniques it lacks, and the kernels of
+# systems measured before the ones it runs existed.
 TECHNIQUES = {
     "tp-overlap": "tensor-parallel collectives split into chunks and overlapped with the "
                   "matmul beside them (Transformer Engine's userbuffers): each is hidden but "
@@ -85,6 +86,11 @@ TECHNIQUES = {
                       "VocabParallelEmbedding and parallel cross-entropy): each rank computes "
                       "1/tp of every op on a vocabulary-sized dimension, and no vocabulary-sized "
                       "gradient is all-reduced over tp",
+    "unfused-attention": "the attention as Megatron computed it before FlashAttention (SC21, "
+                         "2022): the score matrices made by batched matmuls and read and "
+                         "written by a softmax and a dropout kernel "
+                         "(DeviceModel.core_attention_seconds), where the program runs a fused "
+                         "flash kernel",
 }
 
 
@@ -203,6 +209,8 @@ def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
         own = {n: t / sizes["tp"] if _on_vocab(n, vocab) else t for n, t in own.items()}
     if "low-precision-weights" in assume:  # the weights are already in the compute dtype
         own = {n: 0.0 if _weight_cast(n) else t for n, t in own.items()}
+    if "unfused-attention" in assume:  # the scores in memory
+        own = {n: _core_attention(n, model, t) for n, t in own.items()}
     clock = compute = comm = 0.0
     free: dict[str, float] = {}  # axis -> when its stream is free
     done: dict[fx.Node, float] = {}  # collective -> when it ends
@@ -249,6 +257,16 @@ def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
         clock += seconds
     end = max([clock, *free.values()])
     return ProgramTime(compute, comm, end)
+
+
+def _core_attention(node: fx.Node, model: DeviceModel, seconds: float) -> float:
+    """A flash attention op's seconds computed unfused (``unfused-attention``); any other op's
+    ``seconds``."""
+    shape = attention_shape(node)
+    if shape is None:
+        return seconds
+    return model.core_attention_seconds(*shape, dtype=node.args[1 if shape[-1] else 0]
+                                        .meta[M.VAL].dtype)
 
 
 def _ring_seconds(compute: float, sent: list[float], name: str) -> float:
