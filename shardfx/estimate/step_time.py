@@ -36,9 +36,9 @@ computes the step before. In a pipeline, a stage's buckets start once its last m
 backward is done (``runtime.buckets``) and run beside the rank's remaining actions. ZeRO's
 gather of the updated rows runs after the optimizer's step, on its own.
 
-``assume`` prices techniques the program lacks, as a published system used them, so a
-measured step can be compared with the program and with what the technique would give
-(``TECHNIQUES``).
+``assume`` prices techniques the program lacks, as a published system used them (and, for a
+system measured before the program's kernels existed, the kernel it ran), so a measured step
+can be compared with the program and with what the technique would give (``TECHNIQUES``).
 """
 
 from __future__ import annotations
