@@ -22,7 +22,7 @@ except _NotInstalled:  # run from a checkout that was never installed
     __version__ = "0+unknown"
 
 _WHERE = {
-    "partition": "shardfx.api", "Plan": "shardfx.plan", "Precision": "shardfx.request.precision",
+    "partition": "shardfx.api", "search": "shardfx.cluster.driver", "Plan": "shardfx.plan", "Precision": "shardfx.request.precision",
     "shard_hint": "shardfx.request.hints", "pipe_split": "shardfx.request.hints", "experts": "shardfx.kernels.experts",
     "launch": "shardfx.runtime.launch", "LaunchError": "shardfx.runtime.launch",
     "LossScaling": "shardfx.runtime.loss_scale", "Runner": "shardfx.runtime.runner",
@@ -30,7 +30,7 @@ _WHERE = {
     "NotStampedWarning": "shardfx.partitioner.repeats",
     **{name: "shardfx.errors" for name in (
         "ShardfxError", "CaptureError", "InputError", "LossError", "MeshError", "ShardingError",
-        "PassError", "VerifyError", "MemoryBudgetError", "CheckpointError")},
+        "PassError", "VerifyError", "MemoryBudgetError", "CheckpointError", "SearchError")},
 }
 __all__ = list(_WHERE)
 

@@ -233,6 +233,28 @@ def partition(
     Options (``request/option_docs.py``, the one text of each):
     """
     check_model(model)  # before anything reads its parameters (choose_device does)
+    spec, options = request(model, example_args, loss_fn, mesh, shard, microbatches, schedule,
+                            virtual_stages, memory_budget, optimizer, precision, kernels,
+                            fused_loss, zero, optimizer_in_backward=optimizer_in_backward,
+                            offload_optimizer=offload_optimizer, recompute=recompute,
+                            capacity_factor=capacity_factor, device=device,
+                            device_model=device_model, debug=debug)
+    # The programs run one microbatch at a time: trace on the first microbatch's shapes.
+    slices = options.slices
+    check_slices(example_args, example_targets, microbatches, slices // microbatches)
+    mb_args, mb_targets = microbatch(example_args, example_targets, slices)
+    with deferred_codegen(), paused_gc():
+        return _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec,
+                     options)
+
+
+def request(model, example_args, loss_fn, mesh, shard="auto", microbatches=1, schedule="1f1b",
+            virtual_stages=None, memory_budget=None, optimizer="adamw", precision="fp32",
+            kernels="auto", fused_loss="auto", zero="auto", *, optimizer_in_backward=False,
+            offload_optimizer=False, recompute="auto", capacity_factor=None, device=None,
+            device_model=None, debug=None) -> tuple[MeshSpec, Options]:
+    """``partition``'s arguments checked and resolved into the mesh and ``Options`` the
+    compiler takes (``shardfx.search`` plans many requests of one model from them)."""
     spec = MeshSpec.parse(mesh)
     _check_pipeline_request(spec, microbatches, schedule, virtual_stages)
     _check_shard(shard, spec)
@@ -260,13 +282,7 @@ def partition(
         check_offload_optimizer(options, loss_fn is not None)
     if debug is not None:
         options = dataclasses.replace(options, debug=debug)
-    # The programs run one microbatch at a time: trace on the first microbatch's shapes.
-    slices = options.slices
-    check_slices(example_args, example_targets, microbatches, slices // microbatches)
-    mb_args, mb_targets = microbatch(example_args, example_targets, slices)
-    with deferred_codegen(), paused_gc():
-        return _plan(model, example_args, loss_fn, example_targets, mb_args, mb_targets, spec,
-                     options)
+    return spec, options
 
 
 def _folded(args: tuple, spec: MeshSpec, options: Options, error: MemoryBudgetError):

@@ -68,6 +68,11 @@ class CheckpointError(ShardfxError, OSError):
     the previous checkpoint is left as it was."""
 
 
+class SearchError(ShardfxError, ValueError):
+    """``shardfx.search`` found no candidate: no mesh of the device count runs the model and
+    batch (the message names what each axis needs and the nearest counts that work)."""
+
+
 class MemoryBudgetError(ShardfxError, ValueError):
     """A memory budget no plan can meet: the message gives the lowest peak shardfx's search
     reaches (a budget it meets) and what it is made of."""

@@ -33,7 +33,7 @@ LAYERS = [
     ["shardfx.runtime"],  # runners on torch.distributed, launch, checkpoints
     ["shardfx.plan"],  # the compiler's result and the methods users call
     ["shardfx.api", "shardfx", "shardfx.testing"],  # partition() and the public names
-    ["shardfx.search"],  # the plan for N devices: candidates priced, finalists planned
+    ["shardfx.cluster"],  # the plan for N devices: candidates priced, finalists planned
     ["shardfx.run", "shardfx.metrics", "shardfx.__main__"],  # the command line and trainer
 ]
 TOP_LEVEL_LIMIT = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from shardfx.search.space import Candidate, Shape, candidates, factorizations
+from shardfx.cluster.space import Candidate, Shape, candidates, factorizations
 
 LLAMA_8B = Shape(layers=32, heads=32, kv_heads=8, seq=8192, batch=128)
 

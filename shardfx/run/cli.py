@@ -128,6 +128,27 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="FILE", help="write the JSON here instead of the cache")
     c.set_defaults(command=calibrate_command, name="calibrate")
 
+    s = commands.add_parser(
+        "plan", help="choose the mesh, batch split, schedule, ZeRO stage and recomputation "
+        "for N devices",
+        description="Import MODULE, call FACTORY() (or read [run] spec and [parallel] precision "
+        "from a run's TOML file) and search every way to run one optimizer step of its example "
+        "batch (one global batch) on --devices devices: meshes, micro-batch sizes, schedules, "
+        "ZeRO stages and recompute policies, each priced on the device model; the fastest are "
+        "planned in full. Prints the candidates ranked and why the first wins.")
+    s.add_argument("spec", metavar="MODULE:FACTORY|FILE.toml",
+                   help="as for inspect, or a run's TOML config (its [run] spec)")
+    s.add_argument("--devices", type=int, required=True, metavar="N", help="devices to plan for")
+    s.add_argument("--device-model", metavar="NAME|FILE",
+                   help="h100, a100, gh200, cpu or a JSON file (as for inspect)")
+    s.add_argument("--mesh", type=_mesh, default=MeshSpec(), metavar="AXIS=N,...",
+                   help="axes to keep as given, e.g. tp=8 (default: none fixed)")
+    s.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="what matmuls and attention compute in (default: the TOML's, else fp32)")
+    s.add_argument("--budget", metavar="SIZE",
+                   help="memory per device, e.g. 80GB (default: the device model's memory)")
+    s.set_defaults(command=plan_command, name="plan")
+
     r = commands.add_parser(
         "run", help="train a model factory on a mesh, as flags and a TOML config say",
         description="Import MODULE, call FACTORY() on every rank, plan it and train it with "
@@ -197,6 +218,19 @@ def inspect_command(ns: argparse.Namespace) -> int:
         out = plan.dump(ns.dump)
         print(f"dumped the IR after every pass, the program and plan.txt to {out}/; "
               f"open {out / 'plan.html'} in a browser to look at the plan")
+    return 0
+
+
+def plan_command(ns: argparse.Namespace) -> int:
+    spec, precision = ns.spec, ns.precision
+    if spec.endswith(".toml"):
+        config = load_toml(spec)
+        spec, precision = config.spec, precision or config.precision
+    job = load_job(spec)
+    found = shardfx.search(job.model, job.args, job.loss_fn, job.targets, devices=ns.devices,
+                           mesh=dict(ns.mesh.axes) or None, device_model=ns.device_model,
+                           memory_budget=ns.budget, precision=precision or "fp32")
+    print(found)
     return 0
 
 

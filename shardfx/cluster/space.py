@@ -71,8 +71,7 @@ class Candidate:
                    recompute=self.recompute)
         if self.schedule is not None:
             out.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
-        if self.axis("tp") > 1:
-            out["shard"] = "megatron"
+        out["shard"] = "megatron"  # heads over tp; the batch over dp, the sequence over cp
         return out
 
     def __str__(self) -> str:
