@@ -11,7 +11,10 @@ into its own buffer (communication); each part's outputs that a later part on th
 stay until their last reader (saved: a forward's activations, per microbatch in flight; a saved
 output that is a view of a value the part read, a received one or an earlier part's, holds that
 value's storage once it is let go, until the view's own last reader); what it
-sends stays until the step ends (a gloo send's buffer is released when the step waits for it);
+sends stays until the step ends on gloo (a gloo send's buffer is released when the step waits
+for it); on NCCL (``transport``) until the runner finds it completed, after the first of the
+rank's later actions that ends once the receiver has posted its receive (``send_release``:
+when, on the schedule's timeline);
 a parameter's gradient is accumulated from its first microbatch on, in that microbatch's output
 itself where nothing else holds its storage (``owned_gradients``), else in a copy; later
 microbatches run the part's accumulating variant where it has one
@@ -34,6 +37,8 @@ from shardfx.ir import meta as M
 from shardfx.cost.optimizer import OptimizerModel, optimizer_state, optimizer_temporaries
 from shardfx.cost.values import bases, tensor_bytes, writes_input, value_bytes
 from shardfx.estimate.memory import DeviceMemory, kind_of, walk, zero_gather_peak
+from shardfx.schedule import simulate
+from shardfx.schedule.p2p import check_p2p
 
 
 @dataclass
@@ -124,13 +129,15 @@ def owned_gradients(part: fx.GraphModule, outputs) -> frozenset[int]:
 
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     dp: int = 1, device: torch.device = torch.device("cpu"),
-                    zero: int = 0, offload: bool = False) -> DeviceMemory:
+                    zero: int = 0, offload: bool = False, transport: str | None = None
+                    ) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
     ``codegen.steps.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
     optimizer steps this dp replica's rows of each parameter the rank owns: its state and, at
     its step, the gradients are those rows; then the updated rows are gathered. ``offload``:
     the optimizer's state, what it steps and, after the schedule, the gradients are the host's
-    (``DeviceMemory.host``: its peak, at the step)."""
+    (``DeviceMemory.host``: its peak, at the step). ``transport``: ``"gloo"`` or ``"nccl"``,
+    how long a send holds its buffer (module docstring); None: NCCL on CUDA, else gloo."""
     reads = program.reads(rank)
     params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
     buffers = sum(tensor_bytes(program.input_val(n)) for n, r in reads.items()
@@ -167,8 +174,11 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
 
     host_saved: dict[tuple, int] = {}  # offloaded activations waiting for their backward
     offloaded = 0  # the most bytes of them the host held at once
-    sending = 0  # gloo frees a send's buffer only when the step's end waits for it
+    sending = 0  # sends' buffers: gloo frees one only when the step's end waits for it
     sent: set[tuple] = set()  # saved values also sent
+    nccl = (transport or ("nccl" if device.type == "cuda" else "gloo")) == "nccl"
+    release = send_release(program, rank) if nccl else {}
+    letgo: Counter = Counter()  # step index -> send bytes the runner lets go after it
     reducing = 0  # dp buckets started (counted to the step's end: an upper bound)
     final = final_gradients(steps)
     reductions = _reductions(program, rank) if dp > 1 and train else {}
@@ -219,14 +229,19 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     if source is not None and source[0] == "value":  # a view of an input
                         holders.setdefault((*source[1:], mb), []).append(
                             (call.part, o.index, mb))
-                    if o.sends:  # once freed here, its send holds it to the step's end
+                    if o.sends:  # once freed here, its send holds it (to its release)
                         sent.add((call.part, o.index, mb))
                 elif o.sends:
                     sending += nbytes
+                    if (call.part, o.index, mb) in release:
+                        letgo[release[(call.part, o.index, mb)]] += nbytes
         for key in step.frees:
             host_saved.pop(key, None)
             freed = saved.pop(key, 0)
-            sending += freed if key in sent else 0
+            if key in sent and release.get(key, len(steps)) > index:  # its send still holds it
+                sending += freed
+                if key in release:
+                    letgo[release[key]] += freed
             freed += comm.pop(key, 0)
             held = [h for h in holders.pop(key, ()) if h in saved]
             if held:  # a saved view keeps the value's storage: counted with it from now
@@ -240,6 +255,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                 consider(0, peak + sending + reducing, f"{step.name} (dp bucket {key[1]} of "
                          f"stage {key[0]})")
                 reducing += started
+        sending -= letgo.pop(index, 0)  # completed sends: the runner drops them now
     if reducing:  # waited for after the sends (``runtime.pipeline`` lets them go then)
         finish = max(_issue(r.finish)[0] for r in _stage_reductions(program, rank).values())
         consider(0, finish + reducing, "dp all-reduce")
@@ -258,6 +274,33 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         gathers = [g for r in _stage_reductions(program, rank).values() for g in r.gathers]
         consider(zero_gather_peak(gathers), 0, "ZeRO gather")
     return dataclasses.replace(best, host=max(host, schedule_host))
+
+
+def send_release(program, rank: int) -> dict[tuple, int]:
+    """On NCCL, each of ``rank``'s sends ((part, output, microbatch)) -> the step after which
+    the runner lets it go (``runtime.pipeline`` drops completed sends after each action): the
+    first of its later steps that ends once every receiver has posted the receive. A receiver
+    posts it at the start of the action before the one it is received for (``schedule.p2p``'s
+    groups); times are the schedule's timeline under ``schedule.Costs``' proportions
+    (``simulate``). A send no later step outlives is let go at the step's end, as on gloo."""
+    spans = {(s.rank, s.index): s for s in simulate(program.schedule).spans}
+    posted: dict[tuple, float] = {}  # (message, sender) -> when the last receiver posted it
+    for dst, groups in enumerate(check_p2p(program.schedule, program.messages)):
+        for batch in groups:
+            at = spans[(dst, max(batch.index - 1, 0))].start if (dst, 0) in spans else 0.0
+            for op in batch.ops:
+                if not op.send:
+                    key = (op.message, op.peer)
+                    posted[key] = max(posted.get(key, at), at)
+    steps = program.schedule.actions[rank]
+    out = {}
+    for i, action in enumerate(steps):
+        for message, _ in program.messages(action)[0]:
+            done = max(spans[(rank, i)].end, posted.get((message, rank), 0.0))
+            later = [j for j in range(i + 1, len(steps)) if spans[(rank, j)].end >= done]
+            if later:
+                out[message] = later[0]
+    return out
 
 
 def _stage_reductions(program, rank: int) -> dict:
