@@ -41,7 +41,7 @@ def test_fixed_axes_are_kept_and_published_configurations_are_in_the_space():
     nemo = Candidate((("dp", 4), ("cp", 2)), mbs=1, microbatches=32, zero=1)
     assert nemo in set(candidates(8, LLAMA_8B))
     assert nemo.options() == dict(mesh={"dp": 4, "cp": 2}, microbatches=32, zero=1,
-                                  recompute="none")
+                                  recompute="none", shard="megatron")
     assert str(nemo) == "dp=4 x cp=2, 32 microbatches of 1, zero=1, recompute=none"
 
 
