@@ -38,7 +38,8 @@ step model cannot price yet are named in the notes column and not priced.
 
 Per row: id, configuration, measured and predicted tokens/s/GPU, ratio (predicted /
 measured), what dominates the predicted step (compute, exposed communication, pipeline
-bubble: their shares), predicted peak memory per device (the largest rank's; they ran on 80
+bubble: their shares), predicted peak memory per device (the largest rank's, a pipeline's
+sends held as on NCCL, which the runs used: ``memory_breakdown(transport="nccl")``; they ran on 80
 GB), planning seconds. Below: the median and worst |ratio - 1| and the weak-scaling pairs'
 measured and predicted change. A row shardfx refuses to plan shows the refusal's first line.
 
@@ -301,7 +302,7 @@ def price(row: Row) -> Result:
                                  device_model=config.device_model, **config.kwargs)
         as_is = plan.predicted_step
         with_ = predict_step(plan, assume=config.techniques) if config.techniques else None
-        memory = max(plan.memory_estimate().values())
+        memory = max(m.total for m in plan.memory_breakdown(transport="nccl").values())
     except Exception as e:  # a refusal is a row of the table, named
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if "-v" in sys.argv:

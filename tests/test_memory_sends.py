@@ -37,6 +37,7 @@ def test_on_nccl_the_held_sends_do_not_grow_with_the_microbatches():
     assert nccl8[0].total == nccl4[0].total, (nccl4[0], nccl8[0])
     for g, n in zip(gloo8, nccl8):
         assert n.total <= g.total
+    assert nccl8[0].total < gloo8[0].total
     release = send_release(program, 0)
     sends = [m for a in program.schedule.actions[0] for m, _ in program.messages(a)[0]]
     last = len(program.schedule.actions[0]) - 1
@@ -49,3 +50,14 @@ def test_the_default_transport_is_the_devices():
     measures)."""
     (gloo, _), (default, _) = peaks(4, "gloo"), peaks(4, None)
     assert [m.total for m in gloo] == [m.total for m in default]
+
+
+def test_a_plan_prices_either_transport():
+    """``memory_breakdown(transport=)``: each pp rank's walk on that transport, cached apart."""
+    batches = token_batches(1, batch=8)
+    plan = shardfx.partition(tiny("llama", 4), *batches[0][:1], lm_loss, batches[0][1],
+                             mesh={"pp": 2}, microbatches=4, schedule="1f1b")
+    nccl, _ = peaks(4, "nccl")
+    by_rank = plan.memory_breakdown(transport="nccl")
+    assert [by_rank[r].total for r in range(2)] == [m.total for m in nccl]
+    assert plan.memory_breakdown() == plan.memory_breakdown(transport="gloo")

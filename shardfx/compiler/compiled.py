@@ -74,14 +74,19 @@ class Compiled:
         else:
             self.program = program
         self.collectives = collectives
-        for key in ("memory", "predicted", "summary"):  # ZeRO's layouts are the parameters':
-            self._derived.pop(key, None)  # kept while the stage is (remat does not change them)
+        # ZeRO's layouts are the parameters': kept while the stage is (remat does not change them)
+        self._forget("memory", "predicted", "summary")
 
     def forget_memory(self) -> None:
         """After a change the memory estimate depends on but the program does not show (the
         schedule a pipeline runs)."""
-        self._derived.pop("memory", None)
-        self._derived.pop("predicted", None)
+        self._forget("memory", "predicted")
+
+    def _forget(self, *names: str) -> None:
+        """Drop what was derived under ``names`` (a key, or a tuple keyed by its first)."""
+        for key in [k for k in self._derived
+                    if (k[0] if isinstance(k, tuple) else k) in names]:
+            del self._derived[key]
 
     def _derive(self, key, make):
         if key not in self._derived:
@@ -140,16 +145,19 @@ class Compiled:
         """Predicted peak bytes per device (global rank): ``memory_breakdown()``'s totals."""
         return {rank: m.total for rank, m in self.memory_breakdown().items()}
 
-    def memory_breakdown(self) -> dict[int, DeviceMemory]:
+    def memory_breakdown(self, transport: str | None = None) -> dict[int, DeviceMemory]:
         """Per device (global rank), the predicted peak of a training step (or of inference)
         by what holds it: parameters, buffers, the optimizer's state (``optimizer=`` of
         ``partition``), gradients, saved activations, temporaries, communication buffers, and
         when the peak happens (``shardfx.estimate.memory``). On a dp/tp mesh every device runs one
         program, so every device is the same; in a pipeline, each pp rank's action list is
-        walked as the runner runs it, microbatches in flight included."""
-        return self._derive("memory", self._memory_breakdown)
+        walked as the runner runs it, microbatches in flight included. ``transport``: how
+        long a pipeline's sends hold their buffers, ``"gloo"`` or ``"nccl"`` (None: the
+        plan's device's, ``memory_pipeline.pipeline_memory``)."""
+        key = "memory" if transport is None else ("memory", transport)
+        return self._derive(key, lambda: self._memory_breakdown(transport))
 
-    def _memory_breakdown(self) -> dict[int, DeviceMemory]:
+    def _memory_breakdown(self, transport: str | None = None) -> dict[int, DeviceMemory]:
         train = self.mode is M.Mode.TRAIN
         if self.program is not None:
             one = spmd_memory(self.program, self.options, train, self.zero_layouts,
@@ -157,7 +165,8 @@ class Compiled:
             return {rank: one for rank in range(self.mesh.size)}
         program, opt = self.compiled_stages(), optimizer_model(self.options.optimizer)
         per_pp = {r: pipeline_memory(program, r, train, opt, self.mesh.axis("dp"), self.device,
-                                     self.options.zero, self.options.offload_optimizer)
+                                     self.options.zero, self.options.offload_optimizer,
+                                     transport)
                   for r in range(self.mesh.axis("pp"))}
         return {rank: per_pp[coord] for rank, coord in self.pp_coordinates().items()}
 

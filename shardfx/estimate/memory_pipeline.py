@@ -26,8 +26,10 @@ the gather of the updated rows.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -283,8 +285,25 @@ def send_release(program, rank: int) -> dict[tuple, int]:
     posts it at the start of the action before the one it is received for (``schedule.p2p``'s
     groups); times are the schedule's timeline under ``schedule.Costs``' proportions
     (``simulate``). A send no later step outlives is let go at the step's end, as on gloo."""
+    spans, posted = _timeline(program)
+    steps = program.schedule.actions[rank]
+    ends = [spans[(rank, j)].end for j in range(len(steps))]  # nondecreasing
+    out = {}
+    for i, action in enumerate(steps):
+        for message, _ in program.messages(action)[0]:
+            done = max(ends[i], posted.get((message, rank), 0.0))
+            j = bisect.bisect_left(ends, done, lo=i + 1)
+            if j < len(steps):
+                out[message] = j
+    return out
+
+
+@functools.lru_cache(maxsize=1)  # every rank of one program asks (one program kept)
+def _timeline(program) -> tuple[dict, dict]:
+    """The schedule's spans by (rank, index), and when the last receiver of each (message,
+    sender) posts its receive."""
     spans = {(s.rank, s.index): s for s in simulate(program.schedule).spans}
-    posted: dict[tuple, float] = {}  # (message, sender) -> when the last receiver posted it
+    posted: dict[tuple, float] = {}
     for dst, groups in enumerate(check_p2p(program.schedule, program.messages)):
         for batch in groups:
             at = spans[(dst, max(batch.index - 1, 0))].start if (dst, 0) in spans else 0.0
@@ -292,15 +311,7 @@ def send_release(program, rank: int) -> dict[tuple, int]:
                 if not op.send:
                     key = (op.message, op.peer)
                     posted[key] = max(posted.get(key, at), at)
-    steps = program.schedule.actions[rank]
-    out = {}
-    for i, action in enumerate(steps):
-        for message, _ in program.messages(action)[0]:
-            done = max(spans[(rank, i)].end, posted.get((message, rank), 0.0))
-            later = [j for j in range(i + 1, len(steps)) if spans[(rank, j)].end >= done]
-            if later:
-                out[message] = later[0]
-    return out
+    return spans, posted
 
 
 def _stage_reductions(program, rank: int) -> dict:
