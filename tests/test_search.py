@@ -28,7 +28,7 @@ def llama():
 @pytest.fixture(scope="module")
 def found(llama):
     (args, targets), = token_batches(1, ROWS)
-    return shardfx.search(llama, args, lm_loss, targets, devices=4, max_mbs=2, finalists=2)
+    return shardfx.search(llama, args, lm_loss, targets, devices=4, max_mbs=1, finalists=2)
 
 
 def test_candidates_are_ranked_and_the_first_is_planned(found):
@@ -54,7 +54,7 @@ def test_the_composed_price_is_the_plan_where_the_pass_is_the_whole(llama):
     for c, close in ((Candidate((("tp", 4),), ROWS, 1), 1e-9),
                      (Candidate((("pp", 2), ("tp", 2)), 2, 4, 0, "none", "1f1b"), 0.1)):
         line = blocks.line(c.axis("tp"), c.axis("cp"), c.axis("ep"), c.mbs, c.recompute)
-        got = price(c, line, options.device_model, ROWS).step
+        got = price(c, line, options.device_model).step
         want = shardfx.partition(llama, args, lm_loss, targets, **c.options()).predicted_step
         assert got == pytest.approx(want.total, rel=close), c
 
@@ -86,7 +86,8 @@ def test_a_device_count_no_mesh_fits_is_named(llama):
 def test_a_budget_no_candidate_meets_is_named(llama):
     (args, targets), = token_batches(1, ROWS)
     with pytest.raises(MemoryBudgetError) as e:
-        shardfx.search(llama, args, lm_loss, targets, devices=2, memory_budget="1KB")
+        shardfx.search(llama, args, lm_loss, targets, devices=2, memory_budget="1KB", max_mbs=1,
+                       recompute=("none",))
     assert "the least memory is" in str(e.value) and "more devices" in str(e.value)
 
 

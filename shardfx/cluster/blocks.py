@@ -45,7 +45,6 @@ class Pass:
     exposed: float = 0.0  # seconds of its tp/cp/ep communication that ops do not hide
     forward: float = 0.0  # of compute: the forward's share (FLOPs' share)
     optimizer: float = 0.0  # seconds of the optimizer's step over the device's parameters
-    flops: float = 0.0  # the model's FLOPs of the pass: 3 x its forward's (no recompute)
     params: float = 0.0  # bytes of parameters and buffers on the device
     gradients: float = 0.0  # bytes of the gradients it keeps
     state: float = 0.0  # bytes of the optimizer's state
@@ -86,11 +85,11 @@ def measured(plan: Plan) -> Pass:
     """A plan of one device of a tp x cp x ep mesh, one microbatch, as a ``Pass``."""
     step = plan.predicted_step
     memory = plan.memory_breakdown()[0]
-    fwd, bwd = plan.compute_rows()["whole model"]
+    fwd, bwd = plan.compute_rows()["whole model"]  # their shares: the forward's seconds
     compute = step.compute - step.optimizer
     return Pass(compute=compute, exposed=step.total - step.compute,
                 forward=compute * fwd / max(fwd + bwd, 1), optimizer=step.optimizer,
-                flops=3 * fwd, params=memory.parameters + memory.buffers,
+                params=memory.parameters + memory.buffers,
                 gradients=memory.gradients, state=memory.optimizer, saved=memory.saved,
                 other=memory.transient + memory.communication)
 

@@ -54,11 +54,10 @@ class Price:
     bubble: float  # of step: a pipeline's idle time
     optimizer: float  # of compute
     memory: float  # peak bytes on the device
-    flops: float  # the model's FLOPs of the step, every device's (3 x the forward's)
 
 
-def price(c: Candidate, line: Line, model: DeviceModel, batch: int) -> Price:
-    """``c``'s step (module docstring); ``batch``: rows of the global batch."""
+def price(c: Candidate, line: Line, model: DeviceModel) -> Price:
+    """``c``'s step (module docstring)."""
     p, v, m = c.axis("pp"), c.virtual_stages, c.microbatches
     dp = c.axis("dp")
     k = line.blocks / p
@@ -88,8 +87,7 @@ def price(c: Candidate, line: Line, model: DeviceModel, batch: int) -> Price:
     compute = m * one.compute + optimizer
     exposed += after
     return Price(step=compute + exposed + bubble, compute=compute, exposed=exposed,
-                 bubble=bubble, optimizer=optimizer, memory=_memory(c, line, one),
-                 flops=line.whole.flops * batch / (c.axis("ep") * c.mbs))
+                 bubble=bubble, optimizer=optimizer, memory=_memory(c, line, one))
 
 
 def _reduce(c: Candidate, model: DeviceModel, nbytes: float) -> float:

@@ -62,13 +62,13 @@ def search(model: torch.nn.Module, example_args: tuple, loss_fn: Callable | None
     if not space:
         raise _no_candidate(devices, shape, fixed)
     tokens = shape.batch * shape.seq
-    peak = dm.peak(options.precision.compute)
+    peak = dm.peak(options.precision.compute) / flops_per_token(model, shape)
 
     def make(c: Candidate):
         return partition(model, example_args, loss_fn, example_targets, precision=precision,
                          optimizer=optimizer, device_model=dm, **c.options())
 
-    priced = _priced(space, blocks, dm, shape.batch, budget,
+    priced = _priced(space, blocks, dm, budget,
                      lambda c, p: Ranked(c, p, devices, tokens, peak, make))
     fits = sorted((r for r in priced if r.price.memory <= budget), key=lambda r: r.price.step)
     if not fits:
@@ -82,7 +82,7 @@ def search(model: torch.nn.Module, example_args: tuple, loss_fn: Callable | None
                     blocks.plans, time.process_time() - start, refused)
 
 
-def _priced(space: list[Candidate], blocks: Blocks, dm, batch: int, budget: float,
+def _priced(space: list[Candidate], blocks: Blocks, dm, budget: float,
             ranked: Callable) -> list[Ranked]:
     """Each candidate priced. Recomputing adds to a step and saves only memory, so a policy
     other than none is priced only where none, all else equal, is over ``budget``."""
@@ -92,7 +92,7 @@ def _priced(space: list[Candidate], blocks: Blocks, dm, batch: int, budget: floa
         if c.recompute != "none" and same in asked and same not in over:
             continue
         line = blocks.line(c.axis("tp"), c.axis("cp"), c.axis("ep"), c.mbs, c.recompute)
-        r = ranked(c, price(c, line, dm, batch))
+        r = ranked(c, price(c, line, dm))
         if r.price.memory > budget:
             over.add(c)
         out.append(r)
@@ -129,6 +129,23 @@ def _plan_finalists(fits: list[Ranked], count: int) -> dict[str, str]:
         r.planned_memory = max(plan.memory_estimate().values())
         planned += 1
     return refused
+
+
+def flops_per_token(model: torch.nn.Module, shape: Shape) -> float:
+    """The model's training FLOPs per token, PaLM's formula (Chowdhery et al. 2022, appendix
+    B): 6 N (N: the parameters but the input embedding's, a lookup; all of them where it is
+    tied to the LM head) + 12 L H s (attention's scores and their use: L blocks, H hidden,
+    s the sequence); recomputation not counted. MFU is these FLOPs over the step's seconds x
+    devices x the device model's peak at the compute dtype."""
+    n = sum(p.numel() for p in model.parameters())
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if embed is not None and (head is None or head.weight is not embed.weight):
+        n -= embed.weight.numel()
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    attention = 12 * shape.layers * hidden * shape.seq if shape.heads else 0
+    return 6 * n + attention
 
 
 def shape_of(model: torch.nn.Module, example_args: tuple, layers: int,

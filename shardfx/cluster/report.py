@@ -22,15 +22,15 @@ class Ranked:
     """One candidate: its options, its price and, once planned, its plan's own figures.
 
     ``predicted_step`` is seconds of one optimizer step; ``tokens_per_s`` tokens/s per device;
-    ``mfu`` the model's FLOPs (3 x the traced forward's, recomputation not counted) over the
-    step's seconds x devices x the device model's peak at the compute dtype; ``memory`` the
-    peak bytes of the fullest device."""
+    ``mfu`` the model's FLOPs (``driver.flops_per_token``: PaLM's 6N + 12 L H s a token) over
+    the step's seconds x devices x the device model's peak at the compute dtype; ``memory``
+    the peak bytes of the fullest device."""
 
     candidate: Candidate
     price: Price
     devices: int
     tokens: int  # tokens of one optimizer step
-    peak: float  # FLOP/s of one device at the compute dtype
+    peak: float  # tokens/s of one device at its peak FLOP/s (driver.flops_per_token)
     make: Callable[[Candidate], object] = field(repr=False)
     planned: object = None  # the plan's PredictedStep (a finalist)
     planned_memory: float | None = None
@@ -45,7 +45,7 @@ class Ranked:
 
     @property
     def mfu(self) -> float:
-        return self.price.flops / (self.predicted_step * self.devices * self.peak)
+        return self.tokens_per_s / self.peak
 
     @property
     def memory(self) -> float:
