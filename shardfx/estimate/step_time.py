@@ -51,11 +51,11 @@ import torch
 import torch.fx as fx
 
 from shardfx.cost.device_model import DeviceModel, default_model
-from shardfx.errors import InputError
 from shardfx.cost.node import attention_shape, matmul_shape
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values
 from shardfx.cost.optimizer import optimizer_model
+from shardfx.cost.techniques import TECHNIQUES, check, on_vocab, vocabulary, weight_cast
 from shardfx.schedule import simulate
 
 c10d = torch.ops._c10d_functional
@@ -63,36 +63,6 @@ _COLLECTIVES = {c10d.all_reduce.default: "all_reduce",
                 c10d.all_gather_into_tensor.default: "all_gather",
                 c10d.reduce_scatter_tensor.default: "reduce_scatter"}
 _WAIT = c10d.wait_tensor.default
-
-# How a published system ran differently from shardfx's program, priced as if the program
-# did the same (``predict_step(plan, assume=...)``): techniques it lacks, and the kernels of
-# systems measured before the ones it runs existed.
-TECHNIQUES = {
-    "tp-overlap": "tensor-parallel collectives split into chunks and overlapped with the "
-                  "matmul beside them (Transformer Engine's userbuffers): each is hidden but "
-                  "for one chunk, or what the matmul cannot cover",
-    "grad-reduce-once": "gradient accumulation reduces the gradients over dp (and cp) once, "
-                        "in the last pass (Megatron, DDP's no_sync), not in every pass; in a "
-                        "pipeline, cp's reduction joins dp's buckets as one dp x cp group "
-                        "(Megatron's), not one in each microbatch's weight gradients",
-    "param-gather-overlap": "ZeRO's all-gather of the updated parameters runs beside the next "
-                            "step's forward (Megatron's overlap_param_gather)",
-    "low-precision-weights": "the weights kept in bf16/fp16 (the fp32 master copy in the "
-                             "optimizer, Megatron's mixed precision): no cast of each weight in "
-                             "every microbatch's forward",
-    "vendor-attention": "the vendor's fused attention (cuDNN, through Transformer Engine) in the "
-                        "place of PyTorch's flash kernel, at its measured speed",
-    "vocab-parallel": "the embedding and LM head split over tp by vocabulary rows (Megatron's "
-                      "VocabParallelEmbedding and parallel cross-entropy): each rank computes "
-                      "1/tp of every op on a vocabulary-sized dimension, and no vocabulary-sized "
-                      "gradient is all-reduced over tp",
-    "unfused-attention": "the attention as Megatron computed it before FlashAttention (SC21, "
-                         "2022): the score matrices made by batched matmuls and read and "
-                         "written by a softmax and a dropout kernel "
-                         "(DeviceModel.core_attention_seconds), where the program runs a fused "
-                         "flash kernel",
-}
-
 
 @dataclass(frozen=True)
 class PredictedStep:
@@ -156,11 +126,7 @@ def predict_step(plan, assume=(), model: DeviceModel | None = None) -> Predicted
     """The step of ``plan`` (a ``shardfx.Plan``) on its device model, or on ``model``
     (module docstring); ``assume``: names of ``TECHNIQUES`` to price as if the program had
     them."""
-    assume = tuple(assume)
-    for name in assume:
-        if name not in TECHNIQUES:
-            raise InputError(f"unknown technique {name!r}", where="predict_step(assume=...)",
-                             fix=f"one of {', '.join(TECHNIQUES)}")
+    assume = check(assume, "predict_step(assume=...)")
     model = model or default_model(plan.options)
     if "vendor-attention" in assume and model.throughput is not None and \
             model.throughput.vendor_attention is not None:
@@ -204,11 +170,11 @@ def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
     sizes = dict(axes)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     own = {n: model.node_seconds(n) for n in nodes if n.target not in _COLLECTIVES}
-    vocab = _vocab(graph) if "vocab-parallel" in assume and sizes.get("tp", 1) > 1 else None
+    vocab = vocabulary(graph) if "vocab-parallel" in assume and sizes.get("tp", 1) > 1 else None
     if vocab:  # each rank's rows of the vocabulary
-        own = {n: t / sizes["tp"] if _on_vocab(n, vocab) else t for n, t in own.items()}
+        own = {n: t / sizes["tp"] if on_vocab(n, vocab) else t for n, t in own.items()}
     if "low-precision-weights" in assume:  # the weights are already in the compute dtype
-        own = {n: 0.0 if _weight_cast(n) else t for n, t in own.items()}
+        own = {n: 0.0 if weight_cast(n) else t for n, t in own.items()}
     if "unfused-attention" in assume:  # the scores in memory
         own = {n: _core_attention(n, model, t) for n, t in own.items()}
     clock = compute = comm = 0.0
@@ -219,7 +185,7 @@ def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
         kind = _COLLECTIVES.get(node.target)
         if kind is not None:
             axis = _axis(node)
-            if axis in skip or vocab and axis == "tp" and _on_vocab(node, vocab):
+            if axis in skip or vocab and axis == "tp" and on_vocab(node, vocab):
                 done[node] = clock
                 continue
             n = sizes.get(axis, 1)
@@ -278,32 +244,6 @@ def _ring_seconds(compute: float, sent: list[float], name: str) -> float:
     block = compute / (steps + 1)
     moved = [sum(sent[k::steps]) for k in range(steps)]  # what moves during step k
     return block + sum(max(block, m) for m in moved)
-
-
-def _vocab(graph: fx.Graph) -> int | None:
-    """The vocabulary: rows of the weight an embedding op looks up in (None: no embedding)."""
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default):
-        weight = node.args[0].meta.get(M.VAL)
-        if isinstance(weight, torch.Tensor):
-            return weight.shape[0]
-    return None
-
-
-def _on_vocab(node: fx.Node, vocab: int) -> bool:
-    """Whether ``node`` reads or writes a tensor with a dimension of ``vocab``: the embedding,
-    the LM head, the logits and the loss on them, and their gradients."""
-    vals = [node.meta.get(M.VAL), *(a.meta.get(M.VAL) for a in node.all_input_nodes)]
-    return any(isinstance(v, torch.Tensor) and vocab in v.shape for v in vals) or \
-        type(node.target).__name__.startswith("LinearCrossEntropy")
-
-
-def _weight_cast(node: fx.Node) -> bool:
-    """A parameter cast to another dtype (mixed precision's per-microbatch copy)."""
-    if node.target is not torch.ops.aten._to_copy.default:
-        return False
-    src = node.args[0]
-    role = src.meta.get(M.ROLE) if isinstance(src, fx.Node) and src.op == "placeholder" else None
-    return getattr(role, "kind", None) is M.InputKind.PARAM
 
 
 def _next_matmul(nodes: list[fx.Node], i: int, own: dict) -> float:
