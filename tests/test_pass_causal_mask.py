@@ -162,3 +162,24 @@ def test_other_masks_are_refused_naming_them(body, kind, says):
 def test_attention_without_a_mask_is_unchanged():
     text = INPUTS + ATTENTION.format(fwd="", bwd=", 0.0, False")
     assert ir_to_text(causal_mask(text_to_ir(text), Options())) == text
+
+
+def test_a_mask_seen_in_another_graph_is_not_run_again_unless_its_constants_differ(
+        monkeypatch):
+    """Every plan of one model (a search makes hundreds) has the same mask: it is classified
+    once. The same ops on other constants are another mask: classified again, and read right
+    (positions reversed: each query attends to itself and the keys after it, a band, not the
+    causal mask)."""
+    import shardfx.passes.causal_mask as pass_module  # noqa: the module's _classify is counted
+
+    runs = []
+    classify = pass_module._classify
+    monkeypatch.setattr(pass_module, "_classify", lambda mask: runs.append(1) or classify(mask))
+    monkeypatch.setattr(pass_module, "_ANSWERS", {})
+    before = INPUTS + POSITIONS + CAUSAL + MASKED
+    for _ in range(2):
+        gm = causal_mask(text_to_ir(before), Options())
+    assert len(runs) == 1 and "True" in ir_to_text(gm)
+    reversed_ = before.replace("[0, 1, 2, 3]", "[3, 2, 1, 0]")
+    text = ir_to_text(causal_mask(text_to_ir(reversed_), Options()))
+    assert len(runs) == 2 and "band_mask" in text and "True" not in text

@@ -43,6 +43,8 @@ run it).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.fx as fx
 
@@ -56,6 +58,10 @@ from shardfx.kernels.attention import BAND_MASK, band_mask_args
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 BLOCK = 1 << 24  # elements of a (T, T) value computed at once
+# Answers kept across graphs (every plan of one model, its shallow copies, a search's hundred
+# plans: the same mask each time), keyed by the mask's ops and the constants' values
+_ANSWERS: dict = {}
+KEPT = 64
 aten = torch.ops.aten
 ROWWISE = {  # ops whose output row i reads row i of each operand (broadcasting): split by rows
     aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor,
@@ -79,7 +85,7 @@ def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
         if not isinstance(mask, fx.Node):
             continue
         key = _same_ops(mask)  # each stamped block computes the same mask again: check once
-        seen, band = answers[key] if key in answers else _classify(mask)
+        seen, band = answers[key] if key in answers else _known(mask, key)
         if key is not None:
             answers[key] = seen, band
         if band is not None and (band.causal or band.full):
@@ -96,6 +102,26 @@ def causal_mask(gm: fx.GraphModule, options) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def _known(mask: fx.Node, key) -> tuple[M.AttentionMask, Band | None]:
+    """``_classify(mask)``, from ``_ANSWERS`` where a graph before had the same ops on the
+    same constants (its placeholders' values, compared by content)."""
+    if key is None:
+        return _classify(mask)
+    full = (key, tuple(_fingerprint(n) for n in _constant_ops(mask) if n.op == "placeholder"))
+    if full not in _ANSWERS:
+        if len(_ANSWERS) >= KEPT:
+            _ANSWERS.pop(next(iter(_ANSWERS)))
+        _ANSWERS[full] = _classify(mask)
+    return _ANSWERS[full]
+
+
+def _fingerprint(placeholder: fx.Node) -> tuple:
+    """A constant's value, whole: its dtype, shape and the digest of its bytes."""
+    value = placeholder.meta[M.CONSTANT].value.detach().to("cpu").contiguous()
+    data = value.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return str(value.dtype), tuple(value.shape), hashlib.sha256(data).hexdigest()
 
 
 def _drop_mask(mask: fx.Node, causal: bool) -> None:
