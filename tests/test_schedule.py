@@ -250,6 +250,20 @@ def test_early_input_gradient_shrinks_the_bubble():
         simulate(one_f_one_b(2, 2), lambda a: 1.0, send_early=True)
 
 
+def test_transfers_lengthen_every_steady_1f1b_cycle_not_only_the_fill():
+    """In 1F1B's steady state a rank's next forward input comes from a neighbour that first
+    waited for this rank's backward output: each cycle waits for a gradient's and an
+    activation's transfer (2t), so they add at least (m - p) 2t, not only the fill and
+    drain's (p - 1) 2t (sc21-1t's bubble, 20% of its step at p=64, m=512, where (p-1)/m is 12%)."""
+    p, m, t = 4, 16, 0.25
+    durations = lambda a: 1.0 if a.kind is Kind.F else 2.0  # noqa: E731
+    plain = simulate(one_f_one_b(p, m), durations).makespan
+    late = simulate(one_f_one_b(p, m), durations, transfer=lambda a: t).makespan
+    assert plain == (m + p - 1) * 3.0
+    assert late > plain + (p - 1) * 2 * t  # more than the fill and drain's
+    assert plain + (m - p) * 2 * t <= late <= (m + p - 1) * (3.0 + 2 * t)
+
+
 def test_bubbles_for_p4_m8():
     assert bubble_fraction(one_f_one_b(4, 8)) == pytest.approx(3 / 8)      # (p-1)/m
     assert bubble_fraction(gpipe(4, 8)) == pytest.approx(3 / 8)
