@@ -24,6 +24,7 @@ from shardfx.codegen.redistribute import Collective
 from shardfx.codegen.steps import Output, StageProgram
 from shardfx.cost.device_model import DeviceModel, default_model
 from shardfx.cost.optimizer import optimizer_model
+from shardfx.cost.techniques import sizing
 from shardfx.errors import PipelineError
 from shardfx.estimate.analysis import Summary, device_flops, summarize
 from shardfx.estimate.memory import DeviceMemory, spmd_memory
@@ -145,7 +146,8 @@ class Compiled:
         """Predicted peak bytes per device (global rank): ``memory_breakdown()``'s totals."""
         return {rank: m.total for rank, m in self.memory_breakdown().items()}
 
-    def memory_breakdown(self, transport: str | None = None) -> dict[int, DeviceMemory]:
+    def memory_breakdown(self, transport: str | None = None,
+                         assume=()) -> dict[int, DeviceMemory]:
         """Per device (global rank), the predicted peak of a training step (or of inference)
         by what holds it: parameters, buffers, the optimizer's state (``optimizer=`` of
         ``partition``), gradients, saved activations, temporaries, communication buffers, and
@@ -153,20 +155,27 @@ class Compiled:
         program, so every device is the same; in a pipeline, each pp rank's action list is
         walked as the runner runs it, microbatches in flight included. ``transport``: how
         long a pipeline's sends hold their buffers, ``"gloo"`` or ``"nccl"`` (None: the
-        plan's device's, ``memory_pipeline.pipeline_memory``)."""
-        key = "memory" if transport is None else ("memory", transport)
-        return self._derive(key, lambda: self._memory_breakdown(transport))
+        plan's device's, ``memory_pipeline.pipeline_memory``). ``assume``: names of
+        ``step_time.TECHNIQUES`` whose memory to count as if the program had them (the
+        weights in the compute dtype, the vocabulary split over tp, the optimizer over dp x
+        cp: ``cost.techniques``), as ``predict_step(assume=)`` prices their time."""
+        assume = tuple(assume)
+        key = "memory" if transport is None and not assume else ("memory", transport, assume)
+        return self._derive(key, lambda: self._memory_breakdown(transport, assume))
 
-    def _memory_breakdown(self, transport: str | None = None) -> dict[int, DeviceMemory]:
+    def _memory_breakdown(self, transport: str | None = None,
+                          assume: tuple = ()) -> dict[int, DeviceMemory]:
         train = self.mode is M.Mode.TRAIN
+        size = sizing(assume, self.ir.graph, self.options.precision.dtype,
+                      self.mesh.axis("tp"), self.mesh.axis("cp"), self.options.zero)
         if self.program is not None:
             one = spmd_memory(self.program, self.options, train, self.zero_layouts,
-                              self.zero_gather_programs, self._summed())
+                              self.zero_gather_programs, self._summed(), size)
             return {rank: one for rank in range(self.mesh.size)}
         program, opt = self.compiled_stages(), optimizer_model(self.options.optimizer)
         per_pp = {r: pipeline_memory(program, r, train, opt, self.mesh.axis("dp"), self.device,
                                      self.options.zero, self.options.offload_optimizer,
-                                     transport)
+                                     transport, size)
                   for r in range(self.mesh.axis("pp"))}
         return {rank: per_pp[coord] for rank, coord in self.pp_coordinates().items()}
 

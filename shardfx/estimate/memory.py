@@ -33,6 +33,11 @@ beside the device's bytes, not in ``total``. An activation offloaded (``kernels.
 apart, and ``host`` adds the most such bytes live at once, with the gradients already handed
 to the host by then.
 
+With techniques assumed (``plan.memory_breakdown(assume=...)``: a published system's weights
+kept in the compute dtype with an fp32 main copy in the optimizer, its vocabulary split over
+tp, its optimizer's state over dp x cp), each value, parameter and optimizer row is counted as
+that system holds it (``cost.techniques.Sizing``); without, as the program holds it.
+
 The peak is the largest of these moments. ``shardfx.runtime.measure`` measures the same quantity (live
 tensor storage) on a real step, and the tests hold the two within 5%.
 """
@@ -53,6 +58,7 @@ from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values, phases
 from shardfx.cost.optimizer import (OptimizerModel, optimizer_model, optimizer_state,
                                     optimizer_temporaries, stepped_value)
+from shardfx.cost.techniques import Sizing
 from shardfx.cost.values import bases, is_collective, readers, tensor_bytes, value_bytes
 
 log = logging.getLogger("shardfx.estimate.memory")
@@ -92,19 +98,21 @@ class DeviceMemory:
 # --- one program -------------------------------------------------------------------------------
 
 def spmd_memory(program, options, train: bool, layouts: dict, gathers: list,
-                summed: frozenset | None = None) -> DeviceMemory:
+                summed: frozenset | None = None, sizing: Sizing = Sizing()) -> DeviceMemory:
     """The peak of a generated program run by ``runtime.runner`` (one device, or the SPMD
     program every device of a dp/tp mesh runs: its values have this device's local shapes),
     the fullest of ``spmd_moments``, with the host's own peak over them. ``summed``: under
     accumulation, the gradients a later microbatch's run adds into their accumulators rather
-    than makes (``codegen.accumulate_into.summable``)."""
-    moments = spmd_moments(program, options, train, None, layouts, gathers, summed)
+    than makes (``codegen.accumulate_into.summable``). ``sizing``: the bytes of values and
+    state with the techniques assumed (``cost.techniques``; the program as is: ``Sizing()``)."""
+    moments = spmd_moments(program, options, train, None, layouts, gathers, summed, sizing)
     peak = max(moments.values(), key=lambda m: m.total)  # the first of equals
     return dataclasses.replace(peak, host=max(m.host for m in moments.values()))
 
 
 def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: list,
-                 summed: frozenset | None = None) -> dict[object, DeviceMemory]:
+                 summed: frozenset | None = None, sizing: Sizing = Sizing()
+                 ) -> dict[object, DeviceMemory]:
     """``program_moments`` of the ``program`` (``codegen.program.Program``) a plan with
     ``options`` runs. Under ZeRO the optimizer's state and, at its step, the gradients are this
     rank's rows (``layouts``: FQN -> ``ZeroShard``, ``passes.zero.zero_layouts``); stages 1 and
@@ -115,46 +123,49 @@ def spmd_moments(program, options, train: bool, moment, layouts: dict, gathers: 
     later = (summed or frozenset()) if train and options.microbatches > 1 else None
     return program_moments(program.module, train, optimizer_model(options.optimizer),
                            options.device, layouts, options.zero, gathers, moment,
-                           options.offload_optimizer, later)
+                           options.offload_optimizer, later, sizing)
 
 
 def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerModel,
                     device: torch.device = torch.device("cpu"), zero: dict | None = None,
                     stage: int = 0, gather: list | None = None, moment=None,
-                    offload: bool = False, later: frozenset | None = None
-                    ) -> dict[object, DeviceMemory]:
+                    offload: bool = False, later: frozenset | None = None,
+                    sizing: Sizing = Sizing()) -> dict[object, DeviceMemory]:
     """A program's peak in each part of a step: the program's own ops (one part, or
     one per ``moment(op)``, as ``walk_moments``), "optimizer step" and "ZeRO gather".
     ``offload``: the optimizer's state, step and gradients on the host (module docstring).
     ``later``: the program also runs again within the step (accumulation), holding every
     gradient the optimizer steps from the start, and making none of ``later`` (the gradients
-    it adds into their accumulators): its peak is the moment "a later microbatch"."""
+    it adds into their accumulators): its peak is the moment "a later microbatch".
+    ``sizing``: each value's, parameter's and optimizer row's bytes (``cost.techniques``: with
+    low-precision-weights the optimizer keeps an fp32 main copy of what it steps)."""
     params, buffers, stepped = [], 0, []
     for node in program.graph.find_nodes(op="placeholder"):
         role, val = node.meta[M.ROLE], node.meta[M.VAL]
         if role.kind is M.InputKind.PARAM:
-            params.append(val)
-            stepped.append(stepped_value(node, (zero or {}).get(role.name)))
+            params.append(sizing.weight(val))
+            stepped.append(sizing.tensor(stepped_value(node, sizing.layout(
+                (zero or {}).get(role.name)))))
         elif role.kind is M.InputKind.BUFFER:
             buffers += tensor_bytes(val)
     state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers)
-    opt_state = optimizer_state(stepped, optimizer) if train else 0
+    opt_state = optimizer_state(stepped, optimizer) + sizing.master(stepped) if train else 0
     offload = offload and train
     host = 0
     if offload:  # the host's copies and the state; the device's state without them
         host, opt_state = opt_state + sum(map(tensor_bytes, stepped)), 0
     kind = kind_of(program.graph)
     sent = _host_gradients(program.graph, stepped) if offload else None
-    walked = {None: walk(program.graph, kind, sent=sent)} if moment is None else \
-        walk_moments(program.graph, kind, moment, sent=sent)
+    walked = {None: walk(program.graph, kind, sizing.value, sent)} if moment is None else \
+        walk_moments(program.graph, kind, moment, sizing.value, sent)
     moments: dict[object, DeviceMemory] = {
         at: DeviceMemory(**state, optimizer=opt_state, **(peak | {"host": host + peak["host"]}),
                          when=when)
         for at, (peak, _, when) in walked.items()}
     if later is not None:  # a later microbatch: the earlier ones' gradients held throughout
         held = 0 if offload else sum(map(tensor_bytes, stepped))
-        peak, _, when = walk(program.graph, kind, lambda n: 0 if n in later else value_bytes(n),
-                             sent)
+        peak, _, when = walk(program.graph, kind,
+                             lambda n: 0 if n in later else sizing.value(n), sent)
         moments["a later microbatch"] = DeviceMemory(
             **state, optimizer=opt_state, **(peak | {"gradients": peak["gradients"] + held,
                                                     "host": host + peak["host"]}),
@@ -166,7 +177,8 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
             host=host + sum(map(tensor_bytes, stepped))
             + optimizer_temporaries(stepped, optimizer, torch.device("cpu")))
     elif train and optimizer.name != "none" and not in_backward:
-        grads = sum(map(tensor_bytes, stepped)) if stage == 1 else _graph_grads(program.graph)
+        grads = sum(map(tensor_bytes, stepped)) if stage == 1 else \
+            _graph_grads(program.graph, sizing.value)
         moments["optimizer step"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=grads,
             transient=optimizer_temporaries(stepped, optimizer, device)
@@ -174,7 +186,7 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
     if train and stage == 1 and not in_backward and not offload:  # the runner cuts this
         # rank's rows from the whole gradients, which the program returned and still holds
         # (``runner._set_grads``)
-        whole = _graph_grads(program.graph)
+        whole = _graph_grads(program.graph, sizing.value)
         moments["ZeRO-1 rows"] = DeviceMemory(
             **state, optimizer=opt_state, gradients=whole + sum(map(tensor_bytes, stepped)),
             when="ZeRO-1: this rank's rows cut from the whole gradients")
@@ -336,11 +348,12 @@ def _loss_bytes(graph: fx.Graph) -> int:
                if isinstance(v, fx.Node) and r.kind is M.OutputKind.LOSS)
 
 
-def _graph_grads(graph: fx.Graph) -> int:
+def _graph_grads(graph: fx.Graph, size=value_bytes) -> int:
+    """Bytes of the gradients ``graph`` returns, each storage once (``size``: a value's)."""
     out = graph.output_node()
     seen = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
             if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
     base = bases(graph)
-    return sum(value_bytes(o) for o in {base.get(v, v) for v in seen})
+    return sum(size(o) for o in {base.get(v, v) for v in seen})
 
 

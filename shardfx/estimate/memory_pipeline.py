@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.cost.optimizer import OptimizerModel, optimizer_state, optimizer_temporaries
+from shardfx.cost.techniques import Sizing
 from shardfx.cost.values import bases, tensor_bytes, writes_input, value_bytes
 from shardfx.estimate.memory import DeviceMemory, kind_of, walk, zero_gather_peak
 from shardfx.schedule import simulate
@@ -56,13 +57,15 @@ class _Part:
     views: dict[int, int] = field(default_factory=dict)  # output -> the input it is a view of
 
 
-def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
+def _part(part: fx.GraphModule, summed: frozenset = frozenset(),
+          sizing: Sizing = Sizing()) -> _Part:
     """``summed``: nodes whose tensor the part's accumulating variant does not make (it adds
-    into a gradient's accumulator instead: ``codegen.accumulate_into.summable``)."""
+    into a gradient's accumulator instead: ``codegen.accumulate_into.summable``). ``sizing``:
+    each value's bytes (``cost.techniques``)."""
     graph = part.graph
     kind = kind_of(graph)
     peak, _, _ = walk(graph, lambda n: kind(n) if kind(n) in ("communication", "host")
-                      else "transient", lambda n: 0 if n in summed else value_bytes(n))
+                      else "transient", lambda n: 0 if n in summed else sizing.value(n))
     outs = graph.output_node().args[0]
     base = bases(graph)
     position = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
@@ -70,10 +73,10 @@ def _part(part: fx.GraphModule, summed: frozenset = frozenset()) -> _Part:
     for i, v in enumerate(outs if isinstance(outs, (tuple, list)) else (outs,)):
         owner = base.get(v, v) if isinstance(v, fx.Node) else None
         sizes[i] = 0 if owner is None or owner in owners or owner in summed \
-            else value_bytes(owner)
+            else sizing.value(owner)
         if owner is not None and kind(owner) == "host":
             host[i], sizes[i] = sizes[i], 0
-        values[i] = tensor_bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
+        values[i] = sizing.bytes(v.meta.get(M.VAL)) if isinstance(v, fx.Node) else 0
         if owner in position:
             views[i] = position[owner]
         owners.add(owner)  # outputs sharing a storage: counted once
@@ -131,26 +134,29 @@ def owned_gradients(part: fx.GraphModule, outputs) -> frozenset[int]:
 
 def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                     dp: int = 1, device: torch.device = torch.device("cpu"),
-                    zero: int = 0, offload: bool = False, transport: str | None = None
-                    ) -> DeviceMemory:
+                    zero: int = 0, offload: bool = False, transport: str | None = None,
+                    sizing: Sizing = Sizing()) -> DeviceMemory:
     """The peak of pipeline rank ``rank`` running its action list (``program``: the
     ``codegen.steps.StageProgram`` the pipeline runner runs). Under ZeRO-1/2 (``zero``) the
     optimizer steps this dp replica's rows of each parameter the rank owns: its state and, at
     its step, the gradients are those rows; then the updated rows are gathered. ``offload``:
     the optimizer's state, what it steps and, after the schedule, the gradients are the host's
     (``DeviceMemory.host``: its peak, at the step). ``transport``: ``"gloo"`` or ``"nccl"``,
-    how long a send holds its buffer (module docstring); None: NCCL on CUDA, else gloo."""
+    how long a send holds its buffer (module docstring); None: NCCL on CUDA, else gloo.
+    ``sizing``: the bytes of values, parameters and optimizer rows with the techniques assumed
+    (``cost.techniques``; with low-precision-weights an fp32 main copy of the rows)."""
     reads = program.reads(rank)
-    params = [program.input_val(n) for n, r in reads.items() if r.kind is M.InputKind.PARAM]
+    params = [sizing.weight(program.input_val(n)) for n, r in reads.items()
+              if r.kind is M.InputKind.PARAM]
     buffers = sum(tensor_bytes(program.input_val(n)) for n, r in reads.items()
                   if r.kind is M.InputKind.BUFFER)
     whole = {r.name: program.input_val(n) for n, r in reads.items()
              if r.kind is M.InputKind.PARAM and program.producer(M.OutputKind.GRAD, r.name) == rank}
-    rows = list(whole.values())  # the parameters this rank steps
+    rows = [sizing.tensor(v) for v in whole.values()]  # the parameters this rank steps
     if zero:  # each replica's rows (runtime.zero)
-        rows = [torch.empty(M.ZeroShard(tuple(v.shape), dp).shard_shape, dtype=v.dtype,
-                             device="meta") for v in rows]
-    opt_state = optimizer_state(rows, optimizer) if train else 0
+        rows = [torch.empty(sizing.layout(M.ZeroShard(tuple(v.shape), dp)).shard_shape,
+                            dtype=v.dtype, device="meta") for v in whole.values()]
+    opt_state = optimizer_state(rows, optimizer) + sizing.master(rows) if train else 0
     offload = offload and train
     host = 0
     if offload:  # the host's copies and the state; the device's state without them
@@ -189,17 +195,18 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     for index, step in enumerate(steps):
         mb = step.action.microbatch
         for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
-            comm |= {r.key: _shape_bytes(r.shape, r.dtype) for r in posted.receives}
+            comm |= {r.key: sizing.bytes(torch.empty(r.shape, dtype=r.dtype, device="meta"))
+                     for r in posted.receives}
         for call in step.calls:
             if call.part not in parts:
-                parts[call.part] = _part(getattr(program.module, call.part))
+                parts[call.part] = _part(getattr(program.module, call.part), sizing=sizing)
             info = parts[call.part]
             if call.part not in summing:  # its accumulating variant: what it makes
                 made = program.summable(call.part)
                 summing[call.part] = made and (
                     [name for name, _ in made.values()],
                     _part(getattr(program.module, call.part),
-                          frozenset(node for _, node in made.values())))
+                          frozenset(node for _, node in made.values()), sizing))
             if summing[call.part] and all(name in grads for name in summing[call.part][0]):
                 info = summing[call.part][1]  # it runs: the summed gradients are not made
             consider(info.peak["transient"] + info.peak["gradients"] + info.peak["saved"],
@@ -332,13 +339,6 @@ def _issue(module: fx.GraphModule) -> tuple[int, int]:
     peak, _, _ = walk(module.graph, lambda n: "communication")
     out = module.graph.output_node().args[0]
     return sum(peak.values()), sum(value_bytes(v) for v in out if isinstance(v, fx.Node))
-
-
-def _shape_bytes(shape, dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def final_gradients(steps: list) -> list[list[str]]:

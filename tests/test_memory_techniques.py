@@ -1,0 +1,82 @@
+"""Memory with the techniques a published system used that the program lacks
+(``plan.memory_breakdown(assume=...)``, ``cost.techniques``): each one's mechanism on a tiny
+Llama planned on CPU, against the program as is (which tests/test_memory.py holds within 5%
+of the measured peak)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import shardfx
+from shardfx.cost.techniques import Sizing, weight_cast
+from shardfx.errors import InputError
+from shardfx.ir import meta as M
+
+from models import lm_loss
+
+VOCAB = 96  # no other dimension of the model or its batch is 96
+
+
+def plan(mesh: dict, **kw) -> shardfx.Plan:
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False))
+    ids = torch.randint(0, VOCAB, (4, 8))
+    return shardfx.partition(model, (ids,), lm_loss, (ids,), mesh=mesh, precision="bf16",
+                             optimizer="adamw", **kw)
+
+
+def peak(plan: shardfx.Plan, *assume: str):
+    return max(plan.memory_breakdown(assume=assume).values(), key=lambda m: m.total)
+
+
+def test_low_precision_weights_hold_bf16_weights_and_an_fp32_main_copy():
+    """Megatron's mixed precision: each weight 2 B in bf16, the optimizer's fp32 main copy
+    4 B beside Adam's 8, and no cast of a weight made (nor saved for the backward)."""
+    p = plan({})
+    as_is, low = peak(p), peak(p, "low-precision-weights")
+    assert low.parameters == as_is.parameters // 2
+    assert low.optimizer == as_is.optimizer + as_is.parameters
+    assert low.gradients == as_is.gradients  # fp32 main gradients, as the program's
+    casts = [n for n in p.program.module.graph.nodes if weight_cast(n)]
+    size = Sizing(weights=torch.bfloat16)
+    assert casts and all(size.value(n) == 0 for n in casts)
+    assert low.saved < as_is.saved
+
+
+def test_low_precision_weights_in_a_pipeline_rank():
+    p = plan({"pp": 2}, microbatches=2)
+    for as_is, low in zip(p.memory_breakdown().values(),
+                          p.memory_breakdown(assume=("low-precision-weights",)).values()):
+        assert low.parameters == as_is.parameters // 2
+        assert low.optimizer == as_is.optimizer + as_is.parameters
+
+
+def test_vocab_parallel_splits_the_vocabulary_sized_tensors_over_tp():
+    """The embedding and LM head (whole on each tp rank in the program as is) count half on
+    tp=2, and so do their optimizer state and the logits."""
+    p = plan({"tp": 2}, shard="megatron")
+    vocab = sum(v.numel() * v.element_size() for n in p.program.module.graph.find_nodes(
+        op="placeholder") if n.meta[M.ROLE].kind is M.InputKind.PARAM
+        and VOCAB in (v := n.meta[M.VAL]).shape)
+    as_is, split = peak(p), peak(p, "vocab-parallel")
+    assert vocab and as_is.parameters - split.parameters == vocab // 2
+    assert split.optimizer < as_is.optimizer and split.total < as_is.total
+    assert peak(plan({}), "vocab-parallel") == peak(plan({}))  # no tp: nothing to split
+
+
+def test_the_optimizer_over_dp_x_cp_halves_zero_state_on_cp2():
+    p = plan({"dp": 2, "cp": 2}, zero=1)
+    as_is, wide = peak(p), peak(p, "optimizer-over-dp-cp")
+    assert wide.optimizer == pytest.approx(as_is.optimizer / 2, rel=0.02)
+    assert wide.parameters == as_is.parameters
+    no_zero = plan({"dp": 2, "cp": 2})
+    assert peak(no_zero, "optimizer-over-dp-cp") == peak(no_zero)
+
+
+def test_an_unknown_technique_is_refused():
+    with pytest.raises(InputError, match="unknown technique"):
+        plan({}).memory_breakdown(assume=("bf16-everything",))
