@@ -40,7 +40,11 @@ Per row: id, configuration, measured and predicted tokens/s/GPU, ratio (predicte
 measured), what dominates the predicted step (compute, exposed communication, pipeline
 bubble: their shares), predicted peak memory per device (the largest rank's, a pipeline's
 sends held as on NCCL, which the runs used: ``memory_breakdown(transport="nccl")``; they ran on 80
-GB), planning seconds. Below: the median and worst |ratio - 1| and the weak-scaling pairs'
+GB) as is and, where it differs, with the row's techniques (``memory_breakdown(assume=)``: the
+weights in the compute dtype beside an fp32 main copy, the vocabulary split over tp, the
+distributed optimizer over dp x cp; ``cost.techniques``), marked "> 80" where the figure of
+the system that ran (with them) is over, planning seconds. Below: the median and worst
+|ratio - 1| and the weak-scaling pairs'
 measured and predicted change. A row shardfx refuses to plan shows the refusal's first line.
 
     python -m bench.published [--rows llama31-8b-8,kort-22b-sel] [--no-append]
@@ -232,8 +236,8 @@ def translate(row: Row) -> Config:
         techniques.append(NEMO_DDP)
     if "deferred embedding wgrad" in row.notes:
         unpriced.append("deferred embedding wgrad")
-    if row.cp > 1 and row.sharding == "distopt":
-        notes.append("ZeRO over dp, not dp x cp")
+    if row.cp > 1 and row.sharding == "distopt":  # Megatron's dp group includes cp
+        techniques.append("optimizer-over-dp-cp")
     return Config(mesh, kwargs, SYSTEMS[row.system], tuple(techniques), tuple(unpriced),
                   tuple(notes))
 
@@ -275,6 +279,7 @@ class Result:
     as_is: object = None  # PredictedStep
     with_: object = None  # PredictedStep with the techniques (None: the row names none)
     memory: float = 0.0  # predicted peak bytes, the largest rank's
+    memory_with: float = 0.0  # ... with the techniques (0: the row names none)
     refused: str = ""
 
     @property
@@ -302,14 +307,30 @@ def price(row: Row) -> Result:
                                  device_model=config.device_model, **config.kwargs)
         as_is = plan.predicted_step
         with_ = predict_step(plan, assume=config.techniques) if config.techniques else None
-        memory = max(m.total for m in plan.memory_breakdown(transport="nccl").values())
+        memory, memory_with = (peak_memory(plan, assume) for assume in ((), config.techniques))
     except Exception as e:  # a refusal is a row of the table, named
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if "-v" in sys.argv:
             traceback.print_exc()
         return Result(row, config, time.process_time() - start,
                       refused=f"{type(e).__name__}: {first}")
-    return Result(row, config, time.process_time() - start, as_is, with_, memory)
+    return Result(row, config, time.process_time() - start, as_is, with_, memory,
+                  memory_with if config.techniques else 0.0)
+
+
+def peak_memory(plan, assume=()) -> int:
+    """The largest rank's predicted peak bytes, a pipeline's sends held as on NCCL, with the
+    techniques ``assume`` names."""
+    return max(m.total for m in plan.memory_breakdown(transport="nccl", assume=assume).values())
+
+
+def memory_cell(r: Result) -> str:
+    """GB as is, and with the techniques where they differ; "> 80" where the system that
+    ran (with them, where the row names any) is over its GPUs' 80 GB."""
+    ran = r.memory_with or r.memory
+    both = f"{r.memory / 1e9:.1f}" + (f" / {ran / 1e9:.1f}" if round(ran / 1e8) !=
+                                     round(r.memory / 1e8) else "")
+    return both + (" (> 80)" if ran > 80e9 else "")
 
 
 def dominant(step) -> str:
@@ -321,7 +342,8 @@ def dominant(step) -> str:
 
 def table(results: list[Result]) -> str:
     head = ("| row | system | configuration | measured tok/s/GPU | predicted as is | "
-            "with techniques | ratio | step (pred / meas) | dominates | memory GB | "
+            "with techniques | ratio | step (pred / meas) | dominates | "
+            "memory GB as is / with | "
             "missing techniques | plan s |")
     lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|"]
     for r in results:
@@ -340,7 +362,7 @@ def table(results: list[Result]) -> str:
             f"| {row.id} | {row.system} | {r.config.label()} | {row.measured_tokens():.0f} | "
             f"{r.tokens(r.as_is):.0f} | {with_} | {r.ratio:.2f} | "
             f"{r.predicted.total:.2f} / {measured_step:.2f} s | {dominant(r.predicted)} | "
-            f"{r.memory / 1e9:.1f}{' (> 80)' if r.memory > 80e9 else ''} | "
+            f"{memory_cell(r)} | "
             f"{missing or '-'}{'; ' + notes if notes else ''} | {r.plan_s:.0f} |")
     return "\n".join(lines)
 

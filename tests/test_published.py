@@ -39,7 +39,8 @@ def test_a_nemo_row_with_interleaving_cp_and_its_techniques():
                              "shard": "megatron-sp", "zero": 1, "recompute": "none",
                              "schedule": "interleaved-1f1b", "virtual_stages": 5}
     assert config.techniques == ("low-precision-weights", "vendor-attention", "vocab-parallel",
-                                 "tp-overlap", "grad-reduce-once", "param-gather-overlap")
+                                 "tp-overlap", "grad-reduce-once", "param-gather-overlap",
+                                 "optimizer-over-dp-cp")
     assert translate(ROWS["llama31-405b-512"]).unpriced == ("deferred embedding wgrad",)
 
 
@@ -74,6 +75,8 @@ def test_a_shrunk_row_plans_and_prices_both_ways():
     faster = predict_step(plan, assume=("low-precision-weights", "vocab-parallel"))
     slower = predict_step(plan, assume=("unfused-attention",))
     assert faster.total < result.as_is.total < slower.total and result.memory > 0
+    # with the weights in fp16 and the vocabulary split over tp=8: less to hold
+    assert 0 < result.memory_with < result.memory
     text, figures = summary([result])
     assert figures["rows"] == 1 and "median" in text
 
