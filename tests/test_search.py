@@ -13,6 +13,9 @@ from shardfx.cluster.blocks import Blocks
 from shardfx.cluster.compose import price
 from shardfx.cluster.space import Candidate
 from shardfx.api import request
+from shardfx.mesh import MeshSpec
+from shardfx.run.choose import choose_mesh
+from shardfx.run.config import RunConfig, check_fields
 from shardfx.testing import compare_training
 
 from models import SEQ, lm_loss, tiny, token_batches
@@ -98,3 +101,18 @@ def test_bad_requests_are_named(llama, kw, says):
     (args, targets), = token_batches(1, ROWS)
     with pytest.raises(InputError, match=says):
         shardfx.search(llama, args, lm_loss, targets, **kw)
+
+
+def test_a_run_with_mesh_auto_takes_the_search_s_first_choice():
+    config = RunConfig.of("examples/nanogpt.py:workload", mesh="auto", devices=2, steps=1)
+    check_fields(config)
+    choose_mesh(config)
+    assert MeshSpec.parse(config.mesh).size == 2 and config.devices is None
+    check_fields(config)  # a mesh as a user would give it
+
+
+@pytest.mark.parametrize("kw, says", [({"mesh": "auto"}, 'mesh = "auto" without devices'),
+                                      ({"mesh": "dp=2", "devices": 2}, "devices = 2 with")])
+def test_mesh_auto_and_devices_go_together(kw, says):
+    with pytest.raises(InputError, match=says):
+        check_fields(RunConfig.of("examples/nanogpt.py:workload", **kw))

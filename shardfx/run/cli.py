@@ -189,7 +189,10 @@ def _version() -> str:
 
 
 def _mesh_text(text: str) -> str:
-    """``--mesh`` of run, checked, in its canonical text ("" for one device)."""
+    """``--mesh`` of run, checked, in its canonical text ("" for one device; "auto": the
+    mesh ``shardfx.search`` chooses for ``--devices``)."""
+    if text.strip() == "auto":
+        return "auto"
     return ",".join(f"{axis}={n}" for axis, n in _mesh(text).axes)
 
 

@@ -59,6 +59,9 @@ def zero_stage(text: str) -> int | str:
 class Run:
     spec: str = _f("", "MODULE:FACTORY: a dotted module or a .py file and the factory in it", str)
     seed: int = _f(0, "seeds the factory's weights, the batch order and synthetic batches")
+    devices: int | None = _f(None, 'with mesh = "auto": the devices to plan for; shardfx.search '
+                             "chooses the mesh, micro-batch, schedule, ZeRO stage and "
+                             "recomputation, and the run takes its first choice", int)
 
 
 @dataclass
@@ -261,8 +264,10 @@ def _checked(f: dataclasses.Field, value: Any, where: str) -> Any:
 
 def check_fields(config: "RunConfig") -> None:
     """Every field's value alone and against the mesh (no torch, no model): an InputError in
-    the command line's terms. ``shardfx run`` calls it before importing torch."""
-    mesh = MeshSpec.parse(config.mesh)
+    the command line's terms. ``shardfx run`` calls it before importing torch. With
+    ``mesh = "auto"`` what depends on the mesh is checked once the search has chosen it."""
+    auto = config.mesh == "auto"
+    mesh = MeshSpec.parse(None if auto else config.mesh)
 
     def need(ok: bool, what: str, where: str, fix: str) -> None:
         if not ok:
@@ -292,18 +297,29 @@ def check_fields(config: "RunConfig") -> None:
     need(config.clip_grad_norm is None or config.clip_grad_norm > 0,
          f"clip_grad_norm is {config.clip_grad_norm}", "--clip-grad-norm",
          "a positive norm, or leave it out")
-    given = [n for n in ("schedule", "virtual_stages")  # (microbatches: accumulation there)
-             if getattr(config.parallel, n) is not None]
-    check_axes(given, config.zero, mesh, config.mesh)
-    need(config.shard != "megatron-sp" or mesh.axis("tp") > 1, f"--shard megatron-sp splits "
-         f"the sequence over tp, and the mesh {mesh} has no tp axis",
-         f"--mesh {config.mesh or '(one device)'}",
-         "add a tp axis (--mesh tp=2,...) or use --shard megatron or auto")
+    need(not auto or (config.devices or 0) >= 1, 'mesh = "auto" without devices',
+         "--mesh auto", "give the devices to plan for: --devices N ([parallel] devices)")
+    need(auto or config.devices is None, f"devices = {config.devices} with the mesh "
+         f"{config.mesh or '(one device)'}: devices is what mesh = \"auto\" plans for",
+         "--devices", 'drop --devices, or use --mesh auto to have shardfx choose the mesh')
+    if not auto:  # else checked once the search has chosen the mesh (run.choose)
+        check_mesh(config, mesh)
     need(config.every == 0 or config.save is not None, f"every is {config.every}, with no save "
          "directory", "--every", "give --save DIR, where the checkpoints go")
     need(not (config.init_from and config.resume), "--init-from and --resume both given: a "
          "resumed run takes its weights from its checkpoint", "--init-from",
          "drop --init-from when resuming")
+
+
+def check_mesh(config: "RunConfig", mesh: MeshSpec) -> None:
+    """The options that need an axis of the mesh have it (``check_axes``; megatron-sp, tp)."""
+    given = [n for n in ("schedule", "virtual_stages")  # (microbatches: accumulation there)
+             if getattr(config.parallel, n) is not None]
+    check_axes(given, config.zero, mesh, config.mesh)
+    if config.shard == "megatron-sp" and mesh.axis("tp") <= 1:
+        raise InputError(f"--shard megatron-sp splits the sequence over tp, and the mesh {mesh} "
+                         "has no tp axis", where=f"--mesh {config.mesh or '(one device)'}",
+                         fix="add a tp axis (--mesh tp=2,...) or use --shard megatron or auto")
 
 
 def check_axes(pipeline: list[str], zero: int | str, mesh, mesh_text: str) -> None:

@@ -56,6 +56,7 @@ import torch.utils._pytree as pytree
 import shardfx
 from shardfx.run import checkpoints as run_checkpoints
 from shardfx.run import outputs, step_trace
+from shardfx.run.choose import choose_mesh
 from shardfx.run.config import RunConfig, check_fields
 from shardfx.run.data import batches as data_batches
 from shardfx.run.data import token_shape
@@ -74,7 +75,10 @@ log = logging.getLogger("shardfx.run")
 
 
 def run(config: RunConfig) -> list[float]:
-    """Train as ``config`` says, on every rank of its mesh; rank 0's losses."""
+    """Train as ``config`` says, on every rank of its mesh; rank 0's losses. ``mesh =
+    "auto"``: the mesh ``shardfx.search`` chooses for ``devices`` (``run.choose``)."""
+    if config.mesh == "auto":
+        choose_mesh(config)
     preflight(config)
     size = MeshSpec.parse(config.mesh).size
     if size == 1 and not under_torchrun():
