@@ -31,8 +31,9 @@ Where the row leaves a field out ("-") the value and its source are in ``FILLED`
 published system used a technique shardfx's program lacks (``step_time.TECHNIQUES``: weights
 kept in the compute dtype, cuDNN's attention, the embedding and LM head split over tp by
 vocabulary, tp communication overlapped with the matmuls, gradients reduced once per
-accumulated step, the parameter all-gather overlapped with the next forward), the row names
-it and is priced both ways: "as is" is shardfx's program, "with" is the program with those techniques; the ratio
+accumulated step, the parameter all-gather overlapped with the next forward, fused
+memory-bound kernels in the compute dtype, a pipeline's messages scattered over tp), the row
+names it and is priced both ways: "as is" is shardfx's program, "with" is the program with those techniques; the ratio
 compared with the goal is the one with them (the system that was measured). Techniques the
 step model cannot price yet are named in the notes column and not priced.
 
@@ -219,7 +220,11 @@ def translate(row: Row) -> Config:
         kwargs["virtual_stages"] = row.vp
     # Every row's system is Megatron's (Megatron-LM; NeMo on Megatron-core): its weights are
     # in the compute dtype (the fp32 master in the optimizer), its embedding and LM head split
-    # over tp by vocabulary; NeMo's attention is Transformer Engine's (cuDNN's kernel).
+    # over tp by vocabulary, its memory-bound ops fused kernels in the compute dtype (apex's
+    # and Megatron's in 2021-22: FusedLayerNorm, bias-GeLU, bias-dropout-add; Transformer
+    # Engine's in NeMo: RMSNorm, SwiGLU, RoPE, cross-entropy), and without sequence parallel
+    # a pipeline's messages scattered over tp and gathered again (scatter/gather, SC21
+    # sec. 4.1); NeMo's attention is Transformer Engine's (cuDNN's kernel).
     techniques, unpriced, notes = ["low-precision-weights"], [], []
     nemo = "NeMo" in row.source or row.id.startswith(("llama31", "gpt3"))
     if nemo and row.system == "dgx-h100":
@@ -230,6 +235,9 @@ def translate(row: Row) -> Config:
         techniques.append("tp-overlap")
     if row.source.startswith(BEFORE_FLASH):
         techniques.append("unfused-attention")
+    techniques.append("fused-elementwise")  # Megatron's fused norms, activations, adds
+    if row.pp > 1 and row.tp > 1 and not row.sp:  # Megatron's p2p without sequence parallel
+        techniques.append("p2p-scatter-gather")
     if (row.pp == 1 and per_step > 1) or (row.pp > 1 and row.cp > 1 and row.dp > 1):
         techniques.append("grad-reduce-once")  # a pipeline's cp: reduced with dp, once
     if row.sharding == "distopt" and nemo:

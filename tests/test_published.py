@@ -39,8 +39,8 @@ def test_a_nemo_row_with_interleaving_cp_and_its_techniques():
                              "shard": "megatron-sp", "zero": 1, "recompute": "none",
                              "schedule": "interleaved-1f1b", "virtual_stages": 5}
     assert config.techniques == ("low-precision-weights", "vendor-attention", "vocab-parallel",
-                                 "tp-overlap", "grad-reduce-once", "param-gather-overlap",
-                                 "optimizer-over-dp-cp")
+                                 "tp-overlap", "fused-elementwise", "grad-reduce-once",
+                                 "param-gather-overlap", "optimizer-over-dp-cp")
     assert translate(ROWS["llama31-405b-512"]).unpriced == ("deferred embedding wgrad",)
 
 
@@ -55,7 +55,11 @@ def test_a_megatron_row_filled_from_its_scripts_and_measured_in_eq3():
     step = row.eq3_flops() / (148e12 * 1536)
     assert row.measured_tokens() == pytest.approx(2304 * 2048 / (step * 1536))
     assert translate(ROWS["sc21-18.4b"]).techniques == \
-        ("low-precision-weights", "vocab-parallel", "unfused-attention", "grad-reduce-once")
+        ("low-precision-weights", "vocab-parallel", "unfused-attention", "fused-elementwise",
+         "grad-reduce-once")
+    # Megatron's p2p scatter/gather where the messages are whole on each tp rank (no sp)
+    assert "p2p-scatter-gather" in translate(ROWS["sc21-1t"]).techniques
+    assert "p2p-scatter-gather" not in translate(ROWS["kort-175b-sel"]).techniques
 
 
 def test_a_shrunk_row_plans_and_prices_both_ways():
@@ -69,7 +73,7 @@ def test_a_shrunk_row_plans_and_prices_both_ways():
     assert not result.refused, result.refused
     assert result.as_is.model == "a100"
     assert result.with_.assumed == ("low-precision-weights", "vocab-parallel",
-                                    "unfused-attention")
+                                    "unfused-attention", "fused-elementwise")
     plan = shardfx.partition(*build(row), mesh=result.config.mesh, device_model="a100",
                              **result.config.kwargs)
     faster = predict_step(plan, assume=("low-precision-weights", "vocab-parallel"))

@@ -28,7 +28,8 @@ What each technique changes in memory (``Sizing``), as the published system hold
   dist_optimizer.md with d = dp x cp), where shardfx's ZeRO shards it over dp.
 
 Techniques of time only (tp-overlap, grad-reduce-once, param-gather-overlap, vendor-attention,
-unfused-attention) leave memory as the program holds it.
+unfused-attention, fused-elementwise, p2p-scatter-gather) leave memory as the program holds
+it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ TECHNIQUES = {
     "optimizer-over-dp-cp": "Megatron's distributed optimizer shards its state over dp x cp "
                             "(the data-parallel group with context parallel), where ZeRO "
                             "shards it over dp: its memory only",
+    "fused-elementwise": "the memory-bound ops between two matmuls run as one fused kernel in "
+                         "the compute dtype (Megatron's and Transformer Engine's fused norms, "
+                         "bias-GeLU / SwiGLU, bias-dropout-add, RoPE, cross-entropy), where the "
+                         "program runs ATen ops one by one, many in fp32 (cost.elementwise)",
+    "p2p-scatter-gather": "a pipeline's messages, whole on each tp rank without sequence "
+                          "parallelism, sent 1/tp through each tp rank's own port and "
+                          "all-gathered over tp by the receivers (Megatron's scatter/gather, "
+                          "Narayanan et al. SC21 sec. 4.1)",
 }
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.fx as fx
 
 from shardfx.cost.device_model import DeviceModel, default_model
+from shardfx.cost.elementwise import chain_bytes, chains, compute_dtype
 from shardfx.cost.node import attention_shape, matmul_shape
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values
@@ -170,6 +171,8 @@ def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
     sizes = dict(axes)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     own = {n: model.node_seconds(n) for n in nodes if n.target not in _COLLECTIVES}
+    if "fused-elementwise" in assume:  # each chain of memory-bound ops one bf16 kernel
+        own = _fused(nodes, own, model)
     vocab = vocabulary(graph) if "vocab-parallel" in assume and sizes.get("tp", 1) > 1 else None
     if vocab:  # each rank's rows of the vocabulary
         own = {n: t / sizes["tp"] if on_vocab(n, vocab) else t for n, t in own.items()}
@@ -223,6 +226,23 @@ def program_time(graph: fx.Graph, model: DeviceModel, axes, assume=(),
         clock += seconds
     end = max([clock, *free.values()])
     return ProgramTime(compute, comm, end)
+
+
+def _fused(nodes: list[fx.Node], own: dict[fx.Node, float],
+           model: DeviceModel) -> dict[fx.Node, float]:
+    """``own`` with each chain of memory-bound ops (``elementwise.chains``) priced as one kernel
+    in the compute dtype (``elementwise.chain_bytes``), on its first op, the others 0; never more
+    than the ops one by one."""
+    dtype = compute_dtype(nodes)
+    if dtype is None:
+        return own
+    own = dict(own)
+    for chain in chains(nodes):
+        apart = sum(own[n] for n in chain)
+        for node in chain:
+            own[node] = 0.0
+        own[chain[0]] = min(apart, chain_bytes(chain, dtype) / model.memory_bandwidth)
+    return own
 
 
 def _core_attention(node: fx.Node, model: DeviceModel, seconds: float) -> float:
@@ -279,13 +299,12 @@ def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float], assume) -> 
                                 skip=once[1:] if name.endswith("_W") else ())
              for name in program.parts}
 
+    split = plan.mesh.axis("tp") if "p2p-scatter-gather" in assume else 1
+
     def sent(action) -> float:
         """Seconds the values ``action`` sends other ranks take to arrive."""
-        out = 0.0
-        for (part, index, _), _dst in program.messages(action)[0]:
-            val = program.out_val(part, index)
-            out += model.collective_seconds("send", val.numel() * val.element_size(), 2, pp_link)
-        return out
+        return sum(_message_seconds(model, program.out_val(part, index), pp_link, axes, split)
+                   for (part, index, _), _dst in program.messages(action)[0])
 
     costs, transfers = {}, {}
     for actions in plan.schedule.actions:
@@ -320,6 +339,17 @@ def _pipeline(plan, model: DeviceModel, optimizer: dict[str, float], assume) -> 
     exposed = busy - compute + tail
     return PredictedStep(model.name, compute, comm, total, opt, max(0.0, total - compute - exposed),
                          exposed=exposed, assumed=assume)
+
+
+def _message_seconds(model: DeviceModel, val, link, axes, split: int = 1) -> float:
+    """Seconds one pipeline message ``val`` takes to reach the next rank over ``link``; with
+    ``split`` tp ranks (``p2p-scatter-gather``), each sends its 1/tp of it through its own
+    port and the receivers all-gather it over tp (Megatron's scatter/gather)."""
+    nbytes = val.numel() * val.element_size()
+    if split <= 1:
+        return model.collective_seconds("send", nbytes, 2, link)
+    return model.collective_seconds("send", nbytes / split, 2, link) + \
+        model.collective_seconds("all_gather", nbytes, split, model.link_of(axes, "tp"))
 
 
 def _reduced_once(plan, assume) -> tuple[str, ...]:
