@@ -10,9 +10,10 @@ import torch
 import transformers as T
 
 import shardfx
-from shardfx.cost.techniques import Sizing, weight_cast
+from shardfx.cost.techniques import Sizing, parameter_gradients, weight_cast
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.ir.graph import phases
 
 from models import lm_loss
 
@@ -47,12 +48,33 @@ def test_low_precision_weights_hold_bf16_weights_and_an_fp32_main_copy():
     assert low.saved < as_is.saved
 
 
+def test_low_precision_weights_make_the_activations_bf16():
+    """With the model in bf16 (Megatron's Float16Module) the residual stream, fp32 in the
+    program only because the embedding's weight is, is bf16; the parameters' gradients stay
+    fp32 (the main gradients), and so do the forward's upcasts (the loss's)."""
+    graph = plan({}).program.module.graph
+    phase = phases(graph)
+    low, elided = Sizing(weights=torch.bfloat16).lows(graph)
+    residual = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor
+                and phase[n] is M.Phase.FORWARD and n.meta[M.VAL].dtype == torch.float32
+                and all(a.meta[M.VAL].shape == (4, 8, 32) for a in n.all_input_nodes)]
+    assert residual and set(residual) <= low
+    grads = parameter_gradients(graph)
+    assert grads and not grads & (low | elided)
+    upcasts = [n for n in graph.nodes if n.target is torch.ops.aten._to_copy.default
+               and phase[n] is M.Phase.FORWARD and n.meta[M.VAL].dtype == torch.float32]
+    assert upcasts and not set(upcasts) & (low | elided)
+
+
 def test_low_precision_weights_in_a_pipeline_rank():
+    """Per rank: the weights in bf16 beside an fp32 main copy, and the activations each stage
+    saves and sends in bf16."""
     p = plan({"pp": 2}, microbatches=2)
     for as_is, low in zip(p.memory_breakdown().values(),
                           p.memory_breakdown(assume=("low-precision-weights",)).values()):
         assert low.parameters == as_is.parameters // 2
         assert low.optimizer == as_is.optimizer + as_is.parameters
+        assert low.saved < as_is.saved
 
 
 def test_vocab_parallel_splits_the_vocabulary_sized_tensors_over_tp():

@@ -18,6 +18,14 @@ What each technique changes in memory (``Sizing``), as the published system hold
   (0 bytes), nor does the copy of it saved for the backward. Source: Megatron-LM's
   docs/source/api-guide/dist_optimizer.md (18 bytes a parameter without the distributed
   optimizer: bf16 param 2, fp32 grad 4, fp32 main param 4, Adam 8; 6 + 12/d with it).
+  Megatron runs the model so (``Float16Module``: the module cast to bf16/fp16, its first
+  stage's inputs too; ``--fp32-residual-connection`` off by default), so what the program
+  computes in fp32 only because its weights are fp32 is in the compute dtype as well: the
+  residual stream, the norms' outputs, the activations saved and sent between stages and
+  their gradients (``low_precision``: an fp32 value all of whose floating inputs are so);
+  the casts mixed precision made between the two, and their gradients, make nothing. The
+  model's own upcasts (``logits.float()``, a norm's ``to(float32)``) stay fp32, and so do the
+  parameters' gradients.
 - **vocab-parallel**: Megatron's VocabParallelEmbedding, its column-parallel LM head and its
   vocab-parallel cross-entropy split every tensor with a vocabulary-sized dimension over tp
   (megatron/core/tensor_parallel/layers.py, cross_entropy.py): the embedding and head weights,
@@ -34,14 +42,16 @@ it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from shardfx.cost.values import tensor_bytes, value_bytes
+from shardfx.cost.values import bases, tensor_bytes, value_bytes
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
+from shardfx.ir.graph import phases
 
 # How a published system ran differently from shardfx's program, priced as if the program
 # did the same (``predict_step(plan, assume=...)``, ``plan.memory_breakdown(assume=...)``):
@@ -135,6 +145,8 @@ class Sizing:
     vocab: int | None = None  # vocab-parallel: the vocabulary, split over tp ranks
     tp: int = 1
     cp: int = 1  # optimizer-over-dp-cp: ZeRO's rows split over cp ranks as well
+    low: dict = field(default_factory=dict, compare=False, repr=False)  # graph -> its
+    #   low_precision (values in the compute dtype, casts that make nothing), once each
 
     def shape(self, shape) -> tuple[int, ...]:
         """``shape`` as one rank holds it: a vocabulary-sized dimension's share of tp."""
@@ -159,11 +171,41 @@ class Sizing:
         return 0 if self.weights is None else sum(4 * t.numel() for t in stepped)
 
     def value(self, node: fx.Node) -> int:
-        """The storage a program's value owns (``value_bytes``), as one rank holds it: a
-        weight's cast none where the weight already is in the compute dtype."""
-        if self.weights is not None and weight_cast(node):
+        """The storage a program's value owns (``value_bytes``), as one rank holds it: with
+        the weights in the compute dtype, a cast mixed precision made none, and an fp32 value
+        ``low_precision`` finds the compute dtype's bytes."""
+        nbytes = self.split(value_bytes(node), node.meta.get(M.VAL))
+        if self.weights is None or not nbytes:
+            return nbytes
+        low, elided = self.lows(node.graph)
+        if node in elided:
             return 0
-        return self.split(value_bytes(node), node.meta.get(M.VAL))
+        return self.narrow(nbytes, node) if node in low else nbytes
+
+    def narrow(self, nbytes: int, node: fx.Node) -> int:
+        """``nbytes`` of an fp32 ``node`` as the compute dtype's."""
+        if node.meta[M.VAL].dtype != torch.float32:
+            return nbytes
+        return nbytes * self.weights.itemsize // 4
+
+    def lows(self, graph: fx.Graph, inputs=None, keep: frozenset = frozenset()) -> tuple:
+        """``graph``'s ``low_precision``, found once (``inputs``, ``keep``: its arguments, the
+        first time; None: a whole program's, its parameters' gradients kept)."""
+        if graph not in self.low:
+            if inputs is None:
+                inputs, keep = _is_param, parameter_gradients(graph)
+            self.low[graph] = low_precision(graph, self.weights, inputs, keep)
+        return self.low[graph]
+
+    def output(self, graph: fx.Graph, index: int) -> int:
+        """Bytes of output ``index`` of ``graph`` (a pipeline part's) as a message carries it
+        (its own tensor; in the compute dtype where ``low_precision`` finds it so)."""
+        node = graph.output_node().args[0][index]
+        nbytes = self.bytes(node.meta.get(M.VAL))
+        if self.weights is None:
+            return nbytes
+        low, elided = self.lows(graph)
+        return self.narrow(nbytes, node) if node in low or node in elided else nbytes
 
     def split(self, nbytes: int, val) -> int:
         """``nbytes`` of ``val``: a vocabulary-sized tensor's share of tp."""
@@ -186,3 +228,56 @@ def sizing(assume, graph: fx.Graph, compute: torch.dtype, tp: int, cp: int,
     return Sizing(weights=compute if low else None,
                   vocab=vocabulary(graph) if split else None, tp=tp if split else 1,
                   cp=cp if "optimizer-over-dp-cp" in assume and zero else 1)
+
+
+def _is_param(node: fx.Node) -> bool:
+    role = node.meta.get(M.ROLE)
+    return getattr(role, "kind", None) is M.InputKind.PARAM
+
+
+def parameter_gradients(graph: fx.Graph) -> frozenset[fx.Node]:
+    """The values ``graph`` returns as a parameter's gradient, and the storages they view."""
+    out = graph.output_node()
+    grads = {v for v, r in zip(out.args[0], out.meta.get(M.OUTPUTS, ()))
+             if isinstance(v, fx.Node) and r.kind is M.OutputKind.GRAD}
+    base = bases(graph)
+    return frozenset(grads | {base.get(v, v) for v in grads})
+
+
+def low_precision(graph: fx.Graph, compute: torch.dtype, inputs, keep: frozenset
+                  ) -> tuple[frozenset, frozenset]:
+    """With the weights in ``compute`` (low-precision-weights, module docstring): the fp32
+    values of ``graph`` that are in ``compute`` (every floating input of theirs is: a weight,
+    a value in ``compute``, or one found so; ``inputs(placeholder)`` says which placeholders
+    are), and the casts that make nothing (a cast of such a value that mixed precision made:
+    to ``compute`` in any phase, or to fp32 outside the forward, the gradient of one). The
+    model's own upcasts in the forward stay fp32, as does every value of ``keep`` (the
+    parameters' gradients)."""
+    phase = phases(graph)
+    low, elided = set(), set()
+
+    def is_low(node: fx.Node) -> bool:
+        return node in low or node.meta[M.VAL].dtype == compute
+
+    for node in graph.nodes:
+        val = node.meta.get(M.VAL)
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and inputs(node):
+                low.add(node)
+            continue
+        src = node.args[0] if node.op == "call_function" and node.target is \
+            operator.getitem else node  # an element: its op's inputs
+        floats = [a for a in getattr(src, "all_input_nodes", ())
+                  if isinstance(a.meta.get(M.VAL), torch.Tensor)
+                  and a.meta[M.VAL].is_floating_point()]
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or not floats \
+                or node in keep or not all(map(is_low, floats)):
+            continue
+        if node.target is torch.ops.aten._to_copy.default:
+            if val.dtype == compute or phase[node] is not M.Phase.FORWARD:
+                elided.add(node)  # mixed precision's cast, or its gradient
+                low.add(node)
+            continue  # else the model's own upcast: fp32
+        if val.dtype == torch.float32:
+            low.add(node)
+    return frozenset(low), frozenset(elided)

@@ -162,6 +162,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     if offload:  # the host's copies and the state; the device's state without them
         host, opt_state = opt_state + sum(map(tensor_bytes, rows)), 0
     state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers, optimizer=opt_state)
+    _low_precision(program, sizing)
     parts: dict[str, _Part] = {}  # the parts this rank runs, each walked once
     steps = program.steps(rank)
     comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
@@ -195,7 +196,7 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     for index, step in enumerate(steps):
         mb = step.action.microbatch
         for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
-            comm |= {r.key: sizing.bytes(torch.empty(r.shape, dtype=r.dtype, device="meta"))
+            comm |= {r.key: sizing.output(getattr(program.module, r.key[0]).graph, r.key[1])
                      for r in posted.receives}
         for call in step.calls:
             if call.part not in parts:
@@ -283,6 +284,36 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         gathers = [g for r in _stage_reductions(program, rank).values() for g in r.gathers]
         consider(zero_gather_peak(gathers), 0, "ZeRO gather")
     return dataclasses.replace(best, host=max(host, schedule_host))
+
+
+def _low_precision(program, sizing: Sizing) -> None:
+    """With the weights in the compute dtype (``sizing.weights``), each part's
+    ``techniques.low_precision``, found in the split graph's order: a part's input is in the
+    compute dtype where it is a weight or an earlier part's output found so; its parameters'
+    gradients stay fp32."""
+    if sizing.weights is None:
+        return
+    for call in program.module.graph.find_nodes(op="call_module"):
+        graph = getattr(program.module, call.target).graph
+        args = dict(zip(graph.find_nodes(op="placeholder"), call.args))
+        outs = graph.output_node().args[0]
+        keep = frozenset(outs[i] for (part, i), roles in program.finals.items()
+                         if part == call.target and any(r.kind is M.OutputKind.GRAD
+                                                        for r in roles))
+        sizing.lows(graph, lambda node, args=args: _low_input(program, sizing, args[node]),
+                    keep)
+
+
+def _low_input(program, sizing: Sizing, arg: fx.Node) -> bool:
+    """Is a part's argument ``arg`` (a program input, or an earlier part's output) in the
+    compute dtype with the weights in it?"""
+    if arg.op == "placeholder":
+        return program.roles[arg.name].kind is M.InputKind.PARAM
+    part, index = arg.args[0].target, arg.args[1]  # getitem(part(...), index)
+    graph = getattr(program.module, part).graph
+    node = graph.output_node().args[0][index]
+    low, _ = sizing.lows(graph)
+    return node in low or node.meta[M.VAL].dtype == sizing.weights
 
 
 def send_release(program, rank: int) -> dict[tuple, int]:
