@@ -15,7 +15,7 @@ from shardfx.errors import InputError
 from shardfx.ir import meta as M
 from shardfx.ir.graph import phases
 
-from models import lm_loss
+from models import lm_loss, tiny
 
 VOCAB = 96  # no other dimension of the model or its batch is 96
 
@@ -102,3 +102,21 @@ def test_the_optimizer_over_dp_x_cp_halves_zero_state_on_cp2():
 def test_an_unknown_technique_is_refused():
     with pytest.raises(InputError, match="unknown technique"):
         plan({}).memory_breakdown(assume=("bf16-everything",))
+
+
+def test_embedding_grad_once_keeps_the_tied_embeddings_copy_on_the_last_stage():
+    """A tied embedding (nanoGPT's) on pp=2: Megatron's last stage keeps a copy of it, its
+    fp32 gradient and optimizer state, and sends the first stage no contribution to its
+    gradient in any microbatch (all-reduced once a step instead)."""
+    torch.manual_seed(0)
+    model = tiny("nanogpt")
+    ids = torch.randint(0, 64, (4, 8))
+    p = shardfx.partition(model, (ids,), lm_loss, (ids,), mesh={"pp": 2}, precision="bf16",
+                          optimizer="adamw", microbatches=4)
+    as_is = p.memory_breakdown(transport="gloo")
+    once = p.memory_breakdown(transport="gloo", assume=("embedding-grad-once",))
+    wte = model.transformer.wte.weight.numel() * 4
+    assert once[1].optimizer == as_is[1].optimizer + 2 * wte + 4  # AdamW's moments, step
+    assert once[1].gradients == as_is[1].gradients + wte
+    assert once[0].communication < as_is[0].communication
+    assert once[1].communication < as_is[1].communication

@@ -35,6 +35,16 @@ What each technique changes in memory (``Sizing``), as the published system hold
   ranks (``parallel_state.get_data_parallel_group(with_context_parallel=True)``; the "12/d" of
   dist_optimizer.md with d = dp x cp), where shardfx's ZeRO shards it over dp.
 
+- **embedding-grad-once**: Megatron keeps a pipeline's tied word embedding as a second copy
+  on the last stage (a parameter there, stepped by its optimizer as the first stage's is) and
+  all-reduces the two copies' gradients once a step, after the last microbatch
+  (megatron/core/models/common/language_module/language_module.py,
+  ``setup_embeddings_and_output_layer``; ``finalize_model_grads``'
+  ``_allreduce_word_embedding_grads``). The last stage accumulates its contribution in its
+  own fp32 main gradient and steps its own optimizer state for it, where the program sends
+  each microbatch's to the first stage (a message held until it completes, a receive buffer
+  there).
+
 Techniques of time only (tp-overlap, grad-reduce-once, param-gather-overlap, vendor-attention,
 unfused-attention, fused-elementwise, p2p-scatter-gather) leave memory as the program holds
 it.
@@ -91,6 +101,11 @@ TECHNIQUES = {
                           "parallelism, sent 1/tp through each tp rank's own port and "
                           "all-gathered over tp by the receivers (Megatron's scatter/gather, "
                           "Narayanan et al. SC21 sec. 4.1)",
+    "embedding-grad-once": "a pipeline's tied embedding kept as a copy on the last stage, its "
+                           "gradient accumulated there and all-reduced with the first stage's "
+                           "once a step (Megatron's embedding group), where the program sends "
+                           "every microbatch's contribution to the first stage: its memory "
+                           "only",
 }
 
 
@@ -145,6 +160,7 @@ class Sizing:
     vocab: int | None = None  # vocab-parallel: the vocabulary, split over tp ranks
     tp: int = 1
     cp: int = 1  # optimizer-over-dp-cp: ZeRO's rows split over cp ranks as well
+    tied_copy: bool = False  # embedding-grad-once: a copy of a tied weight on the last stage
     low: dict = field(default_factory=dict, compare=False, repr=False)  # graph -> its
     #   low_precision (values in the compute dtype, casts that make nothing), once each
 
@@ -227,7 +243,8 @@ def sizing(assume, graph: fx.Graph, compute: torch.dtype, tp: int, cp: int,
     split = "vocab-parallel" in assume and tp > 1
     return Sizing(weights=compute if low else None,
                   vocab=vocabulary(graph) if split else None, tp=tp if split else 1,
-                  cp=cp if "optimizer-over-dp-cp" in assume and zero else 1)
+                  cp=cp if "optimizer-over-dp-cp" in assume and zero else 1,
+                  tied_copy="embedding-grad-once" in assume)
 
 
 def _is_param(node: fx.Node) -> bool:

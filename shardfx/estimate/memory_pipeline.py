@@ -152,6 +152,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                   if r.kind is M.InputKind.BUFFER)
     whole = {r.name: program.input_val(n) for n, r in reads.items()
              if r.kind is M.InputKind.PARAM and program.producer(M.OutputKind.GRAD, r.name) == rank}
+    steps = program.steps(rank)
+    tied = _tied(program, steps) if sizing.tied_copy else {}  # (part, output) -> weight
+    whole |= {fqn: _weights(program, rank)[fqn] for fqn in tied.values()}  # their copies
     rows = [sizing.tensor(v) for v in whole.values()]  # the parameters this rank steps
     if zero:  # each replica's rows (runtime.zero)
         rows = [torch.empty(sizing.layout(M.ZeroShard(tuple(v.shape), dp)).shard_shape,
@@ -164,7 +167,6 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers, optimizer=opt_state)
     _low_precision(program, sizing)
     parts: dict[str, _Part] = {}  # the parts this rank runs, each walked once
-    steps = program.steps(rank)
     comm: dict[tuple, int] = {}  # receive buffers: posted an action ahead, freed after use
     saved: dict[tuple, int] = {}
     holders: dict[tuple, list[tuple]] = {}  # a value -> the saved outputs that view it
@@ -197,7 +199,8 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
         mb = step.action.microbatch
         for posted in steps[index:index + 2]:  # the runner posts the next one's receives now
             comm |= {r.key: sizing.output(getattr(program.module, r.key[0]).graph, r.key[1])
-                     for r in posted.receives}
+                     for r in posted.receives if not (sizing.tied_copy and _contribution(
+                         program, r.src, *r.key[:2]))}
         for call in step.calls:
             if call.part not in parts:
                 parts[call.part] = _part(getattr(program.module, call.part), sizing=sizing)
@@ -241,6 +244,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
                             (call.part, o.index, mb))
                     if o.sends:  # once freed here, its send holds it (to its release)
                         sent.add((call.part, o.index, mb))
+                elif (call.part, o.index) in tied:  # accumulated in the copy's gradient
+                    fqn = tied[(call.part, o.index)]
+                    grads.setdefault(f"{fqn} (copy)", sizing.bytes(whole[fqn]))
                 elif o.sends:
                     sending += nbytes
                     if (call.part, o.index, mb) in release:
@@ -314,6 +320,35 @@ def _low_input(program, sizing: Sizing, arg: fx.Node) -> bool:
     node = graph.output_node().args[0][index]
     low, _ = sizing.lows(graph)
     return node in low or node.meta[M.VAL].dtype == sizing.weights
+
+
+def _tied(program, steps: list) -> dict[tuple[str, int], str]:
+    """(part, output) of the rank's parts that each microbatch sends another rank as its
+    contribution to a weight's gradient (``_contribution``), with the weight's FQN."""
+    return {(call.part, o.index): fqn for step in steps for call in step.calls
+            for o in call.outputs if o.sends and not o.roles
+            and (fqn := _contribution(program, program.rank_of(call.part), call.part, o.index))}
+
+
+def _contribution(program, rank: int, part: str, index: int) -> str | None:
+    """The weight whose gradient output ``index`` of ``part`` (run on ``rank``) is a
+    contribution to, where another rank makes that gradient: a backward part's output of the
+    shape of a weight ``rank`` reads (or of its transpose) whose gradient it does not make (a
+    tied embedding, read again as the LM head). None otherwise."""
+    if part.endswith("_F"):
+        return None
+    shape = tuple(program.out_val(part, index).shape)
+    for fqn, val in _weights(program, rank).items():
+        if program.producer(M.OutputKind.GRAD, fqn) != rank and \
+                shape in (tuple(val.shape), tuple(reversed(val.shape))):
+            return fqn
+    return None
+
+
+def _weights(program, rank: int) -> dict[str, torch.Tensor]:
+    """The weights ``rank``'s parts read, by FQN."""
+    return {r.name: program.input_val(n) for n, r in program.reads(rank).items()
+            if r.kind is M.InputKind.PARAM}
 
 
 def send_release(program, rank: int) -> dict[tuple, int]:
