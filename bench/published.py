@@ -42,8 +42,9 @@ measured), what dominates the predicted step (compute, exposed communication, pi
 bubble: their shares), predicted peak memory per device (the largest rank's, a pipeline's
 sends held as on NCCL, which the runs used: ``memory_breakdown(transport="nccl")``; they ran on 80
 GB) as is and, where it differs, with the row's techniques (``memory_breakdown(assume=)``: the
-weights in the compute dtype beside an fp32 main copy, the vocabulary split over tp, the
-distributed optimizer over dp x cp; ``cost.techniques``), marked "> 80" where the figure of
+weights and activations in the compute dtype beside an fp32 main copy, the vocabulary split
+over tp, the distributed optimizer over dp x cp, a tied embedding's copy on the last stage;
+``cost.techniques``), marked "> 80" where the figure of
 the system that ran (with them) is over, planning seconds. Below: the median and worst
 |ratio - 1| and the weak-scaling pairs'
 measured and predicted change. A row shardfx refuses to plan shows the refusal's first line.
@@ -246,6 +247,8 @@ def translate(row: Row) -> Config:
         unpriced.append("deferred embedding wgrad")
     if row.cp > 1 and row.sharding == "distopt":  # Megatron's dp group includes cp
         techniques.append("optimizer-over-dp-cp")
+    if row.pp > 1 and not row.model.startswith("Llama"):  # GPT's tied embedding: Megatron's
+        techniques.append("embedding-grad-once")  # copy on the last stage
     return Config(mesh, kwargs, SYSTEMS[row.system], tuple(techniques), tuple(unpriced),
                   tuple(notes))
 
