@@ -325,9 +325,10 @@ def _low_input(program, sizing: Sizing, arg: fx.Node) -> bool:
 def _tied(program, steps: list) -> dict[tuple[str, int], str]:
     """(part, output) of the rank's parts that each microbatch sends another rank as its
     contribution to a weight's gradient (``_contribution``), with the weight's FQN."""
-    return {(call.part, o.index): fqn for step in steps for call in step.calls
-            for o in call.outputs if o.sends and not o.roles
-            and (fqn := _contribution(program, program.rank_of(call.part), call.part, o.index))}
+    calls = {call.part: call for step in steps for call in step.calls}
+    return {(part, o.index): fqn for part, call in calls.items() for o in call.outputs
+            if o.sends and not o.roles
+            and (fqn := _contribution(program, program.rank_of(part), part, o.index))}
 
 
 def _contribution(program, rank: int, part: str, index: int) -> str | None:
@@ -337,12 +338,21 @@ def _contribution(program, rank: int, part: str, index: int) -> str | None:
     tied embedding, read again as the LM head). None otherwise."""
     if part.endswith("_F"):
         return None
-    shape = tuple(program.out_val(part, index).shape)
-    for fqn, val in _weights(program, rank).items():
-        if program.producer(M.OutputKind.GRAD, fqn) != rank and \
-                shape in (tuple(val.shape), tuple(reversed(val.shape))):
-            return fqn
-    return None
+    return _foreign(program)[rank].get(tuple(program.out_val(part, index).shape))
+
+
+@functools.lru_cache(maxsize=1)  # every rank of one program asks (one program kept)
+def _foreign(program) -> list[dict[tuple, str]]:
+    """Per rank, the shapes (and their transposes) of the weights it reads whose gradient
+    another rank makes, with their FQNs."""
+    out = []
+    for rank in range(len(program.schedule.actions)):
+        shapes = {}
+        for fqn, val in _weights(program, rank).items():
+            if program.producer(M.OutputKind.GRAD, fqn) != rank:
+                shapes[tuple(val.shape)] = shapes[tuple(reversed(val.shape))] = fqn
+        out.append(shapes)
+    return out
 
 
 def _weights(program, rank: int) -> dict[str, torch.Tensor]:
