@@ -22,6 +22,11 @@ microbatches run the part's accumulating variant where it has one
 offloaded activation (``codegen.activation_offload``) waits from its forward to its backward
 in host memory instead, counted in ``host``. Then the optimizer's step, and under ZeRO-1/2
 the gather of the updated rows.
+
+With techniques assumed (``sizing``: ``cost.techniques.Sizing``) values, messages, parameters
+and optimizer rows count as the published system held them; with embedding-grad-once the last
+stage accumulates its contribution to a tied weight's gradient in its own copy instead of
+sending it each microbatch.
 """
 
 from __future__ import annotations
