@@ -118,7 +118,7 @@ def _read_outside(node: fx.Node, members: set[fx.Node]) -> bool:
 
 
 def _bytes(node: fx.Node, dtype: torch.dtype) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     total = 0
     for v in pytree.tree_leaves(node.meta.get(M.VAL)):
         if isinstance(v, torch.Tensor):
