@@ -51,7 +51,7 @@ browser:
 
 # Every benchmark, each appending its table to bench/RESULTS.md (the GPU ones, gpu and
 # kernels, say they need CUDA and skip on a machine without it). One: `make bench B=plan`.
-BENCHES := cli capture plan plan_budget spmd pipeline fuzz precision remat fused_loss zero checkpoint hf_load step compile optimizer optimizer_in_backward offload offload_gpu longseq autoshard moe heldout published kernels gpu
+BENCHES := cli capture plan plan_budget spmd pipeline fuzz precision remat fused_loss zero checkpoint hf_load step compile optimizer optimizer_in_backward offload offload_gpu longseq autoshard moe heldout published search kernels gpu
 B ?= $(BENCHES)
 
 bench: $(STAMP)
