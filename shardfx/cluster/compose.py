@@ -13,7 +13,8 @@ With ``p`` pipeline stages of ``k = layers / p`` blocks, ``m`` microbatches and 
                 is exposed; the gradients averaged (read and written once); accumulation
                 reduces at every pass, as the program does
     ZeRO-3      each pass gathers the parameters twice (forward, backward), hidden behind the
-                pass's ops but for what exceeds them and the first block's gather
+                pass's ops but for what exceeds them and the first block's gather, and copies
+                each gathered parameter out of the gathered buffer (read and written)
     ZeRO-1/2    the updated rows gathered after the optimizer's step, exposed
     optimizer   the line's step over the device's parameters, 1/dp of its rows under ZeRO
     pipeline    m passes plus the schedule's bubble (``formula_bubble``: (p-1)/(v m) for 1F1B
@@ -67,6 +68,9 @@ def price(c: Candidate, line: Line, model: DeviceModel) -> Price:
     # the last bucket (the embedding's gradient, made last, in one of its own where larger)
     last_bucket = _reduce(c, model, min(grads, max(BUCKET_BYTES, line.base.params)))
     average = model.op_seconds(0, 2 * grads) if dp * c.axis("dp_replicate") > 1 else 0.0
+    # ZeRO-3 copies each gathered parameter out of the gathered buffer (codegen.zero: a
+    # strided view reshaped), in the forward and again in the backward
+    copies = model.op_seconds(0, 2 * 2 * one.params) if c.zero == 3 else 0.0
     gather = 2 * model.collective_seconds("all_gather", one.params / dp, dp,
                                           model.link_of(c.mesh, "dp")) if c.zero == 3 else 0.0
     first_gather = gather * line.block.params / max(one.params, 1)
@@ -75,16 +79,18 @@ def price(c: Candidate, line: Line, model: DeviceModel) -> Price:
         late_reduce = max(0.0, reduce - backward) + min(reduce, last_bucket)
         late_gather = max(0.0, gather - one.compute) + min(gather, first_gather)
         exposed = m * (one.exposed + late_reduce + late_gather + average)
+        compute_copies = m * copies
         bubble = 0.0
     else:
         exposed = m * one.exposed + reduce + average
+        compute_copies = 0.0  # no ZeRO-3 with pp
         costs = Costs(forward=one.forward, backward=backward,
                       weight=min(backward / 2, one.forward))  # ZB-H1 fills its bubble with W
         bubble = m * one.seconds * formula_bubble(c.schedule, p, m, v, costs)
     optimizer = one.optimizer / (dp if c.zero else 1)
     after = model.collective_seconds("all_gather", one.params, dp, model.link_of(c.mesh, "dp")) \
         if c.zero in (1, 2) else 0.0
-    compute = m * one.compute + optimizer
+    compute = m * one.compute + compute_copies + optimizer
     exposed += after
     return Price(step=compute + exposed + bubble, compute=compute, exposed=exposed,
                  bubble=bubble, optimizer=optimizer, memory=_memory(c, line, one))
