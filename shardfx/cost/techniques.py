@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from shardfx.cost.optimizer import optimizer_state
 from shardfx.cost.values import bases, tensor_bytes, value_bytes
 from shardfx.errors import InputError
 from shardfx.ir import meta as M
@@ -178,9 +179,24 @@ class Sizing:
         return self.tensor(val, low)
 
     def layout(self, layout: M.ZeroShard | None) -> M.ZeroShard | None:
-        """ZeRO's layout of a parameter's optimizer rows: over dp x cp ranks, of its shape as
-        one rank holds it."""
-        return layout and M.ZeroShard(self.shape(layout.shape), layout.dp * self.cp)
+        """ZeRO's layout of a parameter's rows over dp, of its shape as one rank holds it."""
+        return layout and M.ZeroShard(self.shape(layout.shape), layout.dp)
+
+    def state(self, stepped: list) -> list:
+        """What the optimizer keeps state for, of ``stepped`` (ZeRO's rows over dp): each
+        one's rows over cp as well (optimizer-over-dp-cp). Megatron's gradient buffer stays
+        whole (dist_optimizer.md: 4 bytes a parameter), so the gradients the program holds,
+        ZeRO's rows over dp, are left as they are."""
+        if self.cp == 1:
+            return stepped
+        return [torch.empty(M.ZeroShard(tuple(t.shape), self.cp).shard_shape, dtype=t.dtype,
+                            device="meta") for t in stepped]
+
+    def optimizer(self, stepped: list, model) -> int:
+        """Bytes of the optimizer's state for ``stepped`` (``model``: its ``OptimizerModel``),
+        the fp32 main copy included."""
+        kept = self.state(stepped)
+        return optimizer_state(kept, model) + self.master(kept)
 
     def master(self, stepped: list) -> int:
         """Bytes of the fp32 main copy of what the optimizer steps (low-precision-weights)."""

@@ -56,8 +56,8 @@ import torch.fx as fx
 
 from shardfx.ir import meta as M
 from shardfx.ir.graph import arg_values, phases
-from shardfx.cost.optimizer import (OptimizerModel, optimizer_model, optimizer_state,
-                                    optimizer_temporaries, stepped_value)
+from shardfx.cost.optimizer import (OptimizerModel, optimizer_model, optimizer_temporaries,
+                                    stepped_value)
 from shardfx.cost.techniques import Sizing
 from shardfx.cost.values import bases, is_collective, readers, tensor_bytes, value_bytes
 
@@ -149,7 +149,7 @@ def program_moments(program: fx.GraphModule, train: bool, optimizer: OptimizerMo
         elif role.kind is M.InputKind.BUFFER:
             buffers += tensor_bytes(val)
     state = dict(parameters=sum(map(tensor_bytes, params)), buffers=buffers)
-    opt_state = optimizer_state(stepped, optimizer) + sizing.master(stepped) if train else 0
+    opt_state = sizing.optimizer(stepped, optimizer) if train else 0
     offload = offload and train
     host = 0
     if offload:  # the host's copies and the state; the device's state without them

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from shardfx.ir import meta as M
-from shardfx.cost.optimizer import OptimizerModel, optimizer_state, optimizer_temporaries
+from shardfx.cost.optimizer import OptimizerModel, optimizer_temporaries
 from shardfx.cost.techniques import Sizing
 from shardfx.cost.values import bases, tensor_bytes, writes_input, value_bytes
 from shardfx.estimate.memory import DeviceMemory, kind_of, walk, zero_gather_peak
@@ -162,9 +162,9 @@ def pipeline_memory(program, rank: int, train: bool, optimizer: OptimizerModel,
     whole |= {fqn: _weights(program, rank)[fqn] for fqn in tied.values()}  # their copies
     rows = [sizing.tensor(v) for v in whole.values()]  # the parameters this rank steps
     if zero:  # each replica's rows (runtime.zero)
-        rows = [torch.empty(sizing.layout(M.ZeroShard(tuple(v.shape), dp)).shard_shape,
+        rows = [torch.empty(M.ZeroShard(sizing.shape(v.shape), dp).shard_shape,
                             dtype=v.dtype, device="meta") for v in whole.values()]
-    opt_state = optimizer_state(rows, optimizer) + sizing.master(rows) if train else 0
+    opt_state = sizing.optimizer(rows, optimizer) if train else 0
     offload = offload and train
     host = 0
     if offload:  # the host's copies and the state; the device's state without them
