@@ -13,6 +13,7 @@ from shardfx.cluster.blocks import Blocks
 from shardfx.cluster.compose import price
 from shardfx.cluster.space import Candidate
 from shardfx.api import request
+from shardfx.cost.device_model import PRESETS
 from shardfx.mesh import MeshSpec
 from shardfx.run.choose import choose_mesh
 from shardfx.run.config import RunConfig, check_fields
@@ -116,3 +117,14 @@ def test_a_run_with_mesh_auto_takes_the_search_s_first_choice():
 def test_mesh_auto_and_devices_go_together(kw, says):
     with pytest.raises(InputError, match=says):
         check_fields(RunConfig.of("examples/nanogpt.py:workload", **kw))
+
+
+def test_mfu_is_palm_s_model_flops_over_the_peak_of_the_compute_dtype(llama):
+    (args, targets), = token_batches(1, ROWS)
+    found = shardfx.search(llama, args, lm_loss, targets, devices=2, device_model="h100",
+                           precision="bf16", max_mbs=1, recompute=("none",), finalists=1)
+    config, best = llama.config, found.best
+    params = sum(p.numel() for p in llama.parameters()) - config.vocab_size * config.hidden_size
+    per_token = 6 * params + 12 * LAYERS * config.hidden_size * SEQ
+    peak = PRESETS["h100"].peak(torch.bfloat16)
+    assert best.mfu == pytest.approx(best.tokens_per_s * per_token / peak)

@@ -62,7 +62,7 @@ def search(model: torch.nn.Module, example_args: tuple, loss_fn: Callable | None
     if not space:
         raise _no_candidate(devices, shape, fixed)
     tokens = shape.batch * shape.seq
-    peak = dm.peak(options.precision.compute) / flops_per_token(model, shape)
+    peak = dm.peak(options.precision.dtype) / flops_per_token(model, shape)
 
     def make(c: Candidate):
         return partition(model, example_args, loss_fn, example_targets, precision=precision,
