@@ -68,8 +68,8 @@ def search(model: torch.nn.Module, example_args: tuple, loss_fn: Callable | None
         return partition(model, example_args, loss_fn, example_targets, precision=precision,
                          optimizer=optimizer, device_model=dm, **c.options())
 
-    priced = _priced(space, blocks, dm, budget,
-                     lambda c, p: Ranked(c, p, devices, tokens, peak, make))
+    priced, bounded = _priced(space, blocks, dm, budget,
+                              lambda c, p: Ranked(c, p, devices, tokens, peak, make))
     fits = sorted((r for r in priced if r.price.memory <= budget), key=lambda r: r.price.step)
     if not fits:
         raise _over_budget(priced, budget, devices)
@@ -79,24 +79,41 @@ def search(model: torch.nn.Module, example_args: tuple, loss_fn: Callable | None
         refused |= _plan_finalists(ranked, 1)
         ranked = _ranked(fits, budget)
     return Searched(ranked, devices, budget, len(priced), len(priced) - len(ranked),
-                    blocks.plans, time.process_time() - start, refused)
+                    blocks.plans, time.process_time() - start, refused, bounded)
 
 
 def _priced(space: list[Candidate], blocks: Blocks, dm, budget: float,
-            ranked: Callable) -> list[Ranked]:
-    """Each candidate priced. Recomputing adds to a step and saves only memory, so a policy
-    other than none is priced only where none, all else equal, is over ``budget``."""
-    out, over, asked = [], set(), set(space)
+            ranked: Callable) -> tuple[list[Ranked], int]:
+    """Each candidate priced, and how many were left unpriced. Candidates that differ only in
+    their recompute policy form a group, in ``RECOMPUTE``'s order (none, selective, full):
+    recomputing adds to a step and saves only memory, so the next policy is priced only where
+    the one before is over ``budget``, and never where the group's first price (a step no
+    policy of the group beats) is already no faster than the fastest candidate that fits
+    (branch and bound: the fastest that fits is the same as with every candidate priced)."""
+    groups: dict[Candidate, list[Candidate]] = {}
     for c in sorted(space, key=lambda c: RECOMPUTE.index(c.recompute)):
-        same = dataclasses.replace(c, recompute="none")
-        if c.recompute != "none" and same in asked and same not in over:
-            continue
+        groups.setdefault(dataclasses.replace(c, recompute="none"), []).append(c)
+
+    def priced(c: Candidate) -> Ranked:
         line = blocks.line(c.axis("tp"), c.axis("cp"), c.axis("ep"), c.mbs, c.recompute)
-        r = ranked(c, price(c, line, dm))
-        if r.price.memory > budget:
-            over.add(c)
-        out.append(r)
-    return out
+        return ranked(c, price(c, line, dm))
+
+    out = [priced(group[0]) for group in groups.values()]
+    best = min((r.price.step for r in out if r.price.memory <= budget), default=float("inf"))
+    pending = sorted((r for r in out if r.price.memory > budget), key=lambda r: r.price.step)
+    left = 0
+    for head in pending:
+        rest = groups[dataclasses.replace(head.candidate, recompute="none")][1:]
+        for i, c in enumerate(rest):
+            if head.price.step >= best:  # no policy of this group is faster
+                left += len(rest) - i
+                break
+            r = priced(c)
+            out.append(r)
+            if r.price.memory <= budget:
+                best = min(best, r.price.step)
+                break
+    return out, left
 
 
 def _ranked(fits: list[Ranked], budget: float) -> list[Ranked]:

@@ -88,6 +88,7 @@ class Searched:
     plans: int  # shallow plans the prices came from
     seconds: float  # CPU seconds of the search
     refused: dict[str, str] = field(default_factory=dict)  # finalist -> why it did not plan
+    bounded: int = 0  # candidates not priced: no faster than one that fits, whatever they cost
 
     def __getitem__(self, i: int) -> Ranked:
         return self.ranked[i]
@@ -108,7 +109,9 @@ class Searched:
 
     def __str__(self) -> str:
         lines = [f"search: {self.devices} devices, {self.considered} candidates priced from "
-                 f"{self.plans} shallow plans in {self.seconds:.1f} s CPU; "
+                 f"{self.plans} shallow plans in {self.seconds:.1f} s CPU"
+                 + (f" ({self.bounded} more recomputing: bounded by a faster one that fits)"
+                    if self.bounded else "") + "; "
                  + (f"{len(self.ranked)} fit {self.budget / 1e9:.3g} GB, {self.over} over"
                     if self.budget < float("inf") else "no memory limit (the device model "
                     "states none)"),
