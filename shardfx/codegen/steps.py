@@ -85,6 +85,7 @@ class StageProgram:
         self.module, self.schedule, self._vals = split, schedule, vals
         self.parts = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
         self._stage = {name: stage_of(name) for name in self.parts}
+        self._rank = {name: schedule.rank_of(s) for name, s in self._stage.items()}
         placeholders = split.graph.find_nodes(op="placeholder")
         self.roles = {n.name: n.meta[M.ROLE] for n in placeholders}
         self._input_vals = {n.name: n.meta.get(M.VAL) for n in placeholders}
@@ -103,9 +104,10 @@ class StageProgram:
         self._first: dict[int, dict[tuple, Action]] = {}
         self._accumulating: dict[str, Accumulating | None] = {}
         self._batches = None  # every rank's messages in posting order, checked (schedule.p2p)
+        self._messages: dict[Action, tuple[list, list]] = {}  # ``messages``, once an action
 
     def rank_of(self, part: str) -> int:
-        return self.schedule.rank_of(self._stage[part])
+        return self._rank[part]
 
     def reads(self, rank: int) -> dict[str, M.InputRole]:
         """Placeholder name -> role of every program input a part on ``rank`` reads."""
@@ -143,9 +145,7 @@ class StageProgram:
                         last[(*src[1:], step.action.microbatch)] = i
         for key, i in last.items():
             steps[i].frees.append(key)
-        if self._batches is None:
-            self._batches = check_p2p(self.schedule, self.messages)
-        for batch in self._batches[rank]:
+        for batch in self.p2p()[rank]:
             for op in batch.ops:
                 if not op.send:  # a receive, posted before the action at batch.index
                     part, out, _ = op.message
@@ -154,9 +154,22 @@ class StageProgram:
                         Receive(op.message, op.peer, tuple(val.shape), val.dtype))
         return steps
 
+    def p2p(self) -> list[list]:
+        """Every rank's messages, grouped in the order it posts them and checked to meet
+        (``schedule.p2p.check_p2p``), found once."""
+        if self._batches is None:
+            self._batches = check_p2p(self.schedule, self.messages)
+        return self._batches
+
     def messages(self, action: Action) -> tuple[list, list]:
         """What ``action`` sends other ranks and what it reads from them first on its rank,
-        each ((part, output, microbatch), pipeline rank), in the order they are posted."""
+        each ((part, output, microbatch), pipeline rank), in the order they are posted; found
+        once an action (``schedule.p2p`` asks for each several times)."""
+        if action not in self._messages:
+            self._messages[action] = self._find_messages(action)
+        return self._messages[action]
+
+    def _find_messages(self, action: Action) -> tuple[list, list]:
         rank, mb = self.schedule.rank_of(action.stage), action.microbatch
         calls = [self._calls[p] for p in self.parts_of(action)]
         out = [((c.part, o.index, mb), dst) for c in calls for o in c.outputs for dst in o.sends]

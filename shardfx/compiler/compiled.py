@@ -76,12 +76,12 @@ class Compiled:
             self.program = program
         self.collectives = collectives
         # ZeRO's layouts are the parameters': kept while the stage is (remat does not change them)
-        self._forget("memory", "predicted", "summary")
+        self._forget("memory", "predicted", "summary", "stages")
 
     def forget_memory(self) -> None:
         """After a change the memory estimate depends on but the program does not show (the
         schedule a pipeline runs)."""
-        self._forget("memory", "predicted")
+        self._forget("memory", "predicted", "stages")
 
     def _forget(self, *names: str) -> None:
         """Drop what was derived under ``names`` (a key, or a tuple keyed by its first)."""
@@ -133,8 +133,10 @@ class Compiled:
 
     def compiled_stages(self) -> StageProgram:
         """The per-stage parts and the schedule, compiled into each pipeline rank's steps
-        (``codegen.steps``)."""
-        return StageProgram.of(self.stage_program, self.ir, self.schedule)
+        (``codegen.steps``); made once for the memory estimates and the predicted step (its
+        messages checked once: ``StageProgram.p2p``), forgotten with them."""
+        return self._derive("stages", lambda: StageProgram.of(self.stage_program, self.ir,
+                                                              self.schedule))
 
     @property
     def summary(self) -> Summary:

@@ -46,7 +46,6 @@ from shardfx.cost.techniques import Sizing
 from shardfx.cost.values import bases, tensor_bytes, writes_input, value_bytes
 from shardfx.estimate.memory import DeviceMemory, kind_of, walk, zero_gather_peak
 from shardfx.schedule import simulate
-from shardfx.schedule.p2p import check_p2p
 
 
 @dataclass
@@ -392,7 +391,7 @@ def _timeline(program) -> tuple[dict, dict]:
     sender) posts its receive."""
     spans = {(s.rank, s.index): s for s in simulate(program.schedule).spans}
     posted: dict[tuple, float] = {}
-    for dst, groups in enumerate(check_p2p(program.schedule, program.messages)):
+    for dst, groups in enumerate(program.p2p()):
         for batch in groups:
             at = spans[(dst, max(batch.index - 1, 0))].start if (dst, 0) in spans else 0.0
             for op in batch.ops:
