@@ -71,7 +71,8 @@ from shardfx.runtime.mesh import COMPILE_TIMEOUT_S, set_compile_timeout
 from shardfx.runtime.outcomes import KILL_WAIT_S, LaunchError, Outcome, collect, results
 from shardfx.runtime.watchdog import STACK_SIGNAL, read_stacks
 
-HEAD_START_S = 3.0  # under torchrun, how long the first rank has to report an error alone
+HEAD_START_S = 10.0  # under torchrun, how long the first rank has to report an error alone
+# (its start-up can lag the others by seconds on a loaded machine: 3 s let both ranks print)
 IMPORT_TIME_EXIT = 86  # a rank's exit code when starting it re-ran a script's launch call
 RANK_NAME = "shardfx-rank"  # a rank's process name: RANK_NAME + its rank
 
